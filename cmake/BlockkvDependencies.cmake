@@ -1,0 +1,48 @@
+# Finds what blockkv builds against. Everything comes from Debian 12's packages; nothing is
+# downloaded at build time.
+find_package(Threads REQUIRED)
+
+# CUDA: AUTO builds it when the toolkit is found, ON fails at configure time without it.
+set(BLOCKKV_HAVE_CUDA OFF)
+if(NOT BLOCKKV_CUDA STREQUAL "OFF")
+  if(NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
+    set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
+  endif()
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+      set(CMAKE_CUDA_ARCHITECTURES 80 90)
+    endif()
+    enable_language(CUDA)
+    find_package(CUDAToolkit)
+  endif()
+  if(CMAKE_CUDA_COMPILER AND CUDAToolkit_FOUND)
+    set(BLOCKKV_HAVE_CUDA ON)
+  elseif(BLOCKKV_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "BLOCKKV_CUDA=ON but no CUDA compiler (nvcc) or toolkit was found; "
+                        "install the CUDA toolkit or set BLOCKKV_CUDA=AUTO/OFF")
+  endif()
+endif()
+
+# NCCL ships inside the CUDA toolkit on these machines (/usr/local/cuda/include/nccl.h).
+set(BLOCKKV_HAVE_NCCL OFF)
+if(BLOCKKV_HAVE_CUDA)
+  find_path(BLOCKKV_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
+  find_library(BLOCKKV_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR}
+               ${CUDAToolkit_LIBRARY_ROOT}/lib ${CUDAToolkit_LIBRARY_ROOT}/lib64)
+  if(BLOCKKV_NCCL_INCLUDE_DIR AND BLOCKKV_NCCL_LIBRARY)
+    set(BLOCKKV_HAVE_NCCL ON)
+  endif()
+endif()
+
+# MPI: Debian's OpenMPI (libopenmpi-dev, openmpi-bin).
+set(BLOCKKV_HAVE_MPI OFF)
+if(NOT BLOCKKV_MPI STREQUAL "OFF")
+  find_package(MPI COMPONENTS CXX)
+  if(MPI_CXX_FOUND)
+    set(BLOCKKV_HAVE_MPI ON)
+  elseif(BLOCKKV_MPI STREQUAL "ON")
+    message(FATAL_ERROR "BLOCKKV_MPI=ON but MPI was not found; apt-get install libopenmpi-dev")
+  endif()
+endif()

@@ -1,0 +1,103 @@
+// BlockedKVCache: the storage of a paged KV cache and one block allocator per cache group —
+// DeepSpeed-FastGen's BlockedKVCache in C++.
+//
+//   KVCacheConfig llama{.block_size = 16, .cache_shape = {32, 8, 128}};   // layers, heads, dim
+//   auto cache = BlockedKVCache::Create({llama}, MemoryConfig{.size = 1LL << 30}, CpuDevice());
+//   Result<std::vector<BlockId>> blocks = (*cache)->Reserve(4);
+//   Result<TensorView> layer0 = (*cache)->GetCache(0);   // [num_blocks, 16, 2, 8, 128]
+//   Status s = (*cache)->Free(*blocks);
+//
+// Layout of cache group g: one contiguous, row-major allocation of shape
+//   [num_caches, num_blocks, block_size, 2, num_kv_heads, head_size]
+// Token t of a sequence lives in block table[t / block_size] at offset t % block_size; K is plane
+// 0, V plane 1. Every group has the same num_blocks (as in DeepSpeed).
+//
+// Ownership: an engine either calls Reserve/Free here directly or drives a StateManager built over
+// this cache, never both at once. Not thread-safe: one thread schedules.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "blockkv/block_allocator.h"
+#include "blockkv/communicator.h"
+#include "blockkv/config.h"
+#include "blockkv/device.h"
+#include "blockkv/status.h"
+#include "blockkv/tensor.h"
+
+namespace blockkv {
+
+struct KVCachePlan {
+  int32_t num_blocks = 0;       // blocks in every group
+  int64_t bytes_per_block = 0;  // one block summed over all groups and their layers
+  int64_t total_bytes = 0;      // num_blocks · bytes_per_block
+};
+
+// How many blocks fit. bytes_per_block = Σ over groups of KVCacheConfig::bytes_per_block().
+//   RESERVE:  num_blocks = (available_bytes − memory.size) / bytes_per_block; fewer than one
+//             block is kResourceExhausted naming both numbers.
+//   ALLOCATE: num_blocks = memory.size; more than available_bytes is kResourceExhausted.
+// A plan of more than 2^31 − 1 blocks is kOutOfRange. Invalid configs (or none) are
+// kInvalidArgument.
+Result<KVCachePlan> PlanKVCache(std::span<const KVCacheConfig> configs, const MemoryConfig& memory,
+                                int64_t available_bytes);
+
+class BlockedKVCache {
+ public:
+  // Plans against device->available_memory() (after EmptyCache()) and allocates one buffer per
+  // group. With `comm` of world size > 1 in RESERVE mode, every rank enters a warm-up barrier and
+  // an all-reduce MIN of num_blocks, so every rank ends with the same num_blocks; if any rank
+  // cannot plan (too little memory, bad config), every rank fails with kResourceExhausted or the
+  // local error, and none is left waiting in a collective. Logs one line per group.
+  static Result<std::unique_ptr<BlockedKVCache>> Create(std::vector<KVCacheConfig> configs,
+                                                        MemoryConfig memory,
+                                                        std::shared_ptr<Device> device,
+                                                        Communicator* comm = nullptr);
+
+  BlockedKVCache(const BlockedKVCache&) = delete;
+  BlockedKVCache& operator=(const BlockedKVCache&) = delete;
+  ~BlockedKVCache();
+
+  // `n` free blocks of `group`, as BlockedAllocator::Allocate. A bad group is kOutOfRange.
+  Result<std::vector<BlockId>> Reserve(int32_t n, int group = 0);
+  Status Reserve(int32_t n, std::span<BlockId> out, int group = 0);
+  // Returns blocks of `group`, as BlockedAllocator::Free. A bad group is kOutOfRange.
+  Status Free(std::span<const BlockId> blocks, int group = 0);
+
+  // Layer `cache_id` of `group`: [num_blocks, block_size, 2, num_kv_heads, head_size],
+  // contiguous. kOutOfRange for a bad cache_id or group.
+  Result<TensorView> GetCache(int64_t cache_id, int group = 0) const;
+  // The whole group: [num_caches, num_blocks, block_size, 2, num_kv_heads, head_size].
+  Result<TensorView> GetGroupStorage(int group = 0) const;
+
+  std::vector<int32_t> free_blocks() const;  // one entry per group
+  int num_groups() const { return static_cast<int>(groups_.size()); }  // DeepSpeed's num_caches
+  int32_t num_blocks() const { return plan_.num_blocks; }
+  const KVCachePlan& plan() const { return plan_; }
+  // REQUIRES: 0 <= group < num_groups().
+  const KVCacheConfig& config(int group = 0) const;
+  const BlockedAllocator& allocator(int group = 0) const;
+  const std::shared_ptr<Device>& device() const { return device_; }
+
+  // Every group's allocator is consistent and its buffer matches the plan.
+  Status CheckInvariants() const;
+
+ private:
+  struct Group {
+    KVCacheConfig config;
+    BlockedAllocator allocator;
+    DeviceBuffer storage;  // [num_caches, num_blocks, block_size, 2, num_kv_heads, head_size]
+  };
+
+  BlockedKVCache(std::shared_ptr<Device> device, KVCachePlan plan, std::vector<Group> groups);
+  Status CheckGroup(int group) const;
+
+  std::shared_ptr<Device> device_;
+  KVCachePlan plan_;
+  std::vector<Group> groups_;
+};
+
+}  // namespace blockkv

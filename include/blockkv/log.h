@@ -1,0 +1,30 @@
+// Logging: library code never prints; it hands lines to a sink the application can replace.
+//
+//   blockkv::SetLogLevel(blockkv::LogLevel::kWarning);          // silence info lines
+//   blockkv::SetLogSink([](blockkv::LogLevel, std::string_view line) { MyLogger(line); });
+#pragma once
+
+#include <functional>
+#include <string_view>
+
+namespace blockkv {
+
+enum class LogLevel { kDebug, kInfo, kWarning, kError };
+
+// Called for each line at or above the current level, from whichever thread logged it; calls
+// are serialized. The line has no trailing newline.
+using LogSink = std::function<void(LogLevel level, std::string_view line)>;
+
+// Replaces the sink; an empty function restores the default (stderr, "blockkv [I] ..." lines).
+void SetLogSink(LogSink sink);
+// Lines below `level` are dropped. Default kInfo.
+void SetLogLevel(LogLevel level);
+LogLevel GetLogLevel();
+
+// "DEBUG", "INFO", "WARNING", "ERROR".
+const char* LogLevelName(LogLevel level);
+
+// Sends one line to the sink if `level` is enabled. For blockkv's own components.
+void Log(LogLevel level, std::string_view line);
+
+}  // namespace blockkv

@@ -1,0 +1,69 @@
+#include "blockkv/config.h"
+
+#include "internal/checked_math.h"
+#include "internal/strings.h"
+
+namespace blockkv {
+
+using internal::StrCat;
+
+const char* AllocationModeName(AllocationMode mode) {
+  switch (mode) {
+    case AllocationMode::kReserve: return "reserve";
+    case AllocationMode::kAllocate: return "allocate";
+  }
+  return "invalid";
+}
+
+Status KVCacheConfig::Validate() const {
+  auto positive = [](const char* field, int64_t value) -> Status {
+    if (value > 0) return Status::Ok();
+    return InvalidArgumentError(StrCat("KVCacheConfig.", field, " must be > 0, got ", value));
+  };
+  BLOCKKV_RETURN_IF_ERROR(positive("block_size", block_size));
+  BLOCKKV_RETURN_IF_ERROR(positive("num_allocation_groups", num_allocation_groups));
+  BLOCKKV_RETURN_IF_ERROR(positive("cache_shape[0] (num_caches)", cache_shape[0]));
+  BLOCKKV_RETURN_IF_ERROR(positive("cache_shape[1] (num_kv_heads)", cache_shape[1]));
+  BLOCKKV_RETURN_IF_ERROR(positive("cache_shape[2] (head_size)", cache_shape[2]));
+  BLOCKKV_RETURN_IF_ERROR(
+      positive("max_blocks_per_allocation_group", max_blocks_per_allocation_group));
+  if (!IsValidDType(cache_dtype)) {
+    return InvalidArgumentError(
+        StrCat("KVCacheConfig.cache_dtype is not a known dtype (value ",
+               static_cast<int>(cache_dtype), ")"));
+  }
+  return bytes_per_block().status();
+}
+
+Result<int64_t> KVCacheConfig::bytes_per_block() const {
+  const auto bytes = internal::CheckedProduct(
+      {num_caches(), block_size, 2, num_kv_heads(), head_size(),
+       static_cast<int64_t>(IsValidDType(cache_dtype) ? ElementSize(cache_dtype) : 0)});
+  if (!bytes) {
+    return InvalidArgumentError(StrCat(
+        "KVCacheConfig bytes per block overflows int64: num_caches=", num_caches(),
+        " block_size=", block_size, " num_kv_heads=", num_kv_heads(), " head_size=", head_size(),
+        " dtype=", DTypeName(cache_dtype)));
+  }
+  return *bytes;
+}
+
+int64_t KVCacheConfig::elements_per_layer_block() const {
+  return int64_t{block_size} * 2 * num_kv_heads() * head_size();
+}
+
+Status MemoryConfig::Validate() const {
+  if (mode != AllocationMode::kReserve && mode != AllocationMode::kAllocate) {
+    return InvalidArgumentError(
+        StrCat("MemoryConfig.mode is not a known mode (value ", static_cast<int>(mode), ")"));
+  }
+  if (size <= 0) {
+    return InvalidArgumentError(StrCat("MemoryConfig.size must be > 0 (", 
+                                       mode == AllocationMode::kReserve ? "bytes to keep free"
+                                                                       : "number of blocks",
+                                       "), got ", size));
+  }
+  return Status::Ok();
+}
+
+}  // namespace blockkv

@@ -1,0 +1,227 @@
+#include "blockkv/kv_cache.h"
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+#include "blockkv/log.h"
+#include "internal/check.h"
+#include "internal/checked_math.h"
+#include "internal/strings.h"
+
+namespace blockkv {
+
+using internal::StrCat;
+
+Result<KVCachePlan> PlanKVCache(std::span<const KVCacheConfig> configs, const MemoryConfig& memory,
+                                int64_t available_bytes) {
+  if (configs.empty()) return InvalidArgumentError("a KV cache needs at least one KVCacheConfig");
+  BLOCKKV_RETURN_IF_ERROR(memory.Validate());
+  if (available_bytes < 0) {
+    return InvalidArgumentError(StrCat("available_bytes must be >= 0, got ", available_bytes));
+  }
+  KVCachePlan plan;
+  for (size_t g = 0; g < configs.size(); ++g) {
+    if (Status s = configs[g].Validate(); !s.ok()) {
+      return Status(s.code(), StrCat("cache group ", g, ": ", s.message()));
+    }
+    const auto sum = internal::CheckedAdd(plan.bytes_per_block, *configs[g].bytes_per_block());
+    if (!sum) return InvalidArgumentError("bytes per block summed over groups overflows int64");
+    plan.bytes_per_block = *sum;
+  }
+
+  constexpr int64_t kMaxBlocks = std::numeric_limits<int32_t>::max();
+  int64_t num_blocks = 0;
+  if (memory.mode == AllocationMode::kReserve) {
+    const int64_t usable = available_bytes - memory.size;  // both >= 0: cannot overflow
+    if (usable < plan.bytes_per_block) {
+      return ResourceExhaustedError(StrCat(
+          "insufficient memory for the KV cache: one block needs ", plan.bytes_per_block,
+          " bytes, ", std::max<int64_t>(usable, 0), " bytes are usable (",
+          available_bytes, " available, ", memory.size, " kept free by MemoryConfig.size)"));
+    }
+    num_blocks = usable / plan.bytes_per_block;
+  } else {
+    num_blocks = memory.size;
+  }
+  if (num_blocks > kMaxBlocks) {
+    return OutOfRangeError(StrCat("the KV cache plan has ", num_blocks,
+                                  " blocks, more than the limit of ", kMaxBlocks,
+                                  "; use larger blocks or ALLOCATE mode with fewer blocks"));
+  }
+  const auto total = internal::CheckedMul(num_blocks, plan.bytes_per_block);
+  if (!total) {
+    return InvalidArgumentError(StrCat(num_blocks, " blocks of ", plan.bytes_per_block,
+                                       " bytes overflow int64"));
+  }
+  if (memory.mode == AllocationMode::kAllocate && *total > available_bytes) {
+    return ResourceExhaustedError(StrCat("insufficient memory for the KV cache: ", num_blocks,
+                                         " blocks need ", *total, " bytes, ", available_bytes,
+                                         " bytes are available"));
+  }
+  plan.num_blocks = static_cast<int32_t>(num_blocks);
+  plan.total_bytes = *total;
+  return plan;
+}
+
+namespace {
+
+// Plans on this rank, then agrees on one num_blocks with every other rank of `comm`. Every rank
+// enters both collectives whatever its local outcome, so none waits for a rank that gave up.
+Result<KVCachePlan> PlanAcrossRanks(std::span<const KVCacheConfig> configs,
+                                    const MemoryConfig& memory, Device* device,
+                                    Communicator& comm) {
+  BLOCKKV_RETURN_IF_ERROR(comm.Barrier());  // warm-up: the group is formed before planning
+  Result<KVCachePlan> local = PlanKVCache(configs, memory, device->available_memory());
+  BLOCKKV_ASSIGN_OR_RETURN(const int64_t agreed,
+                           comm.AllReduceMin(local.ok() ? local->num_blocks : 0));
+  if (!local.ok()) return local.status();
+  if (agreed < 1) {
+    return ResourceExhaustedError(StrCat(
+        "another rank of ", comm.world_size(), " cannot fit a single KV-cache block; this rank (",
+        comm.rank(), ") could fit ", local->num_blocks));
+  }
+  KVCachePlan plan = *local;
+  plan.num_blocks = static_cast<int32_t>(agreed);
+  plan.total_bytes = agreed * plan.bytes_per_block;  // <= the local total: no overflow
+  return plan;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<BlockedKVCache>> BlockedKVCache::Create(std::vector<KVCacheConfig> configs,
+                                                               MemoryConfig memory,
+                                                               std::shared_ptr<Device> device,
+                                                               Communicator* comm) {
+  const bool collective = comm != nullptr && comm->world_size() > 1 &&
+                          memory.mode == AllocationMode::kReserve;
+  if (device == nullptr) {
+    if (collective) {
+      // Still take part in the collectives so the other ranks fail instead of hanging.
+      BLOCKKV_RETURN_IF_ERROR(comm->Barrier());
+      comm->AllReduceMin(0).status().IgnoreError();
+    }
+    return InvalidArgumentError("BlockedKVCache::Create needs a device, got null");
+  }
+  if (memory.mode == AllocationMode::kReserve) device->EmptyCache();
+  Result<KVCachePlan> plan =
+      collective ? PlanAcrossRanks(configs, memory, device.get(), *comm)
+                 : PlanKVCache(configs, memory, device->available_memory());
+  if (!plan.ok()) return plan.status();
+
+  std::vector<Group> groups;
+  groups.reserve(configs.size());
+  for (size_t g = 0; g < configs.size(); ++g) {
+    const KVCacheConfig& config = configs[g];
+    BLOCKKV_ASSIGN_OR_RETURN(BlockedAllocator allocator,
+                             BlockedAllocator::Create(plan->num_blocks));
+    const int64_t bytes = plan->num_blocks * *config.bytes_per_block();  // <= total_bytes
+    Result<DeviceBuffer> storage = device->Allocate(bytes);
+    if (!storage.ok()) {
+      return Status(storage.status().code(),
+                    StrCat("allocating KV cache group ", g, " (", bytes,
+                           " bytes): ", storage.status().message()));
+    }
+    groups.push_back(Group{config, std::move(allocator), std::move(*storage)});
+  }
+  for (size_t g = 0; g < configs.size(); ++g) {
+    const KVCacheConfig& c = configs[g];
+    Log(LogLevel::kInfo,
+        StrCat("KV cache group ", g, " on ", device->name(), ": shape [", c.num_caches(), ", ",
+               plan->num_blocks, ", ", c.block_size, ", 2, ", c.num_kv_heads(), ", ",
+               c.head_size(), "] ", DTypeName(c.cache_dtype), ", ", plan->num_blocks,
+               " blocks, ", internal::HumanBytes(static_cast<long double>(
+                                groups[g].storage.size()))));
+  }
+  return std::unique_ptr<BlockedKVCache>(
+      new BlockedKVCache(std::move(device), *plan, std::move(groups)));
+}
+
+BlockedKVCache::BlockedKVCache(std::shared_ptr<Device> device, KVCachePlan plan,
+                               std::vector<Group> groups)
+    : device_(std::move(device)), plan_(plan), groups_(std::move(groups)) {}
+
+BlockedKVCache::~BlockedKVCache() = default;
+
+Status BlockedKVCache::CheckGroup(int group) const {
+  if (group < 0 || group >= num_groups()) {
+    return OutOfRangeError(
+        StrCat("cache group ", group, " does not exist: the cache has ", num_groups(), " groups"));
+  }
+  return Status::Ok();
+}
+
+Result<std::vector<BlockId>> BlockedKVCache::Reserve(int32_t n, int group) {
+  BLOCKKV_RETURN_IF_ERROR(CheckGroup(group));
+  return groups_[group].allocator.Allocate(n);
+}
+
+Status BlockedKVCache::Reserve(int32_t n, std::span<BlockId> out, int group) {
+  BLOCKKV_RETURN_IF_ERROR(CheckGroup(group));
+  return groups_[group].allocator.Allocate(n, out);
+}
+
+Status BlockedKVCache::Free(std::span<const BlockId> blocks, int group) {
+  BLOCKKV_RETURN_IF_ERROR(CheckGroup(group));
+  return groups_[group].allocator.Free(blocks);
+}
+
+Result<TensorView> BlockedKVCache::GetGroupStorage(int group) const {
+  BLOCKKV_RETURN_IF_ERROR(CheckGroup(group));
+  const Group& g = groups_[group];
+  const KVCacheConfig& c = g.config;
+  return ContiguousView(g.storage.data(), c.cache_dtype, device_->kind(), device_->ordinal(),
+                        {c.num_caches(), plan_.num_blocks, c.block_size, 2, c.num_kv_heads(),
+                         c.head_size()});
+}
+
+Result<TensorView> BlockedKVCache::GetCache(int64_t cache_id, int group) const {
+  BLOCKKV_RETURN_IF_ERROR(CheckGroup(group));
+  const KVCacheConfig& c = groups_[group].config;
+  if (cache_id < 0 || cache_id >= c.num_caches()) {
+    return OutOfRangeError(StrCat("cache_id ", cache_id, " does not exist: cache group ", group,
+                                  " has ", c.num_caches(), " caches (layers)"));
+  }
+  const int64_t layer_bytes = plan_.num_blocks * *c.bytes_per_block() / c.num_caches();
+  char* base = static_cast<char*>(groups_[group].storage.data()) + cache_id * layer_bytes;
+  return ContiguousView(base, c.cache_dtype, device_->kind(), device_->ordinal(),
+                        {plan_.num_blocks, c.block_size, 2, c.num_kv_heads(), c.head_size()});
+}
+
+std::vector<int32_t> BlockedKVCache::free_blocks() const {
+  std::vector<int32_t> out;
+  out.reserve(groups_.size());
+  for (const Group& g : groups_) out.push_back(g.allocator.free_blocks());
+  return out;
+}
+
+const KVCacheConfig& BlockedKVCache::config(int group) const {
+  BLOCKKV_CHECK(group >= 0 && group < num_groups(), "config(group): group out of range");
+  return groups_[group].config;
+}
+
+const BlockedAllocator& BlockedKVCache::allocator(int group) const {
+  BLOCKKV_CHECK(group >= 0 && group < num_groups(), "allocator(group): group out of range");
+  return groups_[group].allocator;
+}
+
+Status BlockedKVCache::CheckInvariants() const {
+  for (int g = 0; g < num_groups(); ++g) {
+    const Group& group = groups_[g];
+    if (Status s = group.allocator.CheckInvariants(); !s.ok()) {
+      return InternalError(StrCat("cache group ", g, ": ", s.message()));
+    }
+    if (group.allocator.num_blocks() != plan_.num_blocks) {
+      return InternalError(StrCat("cache group ", g, " allocator has ",
+                                  group.allocator.num_blocks(), " blocks, plan has ",
+                                  plan_.num_blocks));
+    }
+    if (group.storage.size() != plan_.num_blocks * *group.config.bytes_per_block()) {
+      return InternalError(StrCat("cache group ", g, " storage is ", group.storage.size(),
+                                  " bytes, not num_blocks x bytes_per_block"));
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace blockkv
