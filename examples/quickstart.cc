@@ -55,15 +55,16 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int main(int argc, char** argv) {
   Options options;
   if (!ParseOptions(argc, argv, &options)) {
-    std::fprintf(stderr, "usage: quickstart [--budget-mib N] [--keep-free-mib N] "
-                         "[--block-size N]\n");
+    std::fprintf(stderr,
+                 "usage: quickstart [--budget-mib N] [--keep-free-mib N] "
+                 "[--block-size N]\n");
     return 2;
   }
   using blockkv::BlockId;
   // blockkv never prints; route its log lines into this program's output.
   blockkv::SetLogSink([](blockkv::LogLevel level, std::string_view line) {
-    std::printf("[blockkv %s] %.*s\n", blockkv::LogLevelName(level),
-                static_cast<int>(line.size()), line.data());
+    std::printf("[blockkv %s] %.*s\n", blockkv::LogLevelName(level), static_cast<int>(line.size()),
+                line.data());
   });
 
   // Llama-3-8B: 32 layers, 8 KV heads (GQA), head size 128, fp16.
@@ -103,8 +104,8 @@ int main(int argc, char** argv) {
     auto blocks = kv.Reserve(blocks_needed);
     if (!blocks.ok()) return Fail(blocks.status());
     std::printf("sequence %zu: %lld tokens -> %d blocks, first %d last %d; %d free\n", s,
-                static_cast<long long>(prompts[s]), blocks_needed, blocks->front(),
-                blocks->back(), kv.free_blocks()[0]);
+                static_cast<long long>(prompts[s]), blocks_needed, blocks->front(), blocks->back(),
+                kv.free_blocks()[0]);
     tables.push_back(std::move(*blocks));
   }
 
@@ -130,9 +131,11 @@ int main(int argc, char** argv) {
   std::memcpy(static_cast<uint16_t*>(v.data) + slot, value.data(), value.size() * 2);
   const auto* raw = static_cast<const uint16_t*>(layer->data);
   // The same element through the 5-D index: ((block·bs + offset)·2 + kv)·H·D + h·D + d.
-  const int64_t k_index = ((block * llama.block_size + offset) * 2 + 0) * row + 3 * 128 + 7;
-  const int64_t v_index = ((block * llama.block_size + offset) * 2 + 1) * row + 3 * 128 + 7;
-  const bool round_trip = raw[k_index] == key[3 * 128 + 7] && raw[v_index] == value[3 * 128 + 7];
+  const int64_t probe = int64_t{3} * 128 + 7;  // head 3, dim 7
+  const int64_t token_slot = int64_t{block} * llama.block_size + offset;
+  const int64_t k_index = (token_slot * 2 + 0) * row + probe;
+  const int64_t v_index = (token_slot * 2 + 1) * row + probe;
+  const bool round_trip = raw[k_index] == key[probe] && raw[v_index] == value[probe];
   std::printf("token %lld of sequence 0 -> block %d offset %lld; K/V read back %s\n",
               static_cast<long long>(token), block, static_cast<long long>(offset),
               round_trip ? "intact" : "CORRUPT");

@@ -22,21 +22,23 @@ BlockedAllocator::BlockedAllocator(int32_t num_blocks)
 }
 
 Result<std::vector<BlockId>> BlockedAllocator::Allocate(int32_t n) {
-  if (n < 0) return InvalidArgumentError(StrCat("cannot allocate a negative number of blocks: ", n));
+  if (n < 0)
+    return InvalidArgumentError(StrCat("cannot allocate a negative number of blocks: ", n));
   std::vector<BlockId> out(static_cast<size_t>(n));
   BLOCKKV_RETURN_IF_ERROR(Allocate(n, out));
   return out;
 }
 
 Status BlockedAllocator::Allocate(int32_t n, std::span<BlockId> out) {
-  if (n < 0) return InvalidArgumentError(StrCat("cannot allocate a negative number of blocks: ", n));
+  if (n < 0)
+    return InvalidArgumentError(StrCat("cannot allocate a negative number of blocks: ", n));
   if (out.size() < static_cast<size_t>(n)) {
     return InvalidArgumentError(
         StrCat("output span holds ", out.size(), " ids, fewer than the ", n, " requested"));
   }
   if (n > free_blocks_) {
-    return ResourceExhaustedError(StrCat("cannot allocate ", n, " blocks: ", free_blocks_,
-                                         " of ", num_blocks(), " free"));
+    return ResourceExhaustedError(
+        StrCat("cannot allocate ", n, " blocks: ", free_blocks_, " of ", num_blocks(), " free"));
   }
   int32_t id = head_;
   for (int32_t i = 0; i < n; ++i) {

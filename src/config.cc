@@ -9,8 +9,10 @@ using internal::StrCat;
 
 const char* AllocationModeName(AllocationMode mode) {
   switch (mode) {
-    case AllocationMode::kReserve: return "reserve";
-    case AllocationMode::kAllocate: return "allocate";
+    case AllocationMode::kReserve:
+      return "reserve";
+    case AllocationMode::kAllocate:
+      return "allocate";
   }
   return "invalid";
 }
@@ -28,9 +30,8 @@ Status KVCacheConfig::Validate() const {
   BLOCKKV_RETURN_IF_ERROR(
       positive("max_blocks_per_allocation_group", max_blocks_per_allocation_group));
   if (!IsValidDType(cache_dtype)) {
-    return InvalidArgumentError(
-        StrCat("KVCacheConfig.cache_dtype is not a known dtype (value ",
-               static_cast<int>(cache_dtype), ")"));
+    return InvalidArgumentError(StrCat("KVCacheConfig.cache_dtype is not a known dtype (value ",
+                                       static_cast<int>(cache_dtype), ")"));
   }
   return bytes_per_block().status();
 }
@@ -40,10 +41,10 @@ Result<int64_t> KVCacheConfig::bytes_per_block() const {
       {num_caches(), block_size, 2, num_kv_heads(), head_size(),
        static_cast<int64_t>(IsValidDType(cache_dtype) ? ElementSize(cache_dtype) : 0)});
   if (!bytes) {
-    return InvalidArgumentError(StrCat(
-        "KVCacheConfig bytes per block overflows int64: num_caches=", num_caches(),
-        " block_size=", block_size, " num_kv_heads=", num_kv_heads(), " head_size=", head_size(),
-        " dtype=", DTypeName(cache_dtype)));
+    return InvalidArgumentError(
+        StrCat("KVCacheConfig bytes per block overflows int64: num_caches=", num_caches(),
+               " block_size=", block_size, " num_kv_heads=", num_kv_heads(),
+               " head_size=", head_size(), " dtype=", DTypeName(cache_dtype)));
   }
   return *bytes;
 }
@@ -58,10 +59,10 @@ Status MemoryConfig::Validate() const {
         StrCat("MemoryConfig.mode is not a known mode (value ", static_cast<int>(mode), ")"));
   }
   if (size <= 0) {
-    return InvalidArgumentError(StrCat("MemoryConfig.size must be > 0 (", 
-                                       mode == AllocationMode::kReserve ? "bytes to keep free"
-                                                                       : "number of blocks",
-                                       "), got ", size));
+    return InvalidArgumentError(
+        StrCat("MemoryConfig.size must be > 0 (",
+               mode == AllocationMode::kReserve ? "bytes to keep free" : "number of blocks",
+               "), got ", size));
   }
   return Status::Ok();
 }

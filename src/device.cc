@@ -14,8 +14,10 @@ using internal::StrCat;
 
 const char* DeviceKindName(DeviceKind kind) {
   switch (kind) {
-    case DeviceKind::kCpu: return "cpu";
-    case DeviceKind::kCuda: return "cuda";
+    case DeviceKind::kCpu:
+      return "cpu";
+    case DeviceKind::kCuda:
+      return "cuda";
   }
   return "invalid";
 }
@@ -48,7 +50,7 @@ void DeviceBuffer::Reset() {
 }
 
 DeviceBuffer Device::MakeBuffer(void* data, int64_t bytes) {
-  return DeviceBuffer(shared_from_this(), data, bytes);
+  return {shared_from_this(), data, bytes};
 }
 
 namespace {
@@ -110,8 +112,8 @@ class HostDevice final : public Device {
     int64_t current = allocated_.load(std::memory_order_relaxed);
     do {
       if (bytes > budget_ - current) return false;
-    } while (!allocated_.compare_exchange_weak(current, current + bytes,
-                                               std::memory_order_relaxed));
+    } while (
+        !allocated_.compare_exchange_weak(current, current + bytes, std::memory_order_relaxed));
     return true;
   }
 

@@ -23,11 +23,14 @@ bool IsValidDType(DType dtype) {
 
 size_t ElementSize(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return 4;
+    case DType::kFloat32:
+      return 4;
     case DType::kFloat16:
-    case DType::kBFloat16: return 2;
+    case DType::kBFloat16:
+      return 2;
     case DType::kFloat8E4M3:
-    case DType::kInt8: return 1;
+    case DType::kInt8:
+      return 1;
   }
   BLOCKKV_CHECK(false, "ElementSize of an invalid DType");
   return 0;
@@ -35,11 +38,16 @@ size_t ElementSize(DType dtype) {
 
 std::string_view DTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return "fp32";
-    case DType::kFloat16: return "fp16";
-    case DType::kBFloat16: return "bf16";
-    case DType::kFloat8E4M3: return "fp8_e4m3";
-    case DType::kInt8: return "int8";
+    case DType::kFloat32:
+      return "fp32";
+    case DType::kFloat16:
+      return "fp16";
+    case DType::kBFloat16:
+      return "bf16";
+    case DType::kFloat8E4M3:
+      return "fp8_e4m3";
+    case DType::kInt8:
+      return "int8";
   }
   return "invalid";
 }

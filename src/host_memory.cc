@@ -11,8 +11,8 @@ namespace {
 
 std::string_view Trim(std::string_view s) {
   while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
-  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\n' ||
-                        s.back() == '\r')) {
+  while (!s.empty() &&
+         (s.back() == ' ' || s.back() == '\t' || s.back() == '\n' || s.back() == '\r')) {
     s.remove_suffix(1);
   }
   return s;
@@ -89,8 +89,8 @@ std::optional<std::string> CgroupPathOf(std::string_view proc_self_cgroup, bool 
   while (!proc_self_cgroup.empty()) {
     const size_t eol = proc_self_cgroup.find('\n');
     const std::string_view line = proc_self_cgroup.substr(0, eol);
-    proc_self_cgroup = eol == std::string_view::npos ? std::string_view()
-                                                     : proc_self_cgroup.substr(eol + 1);
+    proc_self_cgroup =
+        eol == std::string_view::npos ? std::string_view() : proc_self_cgroup.substr(eol + 1);
     // "hierarchy-id:controller-list:path"
     const size_t first = line.find(':');
     const size_t second = first == std::string_view::npos ? first : line.find(':', first + 1);

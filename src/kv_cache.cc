@@ -35,10 +35,10 @@ Result<KVCachePlan> PlanKVCache(std::span<const KVCacheConfig> configs, const Me
   if (memory.mode == AllocationMode::kReserve) {
     const int64_t usable = available_bytes - memory.size;  // both >= 0: cannot overflow
     if (usable < plan.bytes_per_block) {
-      return ResourceExhaustedError(StrCat(
-          "insufficient memory for the KV cache: one block needs ", plan.bytes_per_block,
-          " bytes, ", std::max<int64_t>(usable, 0), " bytes are usable (",
-          available_bytes, " available, ", memory.size, " kept free by MemoryConfig.size)"));
+      return ResourceExhaustedError(
+          StrCat("insufficient memory for the KV cache: one block needs ", plan.bytes_per_block,
+                 " bytes, ", std::max<int64_t>(usable, 0), " bytes are usable (", available_bytes,
+                 " available, ", memory.size, " kept free by MemoryConfig.size)"));
     }
     num_blocks = usable / plan.bytes_per_block;
   } else {
@@ -51,8 +51,8 @@ Result<KVCachePlan> PlanKVCache(std::span<const KVCacheConfig> configs, const Me
   }
   const auto total = internal::CheckedMul(num_blocks, plan.bytes_per_block);
   if (!total) {
-    return InvalidArgumentError(StrCat(num_blocks, " blocks of ", plan.bytes_per_block,
-                                       " bytes overflow int64"));
+    return InvalidArgumentError(
+        StrCat(num_blocks, " blocks of ", plan.bytes_per_block, " bytes overflow int64"));
   }
   if (memory.mode == AllocationMode::kAllocate && *total > available_bytes) {
     return ResourceExhaustedError(StrCat("insufficient memory for the KV cache: ", num_blocks,
@@ -77,9 +77,9 @@ Result<KVCachePlan> PlanAcrossRanks(std::span<const KVCacheConfig> configs,
                            comm.AllReduceMin(local.ok() ? local->num_blocks : 0));
   if (!local.ok()) return local.status();
   if (agreed < 1) {
-    return ResourceExhaustedError(StrCat(
-        "another rank of ", comm.world_size(), " cannot fit a single KV-cache block; this rank (",
-        comm.rank(), ") could fit ", local->num_blocks));
+    return ResourceExhaustedError(StrCat("another rank of ", comm.world_size(),
+                                         " cannot fit a single KV-cache block; this rank (",
+                                         comm.rank(), ") could fit ", local->num_blocks));
   }
   KVCachePlan plan = *local;
   plan.num_blocks = static_cast<int32_t>(agreed);
@@ -93,8 +93,8 @@ Result<std::unique_ptr<BlockedKVCache>> BlockedKVCache::Create(std::vector<KVCac
                                                                MemoryConfig memory,
                                                                std::shared_ptr<Device> device,
                                                                Communicator* comm) {
-  const bool collective = comm != nullptr && comm->world_size() > 1 &&
-                          memory.mode == AllocationMode::kReserve;
+  const bool collective =
+      comm != nullptr && comm->world_size() > 1 && memory.mode == AllocationMode::kReserve;
   if (device == nullptr) {
     if (collective) {
       // Still take part in the collectives so the other ranks fail instead of hanging.
@@ -104,9 +104,8 @@ Result<std::unique_ptr<BlockedKVCache>> BlockedKVCache::Create(std::vector<KVCac
     return InvalidArgumentError("BlockedKVCache::Create needs a device, got null");
   }
   if (memory.mode == AllocationMode::kReserve) device->EmptyCache();
-  Result<KVCachePlan> plan =
-      collective ? PlanAcrossRanks(configs, memory, device.get(), *comm)
-                 : PlanKVCache(configs, memory, device->available_memory());
+  Result<KVCachePlan> plan = collective ? PlanAcrossRanks(configs, memory, device.get(), *comm)
+                                        : PlanKVCache(configs, memory, device->available_memory());
   if (!plan.ok()) return plan.status();
 
   std::vector<Group> groups;
@@ -118,9 +117,8 @@ Result<std::unique_ptr<BlockedKVCache>> BlockedKVCache::Create(std::vector<KVCac
     const int64_t bytes = plan->num_blocks * *config.bytes_per_block();  // <= total_bytes
     Result<DeviceBuffer> storage = device->Allocate(bytes);
     if (!storage.ok()) {
-      return Status(storage.status().code(),
-                    StrCat("allocating KV cache group ", g, " (", bytes,
-                           " bytes): ", storage.status().message()));
+      return Status(storage.status().code(), StrCat("allocating KV cache group ", g, " (", bytes,
+                                                    " bytes): ", storage.status().message()));
     }
     groups.push_back(Group{config, std::move(allocator), std::move(*storage)});
   }
@@ -128,10 +126,9 @@ Result<std::unique_ptr<BlockedKVCache>> BlockedKVCache::Create(std::vector<KVCac
     const KVCacheConfig& c = configs[g];
     Log(LogLevel::kInfo,
         StrCat("KV cache group ", g, " on ", device->name(), ": shape [", c.num_caches(), ", ",
-               plan->num_blocks, ", ", c.block_size, ", 2, ", c.num_kv_heads(), ", ",
-               c.head_size(), "] ", DTypeName(c.cache_dtype), ", ", plan->num_blocks,
-               " blocks, ", internal::HumanBytes(static_cast<long double>(
-                                groups[g].storage.size()))));
+               plan->num_blocks, ", ", c.block_size, ", 2, ", c.num_kv_heads(), ", ", c.head_size(),
+               "] ", DTypeName(c.cache_dtype), ", ", plan->num_blocks, " blocks, ",
+               internal::HumanBytes(static_cast<long double>(groups[g].storage.size()))));
   }
   return std::unique_ptr<BlockedKVCache>(
       new BlockedKVCache(std::move(device), *plan, std::move(groups)));
@@ -170,9 +167,9 @@ Result<TensorView> BlockedKVCache::GetGroupStorage(int group) const {
   BLOCKKV_RETURN_IF_ERROR(CheckGroup(group));
   const Group& g = groups_[group];
   const KVCacheConfig& c = g.config;
-  return ContiguousView(g.storage.data(), c.cache_dtype, device_->kind(), device_->ordinal(),
-                        {c.num_caches(), plan_.num_blocks, c.block_size, 2, c.num_kv_heads(),
-                         c.head_size()});
+  return ContiguousView(
+      g.storage.data(), c.cache_dtype, device_->kind(), device_->ordinal(),
+      {c.num_caches(), plan_.num_blocks, c.block_size, 2, c.num_kv_heads(), c.head_size()});
 }
 
 Result<TensorView> BlockedKVCache::GetCache(int64_t cache_id, int group) const {

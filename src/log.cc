@@ -16,7 +16,7 @@ struct LogState {
 };
 
 LogState& State() {
-  static LogState* state = new LogState();  // never destroyed: logging works during exit
+  static auto* state = new LogState();  // never destroyed: logging works during exit
   return *state;
 }
 
@@ -24,10 +24,14 @@ LogState& State() {
 
 const char* LogLevelName(LogLevel level) {
   switch (level) {
-    case LogLevel::kDebug: return "DEBUG";
-    case LogLevel::kInfo: return "INFO";
-    case LogLevel::kWarning: return "WARNING";
-    case LogLevel::kError: return "ERROR";
+    case LogLevel::kDebug:
+      return "DEBUG";
+    case LogLevel::kInfo:
+      return "INFO";
+    case LogLevel::kWarning:
+      return "WARNING";
+    case LogLevel::kError:
+      return "ERROR";
   }
   return "?";
 }

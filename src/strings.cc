@@ -3,9 +3,7 @@
 #include <cstdio>
 #include <iterator>
 
-namespace blockkv {
-
-namespace internal {
+namespace blockkv::internal {
 
 std::string HumanBytes(long double bytes) {
   static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
@@ -23,6 +21,4 @@ std::string HumanBytes(long double bytes) {
   return text;
 }
 
-}  // namespace internal
-
-}  // namespace blockkv
+}  // namespace blockkv::internal

@@ -73,7 +73,7 @@ class BlockedKVCache {
   // The whole group: [num_caches, num_blocks, block_size, 2, num_kv_heads, head_size].
   Result<TensorView> GetGroupStorage(int group = 0) const;
 
-  std::vector<int32_t> free_blocks() const;  // one entry per group
+  std::vector<int32_t> free_blocks() const;                            // one entry per group
   int num_groups() const { return static_cast<int>(groups_.size()); }  // DeepSpeed's num_caches
   int32_t num_blocks() const { return plan_.num_blocks; }
   const KVCachePlan& plan() const { return plan_; }

@@ -48,7 +48,7 @@ class [[nodiscard]] Status {
   Status() = default;  // OK
   Status(StatusCode code, std::string message);
 
-  static Status Ok() { return Status(); }
+  static Status Ok() { return {}; }
 
   bool ok() const { return code_ == StatusCode::kOk; }
   StatusCode code() const { return code_; }
@@ -94,10 +94,10 @@ class [[nodiscard]] Result {
   }
   Result(const T& value) : rep_(value) {}        // NOLINT(google-explicit-constructor)
   Result(T&& value) : rep_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
-  template <class U, class = std::enable_if_t<std::is_constructible_v<T, U&&> &&
-                                              !std::is_same_v<std::decay_t<U>, Status> &&
-                                              !std::is_same_v<std::decay_t<U>, T> &&
-                                              !std::is_same_v<std::decay_t<U>, Result>>>
+  template <class U,
+            class = std::enable_if_t<
+                std::is_constructible_v<T, U&&> && !std::is_same_v<std::decay_t<U>, Status> &&
+                !std::is_same_v<std::decay_t<U>, T> && !std::is_same_v<std::decay_t<U>, Result>>>
   Result(U&& value) : rep_(std::in_place_type<T>, std::forward<U>(value)) {}  // NOLINT
 
   bool ok() const { return std::holds_alternative<T>(rep_); }
@@ -138,10 +138,10 @@ void Result<T>::CheckedValue() const {
 }  // namespace blockkv
 
 // Returns the status of `expr` from the enclosing function when it is not OK.
-#define BLOCKKV_RETURN_IF_ERROR(expr)                    \
-  do {                                                   \
-    ::blockkv::Status blockkv_status_ = (expr);          \
-    if (!blockkv_status_.ok()) return blockkv_status_;   \
+#define BLOCKKV_RETURN_IF_ERROR(expr)                  \
+  do {                                                 \
+    ::blockkv::Status blockkv_status_ = (expr);        \
+    if (!blockkv_status_.ok()) return blockkv_status_; \
   } while (false)
 
 #define BLOCKKV_CONCAT_INNER_(a, b) a##b
@@ -150,7 +150,9 @@ void Result<T>::CheckedValue() const {
 // `BLOCKKV_ASSIGN_OR_RETURN(auto x, MakeX());` returns MakeX()'s status on failure.
 #define BLOCKKV_ASSIGN_OR_RETURN(lhs, expr) \
   BLOCKKV_ASSIGN_OR_RETURN_IMPL_(BLOCKKV_CONCAT_(blockkv_result_, __LINE__), lhs, expr)
+// NOLINTBEGIN(bugprone-macro-parentheses): `lhs` may be a declaration such as `auto x`.
 #define BLOCKKV_ASSIGN_OR_RETURN_IMPL_(result, lhs, expr) \
-  auto result = (expr);                                    \
-  if (!result.ok()) return result.status();                \
+  auto result = (expr);                                   \
+  if (!result.ok()) return result.status();               \
   lhs = std::move(result).value()
+// NOLINTEND(bugprone-macro-parentheses)

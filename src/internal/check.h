@@ -8,9 +8,9 @@ namespace blockkv::internal {
                                const char* message);
 }  // namespace blockkv::internal
 
-#define BLOCKKV_CHECK(condition, message)                                               \
-  do {                                                                                  \
-    if (!(condition)) [[unlikely]] {                                                    \
-      ::blockkv::internal::CheckFailure(#condition, __FILE__, __LINE__, (message));     \
-    }                                                                                   \
+#define BLOCKKV_CHECK(condition, message)                                           \
+  do {                                                                              \
+    if (!(condition)) [[unlikely]] {                                                \
+      ::blockkv::internal::CheckFailure(#condition, __FILE__, __LINE__, (message)); \
+    }                                                                               \
   } while (false)
