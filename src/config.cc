@@ -37,9 +37,14 @@ Status KVCacheConfig::Validate() const {
 }
 
 Result<int64_t> KVCacheConfig::bytes_per_block() const {
+  // An unknown dtype has no size; 0 bytes per block would reach a division in the planner.
+  if (!IsValidDType(cache_dtype)) {
+    return InvalidArgumentError(StrCat("KVCacheConfig.cache_dtype is not a known dtype (value ",
+                                       static_cast<int>(cache_dtype), ")"));
+  }
   const auto bytes = internal::CheckedProduct(
       {num_caches(), block_size, 2, num_kv_heads(), head_size(),
-       static_cast<int64_t>(IsValidDType(cache_dtype) ? ElementSize(cache_dtype) : 0)});
+       static_cast<int64_t>(ElementSize(cache_dtype))});
   if (!bytes) {
     return InvalidArgumentError(
         StrCat("KVCacheConfig bytes per block overflows int64: num_caches=", num_caches(),
