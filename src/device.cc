@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 
 #include "internal/check.h"
@@ -53,7 +54,24 @@ DeviceBuffer Device::MakeBuffer(void* data, int64_t bytes) {
   return {shared_from_this(), data, bytes};
 }
 
+Status Device::CopyFromHost(void* /*dst*/, const void* /*host_src*/, int64_t /*bytes*/) {
+  return UnimplementedError(StrCat("CopyFromHost is not implemented for ", name()));
+}
+Status Device::CopyToHost(void* /*host_dst*/, const void* /*src*/, int64_t /*bytes*/) {
+  return UnimplementedError(StrCat("CopyToHost is not implemented for ", name()));
+}
+Status Device::CopyWithin(void* /*dst*/, const void* /*src*/, int64_t /*bytes*/) {
+  return UnimplementedError(StrCat("CopyWithin is not implemented for ", name()));
+}
+
 namespace {
+
+// memcpy with the checks every host copy makes.
+Status HostCopy(void* dst, const void* src, int64_t bytes) {
+  if (bytes < 0) return InvalidArgumentError(StrCat("cannot copy a negative byte count: ", bytes));
+  if (bytes > 0) std::memcpy(dst, src, static_cast<size_t>(bytes));
+  return Status::Ok();
+}
 
 // Host memory, aligned to kDeviceAlignment. Large blocks come from mmap inside the allocator, so
 // untouched pages cost nothing until first written.
@@ -99,6 +117,16 @@ class HostDevice final : public Device {
   }
 
   void EmptyCache() override {}
+
+  Status CopyFromHost(void* dst, const void* host_src, int64_t bytes) override {
+    return HostCopy(dst, host_src, bytes);
+  }
+  Status CopyToHost(void* host_dst, const void* src, int64_t bytes) override {
+    return HostCopy(host_dst, src, bytes);
+  }
+  Status CopyWithin(void* dst, const void* src, int64_t bytes) override {
+    return HostCopy(dst, src, bytes);
+  }
 
  protected:
   void Deallocate(void* data, int64_t bytes) override {

@@ -163,6 +163,44 @@ Status BlockedKVCache::Free(std::span<const BlockId> blocks, int group) {
   return groups_[group].allocator.Free(blocks);
 }
 
+Status BlockedKVCache::CopyBlocks(std::span<const BlockId> src, std::span<const BlockId> dst,
+                                  int group) {
+  BLOCKKV_RETURN_IF_ERROR(CheckGroup(group));
+  if (src.size() != dst.size()) {
+    return InvalidArgumentError(
+        StrCat("CopyBlocks: ", src.size(), " sources but ", dst.size(), " destinations"));
+  }
+  for (const std::span<const BlockId> ids : {src, dst}) {
+    for (const BlockId id : ids) {
+      if (id < 0 || id >= plan_.num_blocks) {
+        return OutOfRangeError(
+            StrCat("CopyBlocks: block ", id, " is outside [0, ", plan_.num_blocks, ")"));
+      }
+    }
+  }
+  for (size_t i = 0; i < dst.size(); ++i) {
+    for (size_t j = 0; j < dst.size(); ++j) {
+      if (dst[i] == src[j] || (j > i && dst[i] == dst[j])) {
+        return InvalidArgumentError(StrCat("CopyBlocks: destination block ", dst[i],
+                                           " is also a source or a repeated destination"));
+      }
+    }
+  }
+  const KVCacheConfig& c = groups_[group].config;
+  const int64_t block_bytes = *c.bytes_per_block() / c.num_caches();  // one block, one layer
+  const int64_t layer_bytes = block_bytes * plan_.num_blocks;
+  auto* base = static_cast<char*>(groups_[group].storage.data());
+  for (int64_t layer = 0; layer < c.num_caches(); ++layer) {
+    char* layer_base = base + layer * layer_bytes;
+    for (size_t i = 0; i < src.size(); ++i) {
+      BLOCKKV_RETURN_IF_ERROR(device_->CopyWithin(layer_base + dst[i] * block_bytes,
+                                                  layer_base + src[i] * block_bytes,
+                                                  block_bytes));
+    }
+  }
+  return Status::Ok();
+}
+
 Result<TensorView> BlockedKVCache::GetGroupStorage(int group) const {
   BLOCKKV_RETURN_IF_ERROR(CheckGroup(group));
   const Group& g = groups_[group];

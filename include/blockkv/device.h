@@ -75,6 +75,13 @@ class Device : public std::enable_shared_from_this<Device> {
   // is no such cache and it does nothing.
   virtual void EmptyCache() = 0;
 
+  // Synchronous copies of `bytes` between host memory and this device's memory, or within this
+  // device; done when they return. Pointers must not overlap. bytes < 0 is kInvalidArgument; a
+  // device error is kInternal. The base class returns kUnimplemented.
+  virtual Status CopyFromHost(void* dst, const void* host_src, int64_t bytes);
+  virtual Status CopyToHost(void* host_dst, const void* src, int64_t bytes);
+  virtual Status CopyWithin(void* dst, const void* src, int64_t bytes);
+
  protected:
   // Wraps memory this device allocated in a buffer that will call Deallocate(data, bytes).
   DeviceBuffer MakeBuffer(void* data, int64_t bytes);

@@ -67,6 +67,11 @@ class BlockedKVCache {
   // Returns blocks of `group`, as BlockedAllocator::Free. A bad group is kOutOfRange.
   Status Free(std::span<const BlockId> blocks, int group = 0);
 
+  // Copies the contents of block src[i] to block dst[i] in every layer of `group` (a fork's
+  // private copy of a shared tail). Spans of equal length, valid ids, no id in both, and no
+  // repeated destination; kInvalidArgument / kOutOfRange otherwise, nothing copied.
+  Status CopyBlocks(std::span<const BlockId> src, std::span<const BlockId> dst, int group = 0);
+
   // Layer `cache_id` of `group`: [num_blocks, block_size, 2, num_kv_heads, head_size],
   // contiguous. kOutOfRange for a bad cache_id or group.
   Result<TensorView> GetCache(int64_t cache_id, int group = 0) const;

@@ -1,0 +1,245 @@
+// StateManager: the sequences of an engine and their block tables over one BlockedKVCache —
+// DeepSpeed-FastGen's DSStateManager, DSSequenceDescriptor and the engine's scheduling queries,
+// with DeepSpeed's holes closed.
+//
+//   auto mgr = StateManager::Create(StateManagerConfig{}, {llama}, CpuDevice());
+//   // One engine step: ask what fits, then schedule all or nothing.
+//   SchedulingResult r = *(*mgr)->CanSchedule(uids, lengths);
+//   Status s = (*mgr)->Schedule(uids, lengths);     // blocks reserved, in_flight set
+//   ... build a RaggedBatch, run the model ...
+//   s = (*mgr)->PostForward(uids);                  // seen_tokens += in_flight
+//   s = (*mgr)->FlushSequence(uid);                 // a finished sequence's blocks go back
+//
+// Ownership: the manager creates and owns its BlockedKVCache and a BlockPool per cache group;
+// only it reserves and frees blocks, so an engine cannot mix the cache's own Reserve/Free with
+// the manager's bookkeeping (kv_cache() is const). Sequences live in tracking slots: a
+// Sequence's address is stable until it is flushed. Not thread-safe: one thread schedules.
+//
+// Block tables: for each cache group, a host int32 array
+//   [max_tracked_sequences, max_blocks_per_allocation_group]
+// whose row `slot` is that sequence's table; entries past the sequence's allocated blocks, and
+// entries released by partial freeing, hold kNoBlock. Token t of a sequence lives in block
+// row[t / block_size] at offset t % block_size of every cache group with that block size.
+//
+// Only num_allocation_groups == 1 is supported (DeepSpeed's engine uses no other value; a table
+// with several sub-tables has no defined token mapping there): Create rejects more with
+// kUnimplemented.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "blockkv/block_pool.h"
+#include "blockkv/communicator.h"
+#include "blockkv/config.h"
+#include "blockkv/device.h"
+#include "blockkv/kv_cache.h"
+#include "blockkv/status.h"
+
+namespace blockkv {
+
+using SeqId = int64_t;  // the engine's id for a sequence (DeepSpeed's uid)
+
+struct StateManagerConfig {
+  int32_t max_tracked_sequences = 2048;
+  int32_t max_ragged_batch_size = 768;      // tokens in one forward
+  int32_t max_ragged_sequence_count = 512;  // sequences in one forward
+  int64_t max_context = 8192;               // tokens one sequence may hold (enforced)
+  MemoryConfig memory_config;
+  bool offload = false;
+
+  // Every count > 0, max_ragged_sequence_count <= max_tracked_sequences and
+  // <= max_ragged_batch_size, a valid memory_config. kInvalidArgument names the field.
+  Status Validate() const;
+};
+
+// DeepSpeed's SchedulingResult, same values.
+enum class SchedulingResult {
+  kSuccess = 0,
+  kEngineSequenceLimitExceeded = 1,  // more tracked sequences than max_tracked_sequences
+  kBatchSequenceLimitExceeded = 2,   // more sequences in the batch than max_ragged_sequence_count
+  kBatchTokenLimitExceeded = 3,      // more tokens in the batch than max_ragged_batch_size
+  kKVCacheLimitExceeded = 4,         // not enough free blocks
+  kSequenceTokenLimitExceeded = 5,   // a sequence would pass max_context or its block table
+};
+
+// "Success", "EngineSequenceLimitExceeded", ... as DeepSpeed names them.
+std::string_view SchedulingResultName(SchedulingResult result);
+
+// What a sequence may run next: DeepSpeed's get_kv_requirements.
+struct KVRequirement {
+  int64_t tokens = 0;  // tokens that can be scheduled
+  int32_t blocks = 0;  // new blocks they need (<= 0: none)
+};
+
+// DeepSpeed's get_kv_requirements arithmetic for one cache group of `block_size`:
+// required = ceil((seen + max_new_tokens) / block_size) − allocated; if it is within
+// max_new_blocks, (max_new_tokens, required); otherwise
+// ((max_new_blocks + allocated)·block_size − seen, max_new_blocks).
+KVRequirement ComputeKVRequirement(int64_t seen_tokens, int32_t allocated_blocks,
+                                   int64_t max_new_tokens, int32_t max_new_blocks,
+                                   int32_t block_size);
+
+class StateManager;
+
+// One tracked sequence (DeepSpeed's DSSequenceDescriptor). Read-only to the engine: the manager
+// changes it through Schedule, PostForward, FreeLeadingBlocks and Fork.
+class Sequence {
+ public:
+  SeqId uid() const { return uid_; }
+  int32_t tracking_slot() const { return slot_; }
+  int64_t seen_tokens() const { return seen_tokens_; }
+  int64_t in_flight_tokens() const { return in_flight_tokens_; }
+  // Logical length of the block table of `group`: blocks allocated so far, released ones
+  // included (token positions never move).
+  int32_t cur_allocated_blocks(int group = 0) const { return groups_[group].allocated; }
+  // Leading table entries released by FreeLeadingBlocks (now kNoBlock).
+  int32_t released_blocks(int group = 0) const { return groups_[group].released; }
+  // The table row of `group`, entries [0, cur_allocated_blocks(group)).
+  std::span<const BlockId> block_table(int group = 0) const {
+    return {groups_[group].row, static_cast<size_t>(groups_[group].allocated)};
+  }
+
+ private:
+  friend class StateManager;
+  struct GroupState {
+    BlockId* row = nullptr;  // [max_blocks_per_allocation_group] in the manager's table
+    int32_t allocated = 0;
+    int32_t released = 0;
+  };
+
+  SeqId uid_ = 0;
+  int32_t slot_ = -1;
+  int64_t seen_tokens_ = 0;
+  int64_t in_flight_tokens_ = 0;
+  std::vector<GroupState> groups_;
+};
+
+class StateManager {
+ public:
+  // Validates `config` and `kv_configs`, creates the BlockedKVCache on `device` with
+  // config.memory_config (agreeing on num_blocks over `comm` when given), the pools, the slot
+  // allocator and the tables.
+  static Result<std::unique_ptr<StateManager>> Create(StateManagerConfig config,
+                                                      std::vector<KVCacheConfig> kv_configs,
+                                                      std::shared_ptr<Device> device,
+                                                      Communicator* comm = nullptr);
+
+  StateManager(const StateManager&) = delete;
+  StateManager& operator=(const StateManager&) = delete;
+  ~StateManager();
+
+  // The sequence `uid`, created (seen 0, no blocks) if unknown. kResourceExhausted when every
+  // tracking slot is taken.
+  Result<Sequence*> GetOrCreateSequence(SeqId uid);
+  // nullptr when `uid` is not tracked.
+  const Sequence* GetSequence(SeqId uid) const;
+  // Drops the sequence's references to its blocks (blocks nobody else holds are freed) and its
+  // slot. kNotFound for an unknown uid (DeepSpeed only warns).
+  Status FlushSequence(SeqId uid);
+
+  // What `uid` may run next, at most `max_new_tokens` tokens and `max_new_blocks` new blocks of
+  // `group` (DeepSpeed's query / get_kv_requirements), also capped by max_context and the block
+  // table capacity. An unknown uid is evaluated as a new sequence; (0, 0) when it is unknown and
+  // every tracking slot is taken. kInvalidArgument for negative arguments or a bad group.
+  Result<KVRequirement> Query(SeqId uid, int64_t max_new_tokens, int32_t max_new_blocks,
+                              int group = 0) const;
+
+  // Whether `lengths[i]` new tokens for each `uids[i]` fit in one forward, checked in DeepSpeed's
+  // order (batch sequence count; per sequence, context/table capacity then KV blocks of every
+  // cache group against the free counts; tracked sequences; batch tokens). kInvalidArgument (a
+  // Status, not a result) for mismatched spans, a negative length or a duplicate uid.
+  Result<SchedulingResult> CanSchedule(std::span<const SeqId> uids,
+                                       std::span<const int64_t> lengths) const;
+
+  // Schedules one forward, all or nothing: creates unknown sequences, reserves the blocks each
+  // needs to hold seen + length tokens in every cache group, and sets in_flight = length. When
+  // CanSchedule is not kSuccess: kResourceExhausted naming the limit (kInvalidArgument for bad
+  // arguments), `*result` set to it when given, and nothing changed.
+  Status Schedule(std::span<const SeqId> uids, std::span<const int64_t> lengths,
+                  SchedulingResult* result = nullptr);
+
+  // After the forward: seen_tokens += in_flight_tokens, in_flight = 0, for each uid (DeepSpeed's
+  // post_forward). kNotFound (nothing changed) if any uid is unknown.
+  Status PostForward(std::span<const SeqId> uids);
+
+  // Releases the `num_blocks` oldest still-held blocks of `uid` in `group` (sliding-window
+  // layers): their table entries become kNoBlock, token positions do not move. Only blocks
+  // wholly before seen_tokens may go: kOutOfRange otherwise, kNotFound for an unknown uid.
+  Status FreeLeadingBlocks(SeqId uid, int32_t num_blocks, int group = 0);
+
+  // A new sequence `child` with the parent's history: it shares the parent's full blocks
+  // (one more reference each) and gets its own copy of the partial last block, so both can
+  // append independently (parallel sampling, beam search). kNotFound (no parent),
+  // kAlreadyExists (child tracked), kFailedPrecondition (parent has tokens in flight),
+  // kResourceExhausted (no slot, or no block for the tail copy); nothing changes on failure.
+  Status Fork(SeqId parent, SeqId child);
+
+  // seen_tokens % block_size: how full the last block is, 0 when full or absent (DeepSpeed's
+  // get_remaining_block_capacity, same meaning). 0 for an unknown uid.
+  int64_t RemainingBlockCapacity(SeqId uid, int group = 0) const;
+
+  // One layer's cache, as BlockedKVCache::GetCache.
+  Result<TensorView> GetCache(int64_t cache_id, int group = 0) const;
+  const BlockedKVCache& kv_cache() const { return *cache_; }
+  const BlockPool& pool(int group = 0) const { return pools_[group]; }
+  // The block table array of `group`: [max_tracked_sequences, max_blocks_per_allocation_group].
+  const BlockId* block_tables(int group = 0) const { return tables_[group].data(); }
+
+  const StateManagerConfig& config() const { return config_; }
+  int num_groups() const { return static_cast<int>(pools_.size()); }
+  int32_t n_tracked_sequences() const { return static_cast<int32_t>(by_uid_.size()); }
+  std::vector<int32_t> free_blocks() const;  // one entry per cache group
+  int32_t kv_block_size(int group = 0) const;
+  int32_t max_blocks_per_sequence(int group = 0) const;
+
+  // No block is referenced more than its count says, reference counts equal table occurrences,
+  // free + referenced = total, tables hold kNoBlock past each sequence's blocks, slots match.
+  Status CheckInvariants() const;
+
+ private:
+  StateManager(StateManagerConfig config, std::unique_ptr<BlockedKVCache> cache,
+               BlockedAllocator slots);
+
+  // Blocks of `group` a sequence at `seen` tokens with `allocated` table entries needs to hold
+  // `new_tokens` more.
+  int32_t BlocksNeeded(int64_t seen, int32_t allocated, int64_t new_tokens, int group) const;
+  // The largest number of new tokens a sequence at `seen` may add: max_context and every
+  // group's table capacity.
+  int64_t TokenCapacity(int64_t seen) const;
+  Status CheckGroupArg(int group) const;
+  // Mismatched spans, negative lengths, duplicate uids.
+  Status CheckScheduleArgs(std::span<const SeqId> uids, std::span<const int64_t> lengths) const;
+  // CanSchedule's verdict; `why` names the limit and the values when it is not kSuccess.
+  SchedulingResult Check(std::span<const SeqId> uids, std::span<const int64_t> lengths,
+                         std::string* why) const;
+  Status CheckSequence(const Sequence& seq, std::vector<int32_t>* owners, int group) const;
+  Sequence* Find(SeqId uid);
+  const Sequence* Find(SeqId uid) const;
+  Sequence* CreateInSlot(SeqId uid);  // REQUIRES: a free slot
+  void ReleaseSequenceBlocks(Sequence& seq);
+
+  StateManagerConfig config_;
+  std::unique_ptr<BlockedKVCache> cache_;
+  std::vector<BlockPool> pools_;               // one per cache group
+  std::vector<std::vector<BlockId>> tables_;   // per group [max_tracked, max_blocks]
+  BlockedAllocator slots_;                     // tracking slots
+  std::vector<Sequence> sequences_;            // [max_tracked_sequences], indexed by slot
+  std::unordered_map<SeqId, int32_t> by_uid_;  // uid -> slot
+
+  // Scratch reused across calls so a step allocates nothing once warm.
+  std::vector<std::vector<BlockId>> scratch_;  // per group: blocks taken in one Schedule
+  std::vector<size_t> next_scratch_;
+  std::vector<BlockId> tail_scratch_;
+  mutable std::vector<int64_t> free_scratch_;
+  mutable std::vector<SeqId> uid_scratch_;
+  mutable std::vector<uint32_t> slot_marks_;  // [max_tracked]: == mark_epoch_ when seen
+  mutable uint32_t mark_epoch_ = 0;
+};
+
+}  // namespace blockkv

@@ -1,0 +1,548 @@
+#include "blockkv/state_manager.h"
+
+#include <algorithm>
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "internal/check.h"
+#include "internal/checked_math.h"
+#include "internal/strings.h"
+
+namespace blockkv {
+
+using internal::StrCat;
+
+Status StateManagerConfig::Validate() const {
+  auto positive = [](const char* field, int64_t value) -> Status {
+    if (value > 0) return Status::Ok();
+    return InvalidArgumentError(StrCat("StateManagerConfig.", field, " must be > 0, got ", value));
+  };
+  BLOCKKV_RETURN_IF_ERROR(positive("max_tracked_sequences", max_tracked_sequences));
+  BLOCKKV_RETURN_IF_ERROR(positive("max_ragged_batch_size", max_ragged_batch_size));
+  BLOCKKV_RETURN_IF_ERROR(positive("max_ragged_sequence_count", max_ragged_sequence_count));
+  BLOCKKV_RETURN_IF_ERROR(positive("max_context", max_context));
+  if (max_ragged_sequence_count > max_tracked_sequences) {
+    return InvalidArgumentError(StrCat("max_ragged_sequence_count (", max_ragged_sequence_count,
+                                       ") must be <= max_tracked_sequences (",
+                                       max_tracked_sequences, ")"));
+  }
+  if (max_ragged_sequence_count > max_ragged_batch_size) {
+    return InvalidArgumentError(StrCat("max_ragged_sequence_count (", max_ragged_sequence_count,
+                                       ") must be <= max_ragged_batch_size (",
+                                       max_ragged_batch_size, ")"));
+  }
+  return memory_config.Validate();
+}
+
+std::string_view SchedulingResultName(SchedulingResult result) {
+  switch (result) {
+    case SchedulingResult::kSuccess:
+      return "Success";
+    case SchedulingResult::kEngineSequenceLimitExceeded:
+      return "EngineSequenceLimitExceeded";
+    case SchedulingResult::kBatchSequenceLimitExceeded:
+      return "BatchSequenceLimitExceeded";
+    case SchedulingResult::kBatchTokenLimitExceeded:
+      return "BatchTokenLimitExceeded";
+    case SchedulingResult::kKVCacheLimitExceeded:
+      return "KVCacheLimitExceeded";
+    case SchedulingResult::kSequenceTokenLimitExceeded:
+      return "SequenceTokenLimitExceeded";
+  }
+  return "Unknown";
+}
+
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+KVRequirement ComputeKVRequirement(int64_t seen_tokens, int32_t allocated_blocks,
+                                   int64_t max_new_tokens, int32_t max_new_blocks,
+                                   int32_t block_size) {
+  const int64_t required = CeilDiv(seen_tokens + max_new_tokens, block_size) - allocated_blocks;
+  if (required <= max_new_blocks) return {max_new_tokens, static_cast<int32_t>(required)};
+  return {(int64_t{max_new_blocks} + allocated_blocks) * block_size - seen_tokens, max_new_blocks};
+}
+
+// ---- creation ---------------------------------------------------------------------------------
+
+Result<std::unique_ptr<StateManager>> StateManager::Create(StateManagerConfig config,
+                                                           std::vector<KVCacheConfig> kv_configs,
+                                                           std::shared_ptr<Device> device,
+                                                           Communicator* comm) {
+  BLOCKKV_RETURN_IF_ERROR(config.Validate());
+  if (config.offload) {
+    return UnimplementedError(
+        "StateManagerConfig.offload: the host offload tier is not implemented yet; use "
+        "offload=false");
+  }
+  for (size_t g = 0; g < kv_configs.size(); ++g) {
+    if (kv_configs[g].num_allocation_groups != 1) {
+      return UnimplementedError(
+          StrCat("cache group ", g, ": num_allocation_groups=", kv_configs[g].num_allocation_groups,
+                 "; the state manager supports only 1 (as DeepSpeed's engine uses)"));
+    }
+    BLOCKKV_RETURN_IF_ERROR(kv_configs[g].Validate());
+    if (!internal::CheckedMul(config.max_tracked_sequences,
+                              kv_configs[g].max_blocks_per_allocation_group)) {
+      return InvalidArgumentError("block table size overflows int64");
+    }
+  }
+  BLOCKKV_ASSIGN_OR_RETURN(BlockedAllocator slots,
+                           BlockedAllocator::Create(config.max_tracked_sequences));
+  BLOCKKV_ASSIGN_OR_RETURN(
+      std::unique_ptr<BlockedKVCache> cache,
+      BlockedKVCache::Create(std::move(kv_configs), config.memory_config, std::move(device), comm));
+  return std::unique_ptr<StateManager>(
+      new StateManager(std::move(config), std::move(cache), std::move(slots)));
+}
+
+StateManager::StateManager(StateManagerConfig config, std::unique_ptr<BlockedKVCache> cache,
+                           BlockedAllocator slots)
+    : config_(std::move(config)), cache_(std::move(cache)), slots_(std::move(slots)) {
+  const int num_groups = cache_->num_groups();
+  const auto tracked = static_cast<size_t>(config_.max_tracked_sequences);
+  for (int g = 0; g < num_groups; ++g) {
+    pools_.emplace_back(cache_.get(), g);
+    tables_.emplace_back(tracked * static_cast<size_t>(max_blocks_per_sequence(g)), kNoBlock);
+  }
+  sequences_.resize(tracked);
+  for (size_t slot = 0; slot < tracked; ++slot) {
+    Sequence& seq = sequences_[slot];
+    seq.groups_.resize(static_cast<size_t>(num_groups));
+    for (int g = 0; g < num_groups; ++g) {
+      seq.groups_[g].row =
+          tables_[g].data() + slot * static_cast<size_t>(max_blocks_per_sequence(g));
+    }
+  }
+  scratch_.resize(static_cast<size_t>(num_groups));
+  slot_marks_.assign(tracked, 0);
+}
+
+StateManager::~StateManager() = default;
+
+// ---- lookups ----------------------------------------------------------------------------------
+
+Sequence* StateManager::Find(SeqId uid) {
+  const auto it = by_uid_.find(uid);
+  return it == by_uid_.end() ? nullptr : &sequences_[it->second];
+}
+
+const Sequence* StateManager::Find(SeqId uid) const {
+  const auto it = by_uid_.find(uid);
+  return it == by_uid_.end() ? nullptr : &sequences_[it->second];
+}
+
+const Sequence* StateManager::GetSequence(SeqId uid) const { return Find(uid); }
+
+int32_t StateManager::kv_block_size(int group) const { return cache_->config(group).block_size; }
+
+int32_t StateManager::max_blocks_per_sequence(int group) const {
+  return cache_->config(group).max_blocks_per_allocation_group;
+}
+
+std::vector<int32_t> StateManager::free_blocks() const { return cache_->free_blocks(); }
+
+Result<TensorView> StateManager::GetCache(int64_t cache_id, int group) const {
+  return cache_->GetCache(cache_id, group);
+}
+
+Status StateManager::CheckGroupArg(int group) const {
+  if (group < 0 || group >= num_groups()) {
+    return OutOfRangeError(
+        StrCat("cache group ", group, " does not exist: there are ", num_groups()));
+  }
+  return Status::Ok();
+}
+
+int64_t StateManager::RemainingBlockCapacity(SeqId uid, int group) const {
+  const Sequence* seq = Find(uid);
+  if (seq == nullptr || group < 0 || group >= num_groups()) return 0;
+  return seq->seen_tokens() % kv_block_size(group);
+}
+
+int32_t StateManager::BlocksNeeded(int64_t seen, int32_t allocated, int64_t new_tokens,
+                                   int group) const {
+  const int64_t needed = CeilDiv(seen + new_tokens, kv_block_size(group)) - allocated;
+  return static_cast<int32_t>(std::max<int64_t>(needed, 0));
+}
+
+int64_t StateManager::TokenCapacity(int64_t seen) const {
+  int64_t limit = config_.max_context;
+  for (int g = 0; g < num_groups(); ++g) {
+    limit = std::min(limit, int64_t{max_blocks_per_sequence(g)} * kv_block_size(g));
+  }
+  return std::max<int64_t>(limit - seen, 0);
+}
+
+// ---- sequences --------------------------------------------------------------------------------
+
+Sequence* StateManager::CreateInSlot(SeqId uid) {
+  BlockId slot = kNoBlock;
+  const Status taken = slots_.Allocate(1, std::span<BlockId>(&slot, 1));
+  BLOCKKV_CHECK(taken.ok(), "CreateInSlot without a free slot");
+  Sequence& seq = sequences_[slot];
+  seq.uid_ = uid;
+  seq.slot_ = slot;
+  seq.seen_tokens_ = 0;
+  seq.in_flight_tokens_ = 0;
+  for (Sequence::GroupState& g : seq.groups_) g.allocated = g.released = 0;
+  by_uid_.emplace(uid, slot);
+  return &seq;
+}
+
+Result<Sequence*> StateManager::GetOrCreateSequence(SeqId uid) {
+  if (Sequence* seq = Find(uid)) return seq;
+  if (slots_.free_blocks() == 0) {
+    return ResourceExhaustedError(StrCat("unable to create a tracking slot for sequence ", uid,
+                                         ": all ", config_.max_tracked_sequences,
+                                         " slots (max_tracked_sequences) are in use"));
+  }
+  return CreateInSlot(uid);
+}
+
+void StateManager::ReleaseSequenceBlocks(Sequence& seq) {
+  for (int g = 0; g < num_groups(); ++g) {
+    Sequence::GroupState& state = seq.groups_[g];
+    const std::span<const BlockId> held(state.row + state.released,
+                                        static_cast<size_t>(state.allocated - state.released));
+    const Status released = pools_[g].Release(held);
+    BLOCKKV_CHECK(released.ok(), "a sequence held a block without a reference");
+    std::fill(state.row, state.row + state.allocated, kNoBlock);
+    state.allocated = state.released = 0;
+  }
+}
+
+Status StateManager::FlushSequence(SeqId uid) {
+  Sequence* seq = Find(uid);
+  if (seq == nullptr) {
+    return NotFoundError(StrCat("cannot flush sequence ", uid, ": it is not tracked"));
+  }
+  ReleaseSequenceBlocks(*seq);
+  const BlockId slot = seq->slot_;
+  const Status freed = slots_.Free(std::span<const BlockId>(&slot, 1));
+  BLOCKKV_CHECK(freed.ok(), "a tracked sequence's slot was free");
+  by_uid_.erase(uid);
+  seq->slot_ = -1;
+  seq->seen_tokens_ = seq->in_flight_tokens_ = 0;
+  return Status::Ok();
+}
+
+Status StateManager::PostForward(std::span<const SeqId> uids) {
+  for (const SeqId uid : uids) {
+    if (Find(uid) == nullptr) {
+      return NotFoundError(StrCat("PostForward: sequence ", uid, " is not tracked"));
+    }
+  }
+  for (const SeqId uid : uids) {
+    Sequence* seq = Find(uid);
+    seq->seen_tokens_ += seq->in_flight_tokens_;
+    seq->in_flight_tokens_ = 0;
+  }
+  return Status::Ok();
+}
+
+Status StateManager::FreeLeadingBlocks(SeqId uid, int32_t num_blocks, int group) {
+  BLOCKKV_RETURN_IF_ERROR(CheckGroupArg(group));
+  if (num_blocks < 0) {
+    return InvalidArgumentError(StrCat("cannot free a negative number of blocks: ", num_blocks));
+  }
+  Sequence* seq = Find(uid);
+  if (seq == nullptr) {
+    return NotFoundError(StrCat("FreeLeadingBlocks: sequence ", uid, " is not tracked"));
+  }
+  Sequence::GroupState& state = seq->groups_[group];
+  const int64_t full = std::min<int64_t>(seq->seen_tokens_ / kv_block_size(group), state.allocated);
+  if (state.released + int64_t{num_blocks} > full) {
+    return OutOfRangeError(StrCat("sequence ", uid, " can release at most ", full - state.released,
+                                  " more blocks of group ", group, " (", full,
+                                  " blocks lie wholly before seen_tokens=", seq->seen_tokens_, ", ",
+                                  state.released, " already released), asked for ", num_blocks));
+  }
+  BlockId* first = state.row + state.released;
+  BLOCKKV_RETURN_IF_ERROR(
+      pools_[group].Release(std::span<const BlockId>(first, static_cast<size_t>(num_blocks))));
+  std::fill(first, first + num_blocks, kNoBlock);
+  state.released += num_blocks;
+  return Status::Ok();
+}
+
+// ---- scheduling -------------------------------------------------------------------------------
+
+Result<KVRequirement> StateManager::Query(SeqId uid, int64_t max_new_tokens, int32_t max_new_blocks,
+                                          int group) const {
+  BLOCKKV_RETURN_IF_ERROR(CheckGroupArg(group));
+  if (max_new_tokens < 0 || max_new_blocks < 0) {
+    return InvalidArgumentError(StrCat("Query: max_new_tokens (", max_new_tokens,
+                                       ") and max_new_blocks (", max_new_blocks, ") must be >= 0"));
+  }
+  const Sequence* seq = Find(uid);
+  if (seq == nullptr && slots_.free_blocks() == 0) return KVRequirement{};
+  const int64_t seen = seq ? seq->seen_tokens_ : 0;
+  const int32_t allocated = seq ? seq->groups_[group].allocated : 0;
+  const int64_t tokens = std::min(max_new_tokens, TokenCapacity(seen));
+  return ComputeKVRequirement(seen, allocated, tokens, max_new_blocks, kv_block_size(group));
+}
+
+SchedulingResult StateManager::Check(std::span<const SeqId> uids, std::span<const int64_t> lengths,
+                                     std::string* why) const {
+  const auto n = static_cast<int64_t>(uids.size());
+  if (n > config_.max_ragged_sequence_count) {
+    *why = StrCat(
+        n, " sequences exceed max_ragged_sequence_count=", config_.max_ragged_sequence_count);
+    return SchedulingResult::kBatchSequenceLimitExceeded;
+  }
+  std::vector<int64_t>& free = free_scratch_;
+  free.assign(static_cast<size_t>(num_groups()), 0);
+  for (int g = 0; g < num_groups(); ++g) free[g] = pools_[g].free_blocks();
+  int64_t tracked = n_tracked_sequences();
+  int64_t tokens = 0;
+  for (size_t i = 0; i < uids.size(); ++i) {
+    const Sequence* seq = Find(uids[i]);
+    const int64_t seen = seq ? seq->seen_tokens_ : 0;
+    if (seq == nullptr) ++tracked;
+    if (lengths[i] > TokenCapacity(seen)) {
+      *why = StrCat("sequence ", uids[i], " at ", seen, " tokens cannot take ", lengths[i],
+                    " more: max_context=", config_.max_context, " and its block tables hold ",
+                    seen + TokenCapacity(seen), " tokens");
+      return SchedulingResult::kSequenceTokenLimitExceeded;
+    }
+    for (int g = 0; g < num_groups(); ++g) {
+      const int32_t allocated = seq ? seq->groups_[g].allocated : 0;
+      const int32_t needed = BlocksNeeded(seen, allocated, lengths[i], g);
+      if (needed > free[g]) {
+        *why = StrCat("sequence ", uids[i], " needs ", needed, " blocks of cache group ", g, ", ",
+                      free[g], " left for it (", pools_[g].free_blocks(), " free)");
+        return SchedulingResult::kKVCacheLimitExceeded;
+      }
+      free[g] -= needed;
+    }
+    tokens += lengths[i];
+  }
+  if (tracked > config_.max_tracked_sequences) {
+    *why = StrCat(tracked, " tracked sequences would exceed max_tracked_sequences=",
+                  config_.max_tracked_sequences);
+    return SchedulingResult::kEngineSequenceLimitExceeded;
+  }
+  if (tokens > config_.max_ragged_batch_size) {
+    *why = StrCat(tokens, " tokens exceed max_ragged_batch_size=", config_.max_ragged_batch_size);
+    return SchedulingResult::kBatchTokenLimitExceeded;
+  }
+  return SchedulingResult::kSuccess;
+}
+
+Status StateManager::CheckScheduleArgs(std::span<const SeqId> uids,
+                                       std::span<const int64_t> lengths) const {
+  if (uids.size() != lengths.size()) {
+    return InvalidArgumentError(StrCat(uids.size(), " uids but ", lengths.size(), " lengths"));
+  }
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    if (lengths[i] < 0) {
+      return InvalidArgumentError(
+          StrCat("sequence ", uids[i], " has a negative length ", lengths[i]));
+    }
+  }
+  // Duplicates: tracked uids by an epoch mark on their slot, new uids by sorting.
+  if (++mark_epoch_ == 0) {
+    std::fill(slot_marks_.begin(), slot_marks_.end(), 0);
+    mark_epoch_ = 1;
+  }
+  std::vector<SeqId>& fresh = uid_scratch_;
+  fresh.clear();
+  for (const SeqId uid : uids) {
+    const auto it = by_uid_.find(uid);
+    if (it == by_uid_.end()) {
+      fresh.push_back(uid);
+    } else if (slot_marks_[it->second] == mark_epoch_) {
+      return InvalidArgumentError(StrCat("sequence ", uid, " appears twice in one batch"));
+    } else {
+      slot_marks_[it->second] = mark_epoch_;
+    }
+  }
+  std::sort(fresh.begin(), fresh.end());
+  const auto dup = std::adjacent_find(fresh.begin(), fresh.end());
+  if (dup != fresh.end()) {
+    return InvalidArgumentError(StrCat("sequence ", *dup, " appears twice in one batch"));
+  }
+  return Status::Ok();
+}
+
+Result<SchedulingResult> StateManager::CanSchedule(std::span<const SeqId> uids,
+                                                   std::span<const int64_t> lengths) const {
+  BLOCKKV_RETURN_IF_ERROR(CheckScheduleArgs(uids, lengths));
+  std::string why;
+  return Check(uids, lengths, &why);
+}
+
+Status StateManager::Schedule(std::span<const SeqId> uids, std::span<const int64_t> lengths,
+                              SchedulingResult* result) {
+  BLOCKKV_RETURN_IF_ERROR(CheckScheduleArgs(uids, lengths));
+  std::string why;
+  const SchedulingResult verdict = Check(uids, lengths, &why);
+  if (result != nullptr) *result = verdict;
+  if (verdict != SchedulingResult::kSuccess) {
+    return ResourceExhaustedError(
+        StrCat("cannot schedule the batch: ", SchedulingResultName(verdict), ": ", why));
+  }
+  // Take every group's blocks at once; Check guaranteed they are there.
+  for (int g = 0; g < num_groups(); ++g) {
+    int64_t total = 0;
+    for (size_t i = 0; i < uids.size(); ++i) {
+      const Sequence* seq = Find(uids[i]);
+      total += BlocksNeeded(seq ? seq->seen_tokens_ : 0, seq ? seq->groups_[g].allocated : 0,
+                            lengths[i], g);
+    }
+    scratch_[g].resize(static_cast<size_t>(total));
+    const Status taken = pools_[g].Take(static_cast<int32_t>(total), scratch_[g]);
+    BLOCKKV_CHECK(taken.ok(), "Schedule: blocks that Check counted were not there");
+  }
+  std::vector<size_t>& next = next_scratch_;
+  next.assign(static_cast<size_t>(num_groups()), 0);
+  for (size_t i = 0; i < uids.size(); ++i) {
+    Sequence* seq = Find(uids[i]);
+    if (seq == nullptr) seq = CreateInSlot(uids[i]);
+    for (int g = 0; g < num_groups(); ++g) {
+      Sequence::GroupState& state = seq->groups_[g];
+      const int32_t needed = BlocksNeeded(seq->seen_tokens_, state.allocated, lengths[i], g);
+      std::copy_n(scratch_[g].begin() + static_cast<std::ptrdiff_t>(next[g]), needed,
+                  state.row + state.allocated);
+      next[g] += static_cast<size_t>(needed);
+      state.allocated += needed;
+    }
+    seq->in_flight_tokens_ = lengths[i];
+  }
+  return Status::Ok();
+}
+
+// ---- fork -------------------------------------------------------------------------------------
+
+Status StateManager::Fork(SeqId parent, SeqId child) {
+  const Sequence* from = Find(parent);
+  if (from == nullptr) return NotFoundError(StrCat("Fork: parent ", parent, " is not tracked"));
+  if (Find(child) != nullptr) {
+    return AlreadyExistsError(StrCat("Fork: sequence ", child, " is already tracked"));
+  }
+  if (from->in_flight_tokens_ != 0) {
+    return FailedPreconditionError(StrCat("Fork: parent ", parent, " has ", from->in_flight_tokens_,
+                                          " tokens in flight; fork after PostForward"));
+  }
+  if (slots_.free_blocks() == 0) {
+    return ResourceExhaustedError(StrCat("Fork: no tracking slot for sequence ", child, ": all ",
+                                         config_.max_tracked_sequences, " are in use"));
+  }
+  // One private block per group whose last block is partial, taken before anything changes.
+  const int64_t seen = from->seen_tokens_;
+  std::vector<BlockId>& tails = tail_scratch_;
+  tails.assign(static_cast<size_t>(num_groups()), kNoBlock);
+  auto give_back = [&](int groups) {
+    for (int g = 0; g < groups; ++g) {
+      if (tails[g] != kNoBlock) pools_[g].Release(std::span(&tails[g], 1)).IgnoreError();
+    }
+  };
+  for (int g = 0; g < num_groups(); ++g) {
+    if (seen % kv_block_size(g) == 0) continue;
+    const BlockId source = from->groups_[g].row[seen / kv_block_size(g)];
+    Status s = pools_[g].Take(1, std::span(&tails[g], 1));
+    if (s.ok()) s = cache_->CopyBlocks(std::span(&source, 1), std::span(&tails[g], 1), g);
+    if (!s.ok()) {
+      give_back(g + 1);
+      return Status(s.code(),
+                    StrCat("Fork: copying the partial last block of group ", g, ": ", s.message()));
+    }
+  }
+  Sequence* to = CreateInSlot(child);
+  from = Find(parent);
+  to->seen_tokens_ = seen;
+  for (int g = 0; g < num_groups(); ++g) {
+    const Sequence::GroupState& src = from->groups_[g];
+    Sequence::GroupState& dst = to->groups_[g];
+    const auto full = static_cast<int32_t>(seen / kv_block_size(g));
+    const std::span<const BlockId> shared(src.row + src.released,
+                                          static_cast<size_t>(full - src.released));
+    const Status added = pools_[g].AddRef(shared);
+    BLOCKKV_CHECK(added.ok(), "Fork: the parent held a block without a reference");
+    std::copy_n(src.row, full, dst.row);
+    dst.released = src.released;
+    dst.allocated = full;
+    if (tails[g] != kNoBlock) dst.row[dst.allocated++] = tails[g];
+  }
+  return Status::Ok();
+}
+
+// ---- invariants -------------------------------------------------------------------------------
+
+Status StateManager::CheckSequence(const Sequence& seq, std::vector<int32_t>* owners,
+                                   int group) const {
+  const Sequence::GroupState& state = seq.groups_[group];
+  const int32_t capacity = max_blocks_per_sequence(group);
+  if (state.released < 0 || state.released > state.allocated || state.allocated > capacity) {
+    return InternalError(StrCat("sequence ", seq.uid_, " group ", group, ": released ",
+                                state.released, ", allocated ", state.allocated, ", capacity ",
+                                capacity));
+  }
+  if (seq.seen_tokens_ + seq.in_flight_tokens_ > int64_t{state.allocated} * kv_block_size(group)) {
+    return InternalError(StrCat("sequence ", seq.uid_, " holds ",
+                                seq.seen_tokens_ + seq.in_flight_tokens_, " tokens in ",
+                                state.allocated, " blocks of group ", group));
+  }
+  for (int32_t i = 0; i < capacity; ++i) {
+    const BlockId block = state.row[i];
+    const bool held = i >= state.released && i < state.allocated;
+    if (!held) {
+      if (block != kNoBlock) {
+        return InternalError(StrCat("sequence ", seq.uid_, " group ", group, " entry ", i,
+                                    " holds block ", block, " outside its held range"));
+      }
+      continue;
+    }
+    if (block < 0 || block >= pools_[group].num_blocks()) {
+      return InternalError(StrCat("sequence ", seq.uid_, " group ", group, " entry ", i,
+                                  " holds invalid block ", block));
+    }
+    ++(*owners)[block];
+  }
+  return Status::Ok();
+}
+
+Status StateManager::CheckInvariants() const {
+  if (slots_.used_blocks() != n_tracked_sequences()) {
+    return InternalError(StrCat(slots_.used_blocks(), " slots used for ", n_tracked_sequences(),
+                                " tracked sequences"));
+  }
+  BLOCKKV_RETURN_IF_ERROR(slots_.CheckInvariants());
+  for (const auto& [uid, slot] : by_uid_) {
+    if (!slots_.IsUsed(slot) || sequences_[slot].uid_ != uid || sequences_[slot].slot_ != slot) {
+      return InternalError(StrCat("sequence ", uid, " maps to inconsistent slot ", slot));
+    }
+  }
+  for (int g = 0; g < num_groups(); ++g) {
+    BLOCKKV_RETURN_IF_ERROR(pools_[g].CheckInvariants());
+    std::vector<int32_t> owners(static_cast<size_t>(pools_[g].num_blocks()), 0);
+    for (const auto& [uid, slot] : by_uid_) {
+      BLOCKKV_RETURN_IF_ERROR(CheckSequence(sequences_[slot], &owners, g));
+    }
+    for (BlockId block = 0; block < pools_[g].num_blocks(); ++block) {
+      if (owners[block] != pools_[g].ref_count(block)) {
+        return InternalError(StrCat("block ", block, " of group ", g, " is in ", owners[block],
+                                    " tables but has ", pools_[g].ref_count(block), " references"));
+      }
+    }
+  }
+  // Rows of free slots are empty.
+  for (int32_t slot = 0; slot < config_.max_tracked_sequences; ++slot) {
+    if (slots_.IsUsed(slot)) continue;
+    for (int g = 0; g < num_groups(); ++g) {
+      const BlockId* row = sequences_[slot].groups_[g].row;
+      if (std::any_of(row, row + max_blocks_per_sequence(g),
+                      [](BlockId b) { return b != kNoBlock; })) {
+        return InternalError(StrCat("free slot ", slot, " has a non-empty table in group ", g));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace blockkv
