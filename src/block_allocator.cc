@@ -16,9 +16,9 @@ Result<BlockedAllocator> BlockedAllocator::Create(int32_t num_blocks) {
 }
 
 BlockedAllocator::BlockedAllocator(int32_t num_blocks)
-    : next_(static_cast<size_t>(num_blocks)), head_(0), free_blocks_(num_blocks) {
-  for (int32_t id = 0; id + 1 < num_blocks; ++id) next_[id] = id + 1;
-  next_[num_blocks - 1] = kListEnd;
+    : free_stack_(static_cast<size_t>(num_blocks)), state_(static_cast<size_t>(num_blocks), kFree) {
+  // Top of the stack is the back: a fresh allocator hands out 0, 1, 2, ...
+  for (int32_t i = 0; i < num_blocks; ++i) free_stack_[i] = num_blocks - 1 - i;
 }
 
 Result<std::vector<BlockId>> BlockedAllocator::Allocate(int32_t n) {
@@ -30,90 +30,81 @@ Result<std::vector<BlockId>> BlockedAllocator::Allocate(int32_t n) {
 }
 
 Status BlockedAllocator::Allocate(int32_t n, std::span<BlockId> out) {
-  if (n < 0)
-    return InvalidArgumentError(StrCat("cannot allocate a negative number of blocks: ", n));
-  if (out.size() < static_cast<size_t>(n)) {
-    return InvalidArgumentError(
-        StrCat("output span holds ", out.size(), " ids, fewer than the ", n, " requested"));
-  }
-  if (n > free_blocks_) {
+  if (n < 0 || out.size() < static_cast<size_t>(n) || n > free_blocks()) [[unlikely]] {
+    if (n < 0) {
+      return InvalidArgumentError(StrCat("cannot allocate a negative number of blocks: ", n));
+    }
+    if (out.size() < static_cast<size_t>(n)) {
+      return InvalidArgumentError(
+          StrCat("output span holds ", out.size(), " ids, fewer than the ", n, " requested"));
+    }
     return ResourceExhaustedError(
-        StrCat("cannot allocate ", n, " blocks: ", free_blocks_, " of ", num_blocks(), " free"));
+        StrCat("cannot allocate ", n, " blocks: ", free_blocks(), " of ", num_blocks(), " free"));
   }
-  int32_t id = head_;
+  const size_t top = free_stack_.size();
   for (int32_t i = 0; i < n; ++i) {
+    const BlockId id = free_stack_[top - 1 - static_cast<size_t>(i)];
     out[i] = id;
-    const int32_t next = next_[id];
-    next_[id] = kUsed;
-    id = next;
+    state_[id] = kUsed;
   }
-  head_ = id;
-  free_blocks_ -= n;
+  free_stack_.resize(top - static_cast<size_t>(n));  // never reallocates: shrinking
   return Status::Ok();
 }
 
 Status BlockedAllocator::Free(std::span<const BlockId> blocks) {
-  // Pass 1: check every id, marking each as being freed so a repeat is caught in O(1).
+  // One pass: push each id in the order given (the last one pushed is allocated first). A bad id
+  // stops the pass and FreeFailure pops what was pushed, so a failed call changes nothing. The
+  // stack's capacity is num_blocks, so pushing never reallocates.
+  const auto n = static_cast<BlockId>(state_.size());
   for (size_t i = 0; i < blocks.size(); ++i) {
     const BlockId id = blocks[i];
-    Status error;
-    if (id < 0 || id >= num_blocks()) {
-      error = OutOfRangeError(
-          StrCat("invalid block ", id, " provided to free: ids are in [0, ", num_blocks(), ")"));
-    } else if (next_[id] == kFreeing) {
-      error = FailedPreconditionError(StrCat("block ", id, " appears more than once in one free"));
-    } else if (next_[id] != kUsed) {
-      error = FailedPreconditionError(StrCat("block ", id, " is already free"));
+    if (id < 0 || id >= n || state_[id] != kUsed) [[unlikely]] {
+      return FreeFailure(blocks, i);
     }
-    if (!error.ok()) {
-      for (size_t j = 0; j < i; ++j) {
-        if (next_[blocks[j]] == kFreeing) next_[blocks[j]] = kUsed;
-      }
-      return error;
-    }
-    next_[id] = kFreeing;
+    state_[id] = kFree;
+    free_stack_.push_back(id);
   }
-  // Pass 2: push each onto the head in the order given.
-  for (const BlockId id : blocks) {
-    next_[id] = head_;
-    head_ = id;
-  }
-  free_blocks_ += static_cast<int32_t>(blocks.size());
   return Status::Ok();
 }
 
+Status BlockedAllocator::FreeFailure(std::span<const BlockId> blocks, size_t bad) {
+  for (size_t j = 0; j < bad; ++j) state_[blocks[j]] = kUsed;
+  free_stack_.resize(free_stack_.size() - bad);
+  const BlockId id = blocks[bad];
+  if (id < 0 || id >= num_blocks()) {
+    return OutOfRangeError(
+        StrCat("invalid block ", id, " provided to free: ids are in [0, ", num_blocks(), ")"));
+  }
+  for (size_t j = 0; j < bad; ++j) {
+    if (blocks[j] == id) {
+      return FailedPreconditionError(StrCat("block ", id, " appears more than once in one free"));
+    }
+  }
+  return FailedPreconditionError(StrCat("block ", id, " is already free"));
+}
+
 bool BlockedAllocator::IsUsed(BlockId id) const {
-  return id >= 0 && id < num_blocks() && next_[id] == kUsed;
+  return id >= 0 && id < num_blocks() && state_[id] == kUsed;
 }
 
 Status BlockedAllocator::CheckInvariants() const {
   const int32_t n = num_blocks();
-  if (free_blocks_ < 0 || free_blocks_ > n) {
-    return InternalError(StrCat("free_blocks ", free_blocks_, " outside [0, ", n, "]"));
+  if (free_stack_.size() > state_.size() || free_stack_.capacity() < state_.size()) {
+    return InternalError(StrCat("free stack holds ", free_stack_.size(), " ids (capacity ",
+                                free_stack_.capacity(), ") for ", n, " blocks"));
   }
-  // Walk the free list; more than n steps means a cycle.
-  int32_t listed = 0;
-  for (int32_t id = head_; id != kListEnd; id = next_[id]) {
-    if (id < 0 || id >= n) return InternalError(StrCat("free list holds invalid id ", id));
-    if (++listed > n) return InternalError("free list has a cycle");
+  // Every stacked id is in range and free; marking them finds repeats.
+  std::vector<bool> stacked(state_.size(), false);
+  for (const BlockId id : free_stack_) {
+    if (id < 0 || id >= n) return InternalError(StrCat("free stack holds invalid id ", id));
+    if (state_[id] != kFree) return InternalError(StrCat("stacked block ", id, " is not free"));
+    if (stacked[id]) return InternalError(StrCat("block ", id, " is stacked twice"));
+    stacked[id] = true;
   }
-  if (listed != free_blocks_) {
-    return InternalError(
-        StrCat("free list holds ", listed, " ids but free_blocks is ", free_blocks_));
-  }
-  int32_t used = 0;
-  for (int32_t id = 0; id < n; ++id) {
-    const int32_t next = next_[id];
-    if (next == kUsed) {
-      ++used;
-    } else if (next != kListEnd && (next < 0 || next >= n)) {
-      return InternalError(StrCat("block ", id, " has invalid link ", next));
+  for (BlockId id = 0; id < n; ++id) {
+    if (state_[id] == kFree && !stacked[id]) {
+      return InternalError(StrCat("free block ", id, " is missing from the free stack"));
     }
-  }
-  // Every non-used id is linked (listed == free) and ids are distinct because the walk of
-  // `free_blocks_` steps visited no used id and found no cycle.
-  if (used != n - free_blocks_) {
-    return InternalError(StrCat(used, " blocks marked used, expected ", n - free_blocks_));
   }
   return Status::Ok();
 }

@@ -35,15 +35,30 @@ std::string_view StatusCodeName(StatusCode code) {
   return "UNKNOWN";
 }
 
-Status::Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {
-  if (code_ == StatusCode::kOk) message_.clear();  // an OK status carries no message
+Status::Status(StatusCode code, std::string message) : code_(code) {
+  // An OK status carries no message.
+  if (code_ != StatusCode::kOk) message_ = std::make_unique<std::string>(std::move(message));
+}
+
+Status::Status(const Status& other)
+    : code_(other.code_),
+      message_(other.message_ ? std::make_unique<std::string>(*other.message_) : nullptr) {}
+
+Status& Status::operator=(const Status& other) {
+  if (this != &other) *this = Status(other);
+  return *this;
+}
+
+const std::string& Status::message() const {
+  static const std::string* const kEmpty = new std::string();
+  return message_ ? *message_ : *kEmpty;
 }
 
 std::string Status::ToString() const {
   if (ok()) return "OK";
   std::string out(StatusCodeName(code_));
   out += ": ";
-  out += message_;
+  out += message();
   return out;
 }
 

@@ -13,13 +13,14 @@
 //
 // Not thread-safe: one owner drives it (the engine's scheduling thread).
 //
-// Implementation notes: one int32 per block, `next_[id]`:
-//   next_[id] in [0, n)   id is free; the next free id in the list
-//   next_[id] == kListEnd id is free and last in the list
-//   next_[id] == kUsed    id is allocated
-// `head_` is the first free id (kListEnd when none). Allocate(k) and Free(k ids) are O(k) with
-// no heap allocation on the span path; Free detects duplicates by marking ids while it checks
-// them and unmarking on failure.
+// Implementation notes: the free ids sit in an array used as a stack, `free_stack_`, whose top
+// (the last element) is the head of DeepSpeed's free list; a fresh allocator's stack is
+// [n−1, …, 1, 0]. One state byte per block (`state_`: free or used) makes every check O(1): 5
+// bytes of metadata per block. Allocate(k) copies k ids off the top. Free(k ids) pushes them in
+// one pass, each checked to be used when it is reached, so an id repeated within the call is
+// found already free; on any bad id the pushes so far are undone. No heap allocation on the span
+// path. A stack of ids rather than a list linked through the blocks keeps Allocate free of
+// dependent loads (measured in docs/benchmarks.md).
 #pragma once
 
 #include <cstdint>
@@ -56,26 +57,26 @@ class BlockedAllocator {
   // `blocks`, is kFailedPrecondition. Every id is checked before any is freed.
   Status Free(std::span<const BlockId> blocks);
 
-  int32_t free_blocks() const { return free_blocks_; }
-  int32_t num_blocks() const { return static_cast<int32_t>(next_.size()); }
-  int32_t used_blocks() const { return num_blocks() - free_blocks_; }
+  int32_t free_blocks() const { return static_cast<int32_t>(free_stack_.size()); }
+  int32_t num_blocks() const { return static_cast<int32_t>(state_.size()); }
+  int32_t used_blocks() const { return num_blocks() - free_blocks(); }
   // True when `id` is in range and allocated.
   bool IsUsed(BlockId id) const;
 
-  // Walks the whole structure: the free list reaches exactly free_blocks() distinct ids with
-  // no cycle, and every other id is marked used. O(num_blocks); for tests and debugging.
+  // Walks the whole structure: the free stack holds exactly the ids whose state is free, each
+  // once, and every other id is used. O(num_blocks); for tests and debugging.
   Status CheckInvariants() const;
 
  private:
   explicit BlockedAllocator(int32_t num_blocks);
 
-  static constexpr int32_t kListEnd = -1;
-  static constexpr int32_t kUsed = -2;
-  static constexpr int32_t kFreeing = -3;  // transient mark inside Free
+  enum State : uint8_t { kFree, kUsed };
 
-  std::vector<int32_t> next_;  // [num_blocks]
-  int32_t head_ = kListEnd;
-  int32_t free_blocks_ = 0;
+  // Undoes the pushes of blocks[0, bad) and builds the error for blocks[bad]. Off the hot path.
+  Status FreeFailure(std::span<const BlockId> blocks, size_t bad);
+
+  std::vector<BlockId> free_stack_;  // [free_blocks]; back() is allocated next
+  std::vector<State> state_;         // [num_blocks]
 };
 
 }  // namespace blockkv

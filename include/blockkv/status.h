@@ -47,12 +47,18 @@ class [[nodiscard]] Status {
  public:
   Status() = default;  // OK
   Status(StatusCode code, std::string message);
+  Status(const Status& other);
+  Status& operator=(const Status& other);
+  Status(Status&&) noexcept = default;
+  Status& operator=(Status&&) noexcept = default;
+  ~Status() = default;
 
   static Status Ok() { return {}; }
 
   bool ok() const { return code_ == StatusCode::kOk; }
   StatusCode code() const { return code_; }
-  const std::string& message() const { return message_; }
+  // Empty for OK.
+  const std::string& message() const;
   // "RESOURCE_EXHAUSTED: cannot allocate 17 blocks: 16 free", or "OK".
   std::string ToString() const;
 
@@ -60,12 +66,14 @@ class [[nodiscard]] Status {
   void IgnoreError() const {}
 
   friend bool operator==(const Status& a, const Status& b) {
-    return a.code_ == b.code_ && a.message_ == b.message_;
+    return a.code_ == b.code_ && a.message() == b.message();
   }
 
  private:
+  // An OK status is one word and a null pointer, so returning one costs nothing; only an error
+  // allocates its message.
   StatusCode code_ = StatusCode::kOk;
-  std::string message_;
+  std::unique_ptr<std::string> message_;
 };
 
 std::ostream& operator<<(std::ostream& os, const Status& status);
