@@ -363,7 +363,7 @@ template <class T>
 Result<TensorView> RaggedBatch::Impl::View(const MirroredArray<T>& array, bool on_device,
                                            std::initializer_list<int64_t> shape) const {
   BLOCKKV_RETURN_IF_ERROR(CheckReadable(on_device));
-  const DeviceKind kind = on_device ? DeviceKind::kCuda : DeviceKind::kCpu;
+  const DeviceKind kind = on_device ? mirror->kind() : DeviceKind::kCpu;
   const int ordinal = on_device ? mirror->ordinal() : 0;
   return ContiguousView(array.data(on_device), DTypeOf<T>(), kind, ordinal, shape);
 }
