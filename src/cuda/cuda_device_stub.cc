@@ -1,4 +1,5 @@
 // CudaDevice when blockkv is built without CUDA (BLOCKKV_CUDA=OFF, or no toolkit found).
+#include "blockkv/cuda_device.h"
 #include "blockkv/device.h"
 #include "internal/strings.h"
 
@@ -9,6 +10,11 @@ Result<std::shared_ptr<Device>> CudaDevice(int ordinal) {
       "CudaDevice(", ordinal,
       ") is unavailable: blockkv was built without CUDA (configure with BLOCKKV_CUDA=ON and the "
       "CUDA toolkit installed)"));
+}
+
+Result<CUstream_st*> CudaStream(const Device& device) {
+  return InvalidArgumentError(internal::StrCat(
+      "CudaStream: ", device.name(), " is not a CUDA device (blockkv was built without CUDA)"));
 }
 
 }  // namespace blockkv
