@@ -16,6 +16,10 @@
 // - Allocate is cudaMalloc (device memory, never managed memory), 256-byte aligned; out of memory
 //   is kResourceExhausted, any other CUDA error kInternal with CUDA's error text. A buffer is
 //   freed with cudaFree on its own device.
+// - CopyFromHost / CopyToHost / CopyWithin are cudaMemcpyAsync on the legacy default stream
+//   followed by a wait for it: ordered after the work already queued on the default stream and
+//   on blocking streams, done when they return. Work on non-blocking streams (CudaStream's, or an
+//   engine's own) must be synchronized by the caller first.
 // - EmptyCache trims the device's default stream-ordered memory pool (cudaMallocAsync's) to zero,
 //   so memory freed with cudaFreeAsync by anyone in the process goes back to the driver before
 //   RESERVE planning. blockkv has no caching allocator of its own; a framework's cache (PyTorch's

@@ -55,6 +55,16 @@ class CudaDeviceImpl final : public Device {
   Result<DeviceBuffer> Allocate(int64_t bytes) override;
   void EmptyCache() override;
 
+  Status CopyFromHost(void* dst, const void* host_src, int64_t bytes) override {
+    return Copy(dst, host_src, bytes, cudaMemcpyHostToDevice, "CopyFromHost");
+  }
+  Status CopyToHost(void* host_dst, const void* src, int64_t bytes) override {
+    return Copy(host_dst, src, bytes, cudaMemcpyDeviceToHost, "CopyToHost");
+  }
+  Status CopyWithin(void* dst, const void* src, int64_t bytes) override {
+    return Copy(dst, src, bytes, cudaMemcpyDeviceToDevice, "CopyWithin");
+  }
+
   CUstream_st* stream() const { return stream_; }
 
  protected:
@@ -63,6 +73,12 @@ class CudaDeviceImpl final : public Device {
  private:
   CudaDeviceImpl(int ordinal, std::string name, int64_t total, cudaStream_t stream)
       : ordinal_(ordinal), name_(std::move(name)), total_(total), stream_(stream) {}
+
+  // A copy on the legacy default stream, waited for: it starts after the work already queued on
+  // that stream and on blocking streams (where engines usually run their kernels), and is done
+  // when this returns. Work on non-blocking streams is the caller's to synchronize first.
+  Status Copy(void* dst, const void* src, int64_t bytes, cudaMemcpyKind kind,
+              const char* what) const;
 
   Status MemGetInfo(size_t* free, size_t* total) const {
     ScopedCudaDevice device(ordinal_);
@@ -138,6 +154,23 @@ Result<DeviceBuffer> CudaDeviceImpl::Allocate(int64_t bytes) {
   BLOCKKV_CHECK(reinterpret_cast<uintptr_t>(data) % kDeviceAlignment == 0,
                 "cudaMalloc returned memory that is not 256-byte aligned");
   return MakeBuffer(data, bytes);
+}
+
+Status CudaDeviceImpl::Copy(void* dst, const void* src, int64_t bytes, cudaMemcpyKind kind,
+                            const char* what) const {
+  if (bytes < 0) {
+    return InvalidArgumentError(StrCat(what, ": cannot copy a negative byte count: ", bytes));
+  }
+  if (bytes == 0) return Status::Ok();
+  ScopedCudaDevice device(ordinal_);
+  BLOCKKV_RETURN_IF_ERROR(device.status());
+  cudaError_t error = cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), kind, cudaStreamLegacy);
+  if (error == cudaSuccess) error = cudaStreamSynchronize(cudaStreamLegacy);
+  if (error != cudaSuccess) {
+    static_cast<void>(cudaGetLastError());  // clears it unless it is sticky (then nothing can)
+    return CudaError(StrCat(what, " of ", bytes, " bytes on ", name_), error);
+  }
+  return Status::Ok();
 }
 
 void CudaDeviceImpl::Deallocate(void* data, int64_t /*bytes*/) {
