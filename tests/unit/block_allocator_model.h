@@ -74,14 +74,15 @@ class ByteSource {
 class ReferenceAllocator {
  public:
   explicit ReferenceAllocator(int32_t num_blocks)
-      : used_(static_cast<size_t>(num_blocks), false),
+      : used_(static_cast<size_t>(num_blocks), 0),
+        seen_in_free_(static_cast<size_t>(num_blocks), 0),
         live_index_(static_cast<size_t>(num_blocks), 0) {
     for (blockkv::BlockId id = 0; id < num_blocks; ++id) free_.push_back(id);
   }
 
   int32_t num_blocks() const { return static_cast<int32_t>(used_.size()); }
   int32_t free_blocks() const { return static_cast<int32_t>(free_.size()); }
-  bool used(blockkv::BlockId id) const { return used_[static_cast<size_t>(id)]; }
+  bool used(blockkv::BlockId id) const { return used_[static_cast<size_t>(id)] != 0; }
   // The allocated ids, in no particular order: for picking random ones.
   const std::vector<blockkv::BlockId>& live() const { return live_; }
   // The free ids, head of the free list first.
@@ -97,7 +98,7 @@ class ReferenceAllocator {
     for (int32_t i = 0; i < n; ++i) {
       const blockkv::BlockId id = free_.front();
       free_.pop_front();
-      used_[static_cast<size_t>(id)] = true;
+      used_[static_cast<size_t>(id)] = 1;
       live_index_[static_cast<size_t>(id)] = live_.size();
       live_.push_back(id);
       out->push_back(id);
@@ -107,16 +108,18 @@ class ReferenceAllocator {
 
   // The first bad id, in order, decides the code.
   blockkv::StatusCode Free(std::span<const blockkv::BlockId> ids) {
-    std::vector<bool> seen(used_.size(), false);
+    ++free_calls_;  // makes the marks of earlier calls stale
     for (const blockkv::BlockId id : ids) {
       if (id < 0 || id >= num_blocks()) return blockkv::StatusCode::kOutOfRange;
       const size_t i = static_cast<size_t>(id);
-      if (seen[i] || !used_[i]) return blockkv::StatusCode::kFailedPrecondition;
-      seen[i] = true;
+      if (seen_in_free_[i] == free_calls_ || used_[i] == 0) {
+        return blockkv::StatusCode::kFailedPrecondition;
+      }
+      seen_in_free_[i] = free_calls_;
     }
     for (const blockkv::BlockId id : ids) {
       const size_t i = static_cast<size_t>(id);
-      used_[i] = false;
+      used_[i] = 0;
       free_.push_front(id);
       const size_t at = live_index_[i];
       live_[at] = live_.back();
@@ -127,7 +130,9 @@ class ReferenceAllocator {
   }
 
  private:
-  std::vector<bool> used_;              // [num_blocks]
+  std::vector<uint8_t> used_;           // [num_blocks]: 1 when allocated
+  std::vector<uint64_t> seen_in_free_;  // [num_blocks]: the Free call that last named the id
+  uint64_t free_calls_ = 0;
   std::deque<blockkv::BlockId> free_;   // front = head of the free list
   std::vector<blockkv::BlockId> live_;  // allocated ids
   std::vector<size_t> live_index_;      // [num_blocks]: position of an allocated id in live_
