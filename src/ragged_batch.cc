@@ -12,7 +12,9 @@
 // InsertSequence validates and records a sequence and copies its tokens; Finalize builds the
 // rest from the recorded sequences' tables. Rows of the dense tables hold kNoBlock past each
 // table: Create fills them, and Finalize rewrites only the entries that changed since the last
-// step (row_len), so a decode step costs O(blocks in use), not O(max_seqs · max_blocks).
+// step: past the table, only what the row held before (row_len); within it, only what was
+// appended since the row last copied the same Sequence::table_version(). A decode step thus
+// copies about one block id per sequence into the dense tables, not the whole table.
 // kv_ptrs never change: they are the addresses of the rows, written once in Create (on a CUDA
 // device, the device mirror holds the device rows' addresses).
 #include "blockkv/ragged_batch.h"
@@ -23,10 +25,12 @@
 #include <limits>
 #include <type_traits>
 
+#include "internal/block_size.h"
 #include "internal/strings.h"
 
 namespace blockkv {
 
+using internal::ColdStrCat;
 using internal::StrCat;
 
 namespace {
@@ -90,7 +94,7 @@ struct RaggedBatch::Impl {
   };
 
   struct Group {
-    int32_t block_size = 0;
+    internal::BlockSize block_size;
     int32_t max_blocks = 0;                   // max_blocks_per_sequence of this group
     MirroredArray<BlockId> block_tables;      // [max_seqs, max_blocks]
     MirroredArray<int64_t> kv_ptrs;           // [max_seqs]
@@ -98,11 +102,16 @@ struct RaggedBatch::Impl {
     MirroredArray<int32_t> kv_indices;        // [max_seqs · max_blocks]
     MirroredArray<int32_t> kv_last_page_len;  // [max_seqs]
     MirroredArray<int64_t> slot_mapping;      // [padded capacity]
-    std::vector<int32_t> row_len;  // [max_seqs] entries of each row that may not be kNoBlock
+    std::vector<int32_t> row_len;       // [max_seqs] entries of each row that may not be kNoBlock
+    std::vector<uint64_t> row_version;  // [max_seqs] table_version() of the row's last copy
   };
 
   Status Init(const StateManager& manager);
   Status InitGroup(const StateManager& manager, int g, int64_t padded_capacity);
+  // The checks of InsertSequence as one predicate, for the hot path; when it fails, the two
+  // functions below (out of line) say which check failed.
+  bool Insertable(const Sequence& seq, int64_t n) const;
+  [[gnu::cold, gnu::noinline]] Status InsertError(const Sequence& seq, int64_t n) const;
   Status CheckInsertable(const Sequence& seq, int64_t n) const;
   Status CheckCoverage(const Sequence& seq, int64_t n, int g) const;
   Status CheckUnchanged() const;
@@ -157,7 +166,7 @@ Status RaggedBatch::Impl::Init(const StateManager& manager) {
 
 Status RaggedBatch::Impl::InitGroup(const StateManager& manager, int g, int64_t padded_capacity) {
   Group& group = groups[static_cast<size_t>(g)];
-  group.block_size = manager.kv_block_size(g);
+  group.block_size = internal::BlockSize(manager.kv_block_size(g));
   group.max_blocks = manager.max_blocks_per_sequence(g);
   const int64_t table_size = int64_t{max_seqs} * group.max_blocks;
   if (table_size > kInt32Max) {
@@ -173,6 +182,7 @@ Status RaggedBatch::Impl::InitGroup(const StateManager& manager, int g, int64_t 
   BLOCKKV_RETURN_IF_ERROR(group.kv_last_page_len.Init(max_seqs, 0, m));
   BLOCKKV_RETURN_IF_ERROR(group.slot_mapping.Init(padded_capacity, kPadIndex, m));
   group.row_len.assign(static_cast<size_t>(max_seqs), 0);
+  group.row_version.assign(static_cast<size_t>(max_seqs), 0);  // no sequence has version 0
   auto write_row_addresses = [&](const BlockId* rows) {
     for (int32_t i = 0; i < max_seqs; ++i) {
       group.kv_ptrs.host[static_cast<size_t>(i)] =
@@ -223,7 +233,34 @@ Status RaggedBatch::Impl::CheckInsertable(const Sequence& seq, int64_t n) const 
   return Status::Ok();
 }
 
-// The sequence's table of group `g` holds a block for every position [seen, seen + n).
+bool RaggedBatch::Impl::Insertable(const Sequence& seq, int64_t n) const {
+  const int32_t slot = seq.tracking_slot();
+  if (finalized || slot < 0 || static_cast<size_t>(slot) >= in_batch.size() ||
+      in_batch[static_cast<size_t>(slot)] != 0 || std::ssize(entries) >= max_seqs ||
+      n > int64_t{max_tokens} - n_tokens || n != seq.in_flight_tokens() ||
+      seq.seen_tokens() > kInt32Max - n) {
+    return false;
+  }
+  const int64_t end = seq.seen_tokens() + n;
+  for (int g = 0; g < std::ssize(groups); ++g) {
+    const Group& group = groups[static_cast<size_t>(g)];
+    const int32_t allocated = seq.cur_allocated_blocks(g);
+    if (allocated > group.max_blocks || allocated < group.block_size.BlocksFor(end)) return false;
+  }
+  return true;
+}
+
+Status RaggedBatch::Impl::InsertError(const Sequence& seq, int64_t n) const {
+  BLOCKKV_RETURN_IF_ERROR(CheckInsertable(seq, n));
+  for (int g = 0; g < std::ssize(groups); ++g) BLOCKKV_RETURN_IF_ERROR(CheckCoverage(seq, n, g));
+  return InternalError("RaggedBatch: Insertable and its checks disagree");
+}
+
+// The sequence's table of group `g` reaches past every new position [seen, seen + n). The
+// entries there hold blocks by the state manager's invariants (a table entry is kNoBlock only
+// when FreeLeadingBlocks released it, and that releases only blocks wholly before seen), which
+// StateManager::CheckInvariants verifies; this O(1) check keeps a batch from ever indexing past
+// a table without reading the table itself.
 Status RaggedBatch::Impl::CheckCoverage(const Sequence& seq, int64_t n, int g) const {
   const Group& group = groups[static_cast<size_t>(g)];
   const int32_t allocated = seq.cur_allocated_blocks(g);
@@ -234,39 +271,29 @@ Status RaggedBatch::Impl::CheckCoverage(const Sequence& seq, int64_t n, int g) c
   }
   const int64_t seen = seq.seen_tokens();
   const int64_t end = seen + n;
-  const int64_t needed = (end + group.block_size - 1) / group.block_size;
+  const int64_t needed = group.block_size.BlocksFor(end);
   if (allocated < needed) {
     return FailedPreconditionError(StrCat("sequence ", seq.uid(), " holds ", allocated,
                                           " blocks of cache group ", g, " (block size ",
-                                          group.block_size, ") but tokens [", seen, ", ", end,
-                                          ") need ", needed, "; Schedule it first"));
-  }
-  if (n == 0) return Status::Ok();
-  std::span<const BlockId> table = seq.block_table(g);
-  for (int64_t b = seen / group.block_size; b < needed; ++b) {
-    if (table[static_cast<size_t>(b)] == kNoBlock) {
-      return FailedPreconditionError(StrCat("sequence ", seq.uid(), ": entry ", b,
-                                            " of its table in cache group ", g,
-                                            " holds no block but new tokens go there"));
-    }
+                                          group.block_size.value(), ") but tokens [", seen, ", ",
+                                          end, ") need ", needed, "; Schedule it first"));
   }
   return Status::Ok();
 }
 
-// The recorded sequences were not flushed, scheduled or advanced since they were inserted, and
-// still hold blocks for their new tokens (Finalize reads their tables).
+// The recorded sequences were not flushed, scheduled or advanced since they were inserted. Their
+// blocks for the new tokens cannot have changed without one of these: a sequence's table grows
+// only through Schedule (which sets in_flight) and loses entries only to Flush or to
+// FreeLeadingBlocks (which releases only blocks before seen).
 Status RaggedBatch::Impl::CheckUnchanged() const {
   for (const Entry& e : entries) {
     const Sequence& seq = *e.seq;
     if (seq.uid() != e.uid || seq.tracking_slot() != e.slot || seq.seen_tokens() != e.seen_tokens ||
         seq.in_flight_tokens() != e.n_tokens) {
       return FailedPreconditionError(
-          StrCat("sequence ", e.uid, " changed after InsertSequence (inserted with seen ",
-                 e.seen_tokens, ", ", e.n_tokens, " in flight; now uid ", seq.uid(), ", seen ",
-                 seq.seen_tokens(), ", ", seq.in_flight_tokens(), " in flight)"));
-    }
-    for (int g = 0; g < std::ssize(groups); ++g) {
-      BLOCKKV_RETURN_IF_ERROR(CheckCoverage(seq, e.n_tokens, g));
+          ColdStrCat("sequence ", e.uid, " changed after InsertSequence (inserted with seen ",
+                     e.seen_tokens, ", ", e.n_tokens, " in flight; now uid ", seq.uid(), ", seen ",
+                     seq.seen_tokens(), ", ", seq.in_flight_tokens(), " in flight)"));
     }
   }
   return Status::Ok();
@@ -293,7 +320,7 @@ void RaggedBatch::Impl::FillTokens(bool padding) {
 
 void RaggedBatch::Impl::FillGroup(int g) {
   Group& group = groups[static_cast<size_t>(g)];
-  const int64_t bs = group.block_size;
+  const internal::BlockSize bs = group.block_size;
   int32_t* indptr = group.kv_indptr.host.data();
   indptr[0] = 0;
   for (size_t i = 0; i < entries.size(); ++i) {
@@ -301,20 +328,26 @@ void RaggedBatch::Impl::FillGroup(int g) {
     std::span<const BlockId> table = e.seq->block_table(g);
     BlockId* row = group.block_tables.host.data() + static_cast<int64_t>(i) * group.max_blocks;
     const auto len = static_cast<int32_t>(table.size());
-    std::copy(table.begin(), table.end(), row);
+    // The row still holds this table's prefix when it last copied the same table version:
+    // copy only what was appended since.
+    const int32_t kept =
+        group.row_version[i] == e.seq->table_version() ? std::min(group.row_len[i], len) : 0;
+    std::copy(table.begin() + kept, table.end(), row + kept);
     if (group.row_len[i] > len) std::fill(row + len, row + group.row_len[i], kNoBlock);
     group.row_len[i] = len;
+    group.row_version[i] = e.seq->table_version();
 
     const int64_t total = int64_t{e.seen_tokens} + e.n_tokens;
-    const auto used = static_cast<int32_t>((total + bs - 1) / bs);
+    const auto used = static_cast<int32_t>(bs.BlocksFor(total));
     std::copy(row, row + used, group.kv_indices.host.begin() + indptr[i]);
     indptr[i + 1] = indptr[i] + used;
-    group.kv_last_page_len.host[i] = total == 0 ? 0 : static_cast<int32_t>((total - 1) % bs + 1);
+    group.kv_last_page_len.host[i] =
+        total == 0 ? 0 : static_cast<int32_t>(bs.Offset(total - 1) + 1);
 
     int64_t* slots = group.slot_mapping.host.data() + e.start;
     for (int32_t t = 0; t < e.n_tokens; ++t) {
       const int64_t pos = int64_t{e.seen_tokens} + t;
-      slots[t] = int64_t{row[pos / bs]} * bs + pos % bs;
+      slots[t] = int64_t{row[bs.Index(pos)]} * bs.value() + bs.Offset(pos);
     }
   }
   std::fill(group.slot_mapping.host.begin() + n_tokens, group.slot_mapping.host.begin() + padded,
@@ -382,9 +415,8 @@ RaggedBatch::~RaggedBatch() = default;
 Status RaggedBatch::InsertSequence(const Sequence& seq, std::span<const int64_t> tokens) {
   Impl& b = *impl_;
   const int64_t n = std::ssize(tokens);
-  BLOCKKV_RETURN_IF_ERROR(b.CheckInsertable(seq, n));
-  for (int g = 0; g < std::ssize(b.groups); ++g) {
-    BLOCKKV_RETURN_IF_ERROR(b.CheckCoverage(seq, n, g));
+  if (!b.Insertable(seq, n)) [[unlikely]] {
+    return b.InsertError(seq, n);
   }
   b.entries.push_back(Impl::Entry{.seq = &seq,
                                   .uid = seq.uid(),
@@ -392,7 +424,11 @@ Status RaggedBatch::InsertSequence(const Sequence& seq, std::span<const int64_t>
                                   .start = b.n_tokens,
                                   .n_tokens = static_cast<int32_t>(n),
                                   .seen_tokens = static_cast<int32_t>(seq.seen_tokens())});
-  std::copy(tokens.begin(), tokens.end(), b.input_ids.host.begin() + b.n_tokens);
+  if (n == 1) {  // a decode step: no call into memmove for one token
+    b.input_ids.host[static_cast<size_t>(b.n_tokens)] = tokens[0];
+  } else {
+    std::copy(tokens.begin(), tokens.end(), b.input_ids.host.begin() + b.n_tokens);
+  }
   b.in_batch[static_cast<size_t>(seq.tracking_slot())] = 1;
   b.n_tokens += static_cast<int32_t>(n);
   return Status::Ok();

@@ -5,12 +5,15 @@
 #include <string>
 #include <utility>
 
+#include "internal/block_size.h"
 #include "internal/check.h"
 #include "internal/checked_math.h"
 #include "internal/strings.h"
+#include "internal/uid_map.h"
 
 namespace blockkv {
 
+using internal::ColdStrCat;
 using internal::StrCat;
 
 Status StateManagerConfig::Validate() const {
@@ -102,17 +105,24 @@ Result<std::unique_ptr<StateManager>> StateManager::Create(StateManagerConfig co
 
 StateManager::StateManager(StateManagerConfig config, std::unique_ptr<BlockedKVCache> cache,
                            BlockedAllocator slots)
-    : config_(std::move(config)), cache_(std::move(cache)), slots_(std::move(slots)) {
+    : config_(std::move(config)),
+      cache_(std::move(cache)),
+      slots_(std::move(slots)),
+      by_uid_(std::make_unique<internal::UidMap>(config_.max_tracked_sequences)) {
   const int num_groups = cache_->num_groups();
   const auto tracked = static_cast<size_t>(config_.max_tracked_sequences);
+  token_limit_ = config_.max_context;
   for (int g = 0; g < num_groups; ++g) {
     pools_.emplace_back(cache_.get(), g);
     tables_.emplace_back(tracked * static_cast<size_t>(max_blocks_per_sequence(g)), kNoBlock);
+    block_sizes_.emplace_back(kv_block_size(g));
+    token_limit_ = std::min(token_limit_, int64_t{max_blocks_per_sequence(g)} * kv_block_size(g));
   }
   sequences_.resize(tracked);
+  group_states_.resize(tracked * static_cast<size_t>(num_groups));
   for (size_t slot = 0; slot < tracked; ++slot) {
     Sequence& seq = sequences_[slot];
-    seq.groups_.resize(static_cast<size_t>(num_groups));
+    seq.groups_ = &group_states_[slot * static_cast<size_t>(num_groups)];
     for (int g = 0; g < num_groups; ++g) {
       seq.groups_[g].row =
           tables_[g].data() + slot * static_cast<size_t>(max_blocks_per_sequence(g));
@@ -127,13 +137,21 @@ StateManager::~StateManager() = default;
 // ---- lookups ----------------------------------------------------------------------------------
 
 Sequence* StateManager::Find(SeqId uid) {
-  const auto it = by_uid_.find(uid);
-  return it == by_uid_.end() ? nullptr : &sequences_[it->second];
+  const int32_t slot = by_uid_->Find(uid);
+  return slot == internal::UidMap::kAbsent ? nullptr : &sequences_[slot];
 }
 
 const Sequence* StateManager::Find(SeqId uid) const {
-  const auto it = by_uid_.find(uid);
-  return it == by_uid_.end() ? nullptr : &sequences_[it->second];
+  const int32_t slot = by_uid_->Find(uid);
+  return slot == internal::UidMap::kAbsent ? nullptr : &sequences_[slot];
+}
+
+int32_t StateManager::n_tracked_sequences() const { return by_uid_->size(); }
+
+int32_t StateManager::BlocksNeeded(int64_t seen, int32_t allocated, int64_t new_tokens,
+                                   int group) const {
+  const int64_t needed = block_sizes_[group].BlocksFor(seen + new_tokens) - allocated;
+  return needed > 0 ? static_cast<int32_t>(needed) : 0;
 }
 
 const Sequence* StateManager::GetSequence(SeqId uid) const { return Find(uid); }
@@ -164,20 +182,6 @@ int64_t StateManager::RemainingBlockCapacity(SeqId uid, int group) const {
   return seq->seen_tokens() % kv_block_size(group);
 }
 
-int32_t StateManager::BlocksNeeded(int64_t seen, int32_t allocated, int64_t new_tokens,
-                                   int group) const {
-  const int64_t needed = CeilDiv(seen + new_tokens, kv_block_size(group)) - allocated;
-  return static_cast<int32_t>(std::max<int64_t>(needed, 0));
-}
-
-int64_t StateManager::TokenCapacity(int64_t seen) const {
-  int64_t limit = config_.max_context;
-  for (int g = 0; g < num_groups(); ++g) {
-    limit = std::min(limit, int64_t{max_blocks_per_sequence(g)} * kv_block_size(g));
-  }
-  return std::max<int64_t>(limit - seen, 0);
-}
-
 // ---- sequences --------------------------------------------------------------------------------
 
 Sequence* StateManager::CreateInSlot(SeqId uid) {
@@ -189,8 +193,9 @@ Sequence* StateManager::CreateInSlot(SeqId uid) {
   seq.slot_ = slot;
   seq.seen_tokens_ = 0;
   seq.in_flight_tokens_ = 0;
-  for (Sequence::GroupState& g : seq.groups_) g.allocated = g.released = 0;
-  by_uid_.emplace(uid, slot);
+  seq.table_version_ = ++last_table_version_;
+  for (int g = 0; g < num_groups(); ++g) seq.groups_[g].allocated = seq.groups_[g].released = 0;
+  by_uid_->Insert(uid, slot);
   return &seq;
 }
 
@@ -225,22 +230,24 @@ Status StateManager::FlushSequence(SeqId uid) {
   const BlockId slot = seq->slot_;
   const Status freed = slots_.Free(std::span<const BlockId>(&slot, 1));
   BLOCKKV_CHECK(freed.ok(), "a tracked sequence's slot was free");
-  by_uid_.erase(uid);
+  by_uid_->Erase(uid);
   seq->slot_ = -1;
   seq->seen_tokens_ = seq->in_flight_tokens_ = 0;
   return Status::Ok();
 }
 
 Status StateManager::PostForward(std::span<const SeqId> uids) {
-  for (const SeqId uid : uids) {
-    if (Find(uid) == nullptr) {
-      return NotFoundError(StrCat("PostForward: sequence ", uid, " is not tracked"));
+  slot_scratch_.resize(uids.size());
+  for (size_t i = 0; i < uids.size(); ++i) {
+    slot_scratch_[i] = by_uid_->Find(uids[i]);
+    if (slot_scratch_[i] == internal::UidMap::kAbsent) {
+      return NotFoundError(ColdStrCat("PostForward: sequence ", uids[i], " is not tracked"));
     }
   }
-  for (const SeqId uid : uids) {
-    Sequence* seq = Find(uid);
-    seq->seen_tokens_ += seq->in_flight_tokens_;
-    seq->in_flight_tokens_ = 0;
+  for (const int32_t slot : slot_scratch_) {
+    Sequence& seq = sequences_[slot];
+    seq.seen_tokens_ += seq.in_flight_tokens_;
+    seq.in_flight_tokens_ = 0;
   }
   return Status::Ok();
 }
@@ -267,6 +274,7 @@ Status StateManager::FreeLeadingBlocks(SeqId uid, int32_t num_blocks, int group)
       pools_[group].Release(std::span<const BlockId>(first, static_cast<size_t>(num_blocks))));
   std::fill(first, first + num_blocks, kNoBlock);
   state.released += num_blocks;
+  seq->table_version_ = ++last_table_version_;
   return Status::Ok();
 }
 
@@ -291,31 +299,33 @@ SchedulingResult StateManager::Check(std::span<const SeqId> uids, std::span<cons
                                      std::string* why) const {
   const auto n = static_cast<int64_t>(uids.size());
   if (n > config_.max_ragged_sequence_count) {
-    *why = StrCat(
+    *why = ColdStrCat(
         n, " sequences exceed max_ragged_sequence_count=", config_.max_ragged_sequence_count);
     return SchedulingResult::kBatchSequenceLimitExceeded;
   }
+  need_scratch_.resize(uids.size() * static_cast<size_t>(num_groups()));
   std::vector<int64_t>& free = free_scratch_;
   free.assign(static_cast<size_t>(num_groups()), 0);
   for (int g = 0; g < num_groups(); ++g) free[g] = pools_[g].free_blocks();
   int64_t tracked = n_tracked_sequences();
   int64_t tokens = 0;
   for (size_t i = 0; i < uids.size(); ++i) {
-    const Sequence* seq = Find(uids[i]);
+    const Sequence* seq = Scheduled(i);
     const int64_t seen = seq ? seq->seen_tokens_ : 0;
     if (seq == nullptr) ++tracked;
     if (lengths[i] > TokenCapacity(seen)) {
-      *why = StrCat("sequence ", uids[i], " at ", seen, " tokens cannot take ", lengths[i],
-                    " more: max_context=", config_.max_context, " and its block tables hold ",
-                    seen + TokenCapacity(seen), " tokens");
+      *why = ColdStrCat("sequence ", uids[i], " at ", seen, " tokens cannot take ", lengths[i],
+                        " more: max_context=", config_.max_context, " and its block tables hold ",
+                        seen + TokenCapacity(seen), " tokens");
       return SchedulingResult::kSequenceTokenLimitExceeded;
     }
     for (int g = 0; g < num_groups(); ++g) {
       const int32_t allocated = seq ? seq->groups_[g].allocated : 0;
       const int32_t needed = BlocksNeeded(seen, allocated, lengths[i], g);
+      need_scratch_[i * static_cast<size_t>(num_groups()) + static_cast<size_t>(g)] = needed;
       if (needed > free[g]) {
-        *why = StrCat("sequence ", uids[i], " needs ", needed, " blocks of cache group ", g, ", ",
-                      free[g], " left for it (", pools_[g].free_blocks(), " free)");
+        *why = ColdStrCat("sequence ", uids[i], " needs ", needed, " blocks of cache group ", g,
+                          ", ", free[g], " left for it (", pools_[g].free_blocks(), " free)");
         return SchedulingResult::kKVCacheLimitExceeded;
       }
       free[g] -= needed;
@@ -323,12 +333,13 @@ SchedulingResult StateManager::Check(std::span<const SeqId> uids, std::span<cons
     tokens += lengths[i];
   }
   if (tracked > config_.max_tracked_sequences) {
-    *why = StrCat(tracked, " tracked sequences would exceed max_tracked_sequences=",
-                  config_.max_tracked_sequences);
+    *why = ColdStrCat(tracked, " tracked sequences would exceed max_tracked_sequences=",
+                      config_.max_tracked_sequences);
     return SchedulingResult::kEngineSequenceLimitExceeded;
   }
   if (tokens > config_.max_ragged_batch_size) {
-    *why = StrCat(tokens, " tokens exceed max_ragged_batch_size=", config_.max_ragged_batch_size);
+    *why =
+        ColdStrCat(tokens, " tokens exceed max_ragged_batch_size=", config_.max_ragged_batch_size);
     return SchedulingResult::kBatchTokenLimitExceeded;
   }
   return SchedulingResult::kSuccess;
@@ -337,12 +348,12 @@ SchedulingResult StateManager::Check(std::span<const SeqId> uids, std::span<cons
 Status StateManager::CheckScheduleArgs(std::span<const SeqId> uids,
                                        std::span<const int64_t> lengths) const {
   if (uids.size() != lengths.size()) {
-    return InvalidArgumentError(StrCat(uids.size(), " uids but ", lengths.size(), " lengths"));
+    return InvalidArgumentError(ColdStrCat(uids.size(), " uids but ", lengths.size(), " lengths"));
   }
   for (size_t i = 0; i < lengths.size(); ++i) {
     if (lengths[i] < 0) {
       return InvalidArgumentError(
-          StrCat("sequence ", uids[i], " has a negative length ", lengths[i]));
+          ColdStrCat("sequence ", uids[i], " has a negative length ", lengths[i]));
     }
   }
   // Duplicates: tracked uids by an epoch mark on their slot, new uids by sorting.
@@ -352,20 +363,23 @@ Status StateManager::CheckScheduleArgs(std::span<const SeqId> uids,
   }
   std::vector<SeqId>& fresh = uid_scratch_;
   fresh.clear();
-  for (const SeqId uid : uids) {
-    const auto it = by_uid_.find(uid);
-    if (it == by_uid_.end()) {
-      fresh.push_back(uid);
-    } else if (slot_marks_[it->second] == mark_epoch_) {
-      return InvalidArgumentError(StrCat("sequence ", uid, " appears twice in one batch"));
-    } else {
-      slot_marks_[it->second] = mark_epoch_;
+  slot_scratch_.resize(uids.size());
+  for (size_t i = 0; i < uids.size(); ++i) {
+    const int32_t slot = by_uid_->Find(uids[i]);
+    slot_scratch_[i] = slot;
+    if (slot == internal::UidMap::kAbsent) {
+      fresh.push_back(uids[i]);
+      continue;
     }
+    if (slot_marks_[slot] == mark_epoch_) {
+      return InvalidArgumentError(ColdStrCat("sequence ", uids[i], " appears twice in one batch"));
+    }
+    slot_marks_[slot] = mark_epoch_;
   }
   std::sort(fresh.begin(), fresh.end());
   const auto dup = std::adjacent_find(fresh.begin(), fresh.end());
   if (dup != fresh.end()) {
-    return InvalidArgumentError(StrCat("sequence ", *dup, " appears twice in one batch"));
+    return InvalidArgumentError(ColdStrCat("sequence ", *dup, " appears twice in one batch"));
   }
   return Status::Ok();
 }
@@ -387,26 +401,23 @@ Status StateManager::Schedule(std::span<const SeqId> uids, std::span<const int64
     return ResourceExhaustedError(
         StrCat("cannot schedule the batch: ", SchedulingResultName(verdict), ": ", why));
   }
-  // Take every group's blocks at once; Check guaranteed they are there.
-  for (int g = 0; g < num_groups(); ++g) {
+  // Take every group's blocks at once; Check counted them and guaranteed they are there.
+  const auto groups = static_cast<size_t>(num_groups());
+  for (size_t g = 0; g < groups; ++g) {
     int64_t total = 0;
-    for (size_t i = 0; i < uids.size(); ++i) {
-      const Sequence* seq = Find(uids[i]);
-      total += BlocksNeeded(seq ? seq->seen_tokens_ : 0, seq ? seq->groups_[g].allocated : 0,
-                            lengths[i], g);
-    }
+    for (size_t i = 0; i < uids.size(); ++i) total += need_scratch_[i * groups + g];
     scratch_[g].resize(static_cast<size_t>(total));
     const Status taken = pools_[g].Take(static_cast<int32_t>(total), scratch_[g]);
     BLOCKKV_CHECK(taken.ok(), "Schedule: blocks that Check counted were not there");
   }
   std::vector<size_t>& next = next_scratch_;
-  next.assign(static_cast<size_t>(num_groups()), 0);
+  next.assign(groups, 0);
   for (size_t i = 0; i < uids.size(); ++i) {
-    Sequence* seq = Find(uids[i]);
-    if (seq == nullptr) seq = CreateInSlot(uids[i]);
-    for (int g = 0; g < num_groups(); ++g) {
+    Sequence* seq = slot_scratch_[i] == internal::UidMap::kAbsent ? CreateInSlot(uids[i])
+                                                                  : &sequences_[slot_scratch_[i]];
+    for (size_t g = 0; g < groups; ++g) {
       Sequence::GroupState& state = seq->groups_[g];
-      const int32_t needed = BlocksNeeded(seq->seen_tokens_, state.allocated, lengths[i], g);
+      const int32_t needed = need_scratch_[i * groups + g];
       std::copy_n(scratch_[g].begin() + static_cast<std::ptrdiff_t>(next[g]), needed,
                   state.row + state.allocated);
       next[g] += static_cast<size_t>(needed);
@@ -513,17 +524,22 @@ Status StateManager::CheckInvariants() const {
                                 " tracked sequences"));
   }
   BLOCKKV_RETURN_IF_ERROR(slots_.CheckInvariants());
-  for (const auto& [uid, slot] : by_uid_) {
-    if (!slots_.IsUsed(slot) || sequences_[slot].uid_ != uid || sequences_[slot].slot_ != slot) {
-      return InternalError(StrCat("sequence ", uid, " maps to inconsistent slot ", slot));
+  Status mapping;
+  by_uid_->ForEach([&](SeqId uid, int32_t slot) {
+    if (mapping.ok() &&
+        (!slots_.IsUsed(slot) || sequences_[slot].uid_ != uid || sequences_[slot].slot_ != slot)) {
+      mapping = InternalError(StrCat("sequence ", uid, " maps to inconsistent slot ", slot));
     }
-  }
+  });
+  BLOCKKV_RETURN_IF_ERROR(mapping);
   for (int g = 0; g < num_groups(); ++g) {
     BLOCKKV_RETURN_IF_ERROR(pools_[g].CheckInvariants());
     std::vector<int32_t> owners(static_cast<size_t>(pools_[g].num_blocks()), 0);
-    for (const auto& [uid, slot] : by_uid_) {
-      BLOCKKV_RETURN_IF_ERROR(CheckSequence(sequences_[slot], &owners, g));
-    }
+    Status sequences;
+    by_uid_->ForEach([&](SeqId, int32_t slot) {
+      if (sequences.ok()) sequences = CheckSequence(sequences_[slot], &owners, g);
+    });
+    BLOCKKV_RETURN_IF_ERROR(sequences);
     for (BlockId block = 0; block < pools_[g].num_blocks(); ++block) {
       if (owners[block] != pools_[g].ref_count(block)) {
         return InternalError(StrCat("block ", block, " of group ", g, " is in ", owners[block],

@@ -31,7 +31,6 @@
 #include <span>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 #include <vector>
 
 #include "blockkv/block_pool.h"
@@ -42,6 +41,10 @@
 #include "blockkv/status.h"
 
 namespace blockkv {
+namespace internal {
+class BlockSize;
+class UidMap;
+}  // namespace internal
 
 using SeqId = int64_t;  // the engine's id for a sequence (DeepSpeed's uid)
 
@@ -100,6 +103,11 @@ class Sequence {
   int32_t cur_allocated_blocks(int group = 0) const { return groups_[group].allocated; }
   // Leading table entries released by FreeLeadingBlocks (now kNoBlock).
   int32_t released_blocks(int group = 0) const { return groups_[group].released; }
+  // Changes whenever an entry of this sequence's tables changes other than by appending: a
+  // new sequence (a tracking slot reused included) and FreeLeadingBlocks get a fresh value,
+  // unique within the manager. Between two equal values the tables only grew, so a consumer
+  // that copied a prefix of a table may copy just what was appended.
+  uint64_t table_version() const { return table_version_; }
   // The table row of `group`, entries [0, cur_allocated_blocks(group)).
   std::span<const BlockId> block_table(int group = 0) const {
     return {groups_[group].row, static_cast<size_t>(groups_[group].allocated)};
@@ -117,7 +125,8 @@ class Sequence {
   int32_t slot_ = -1;
   int64_t seen_tokens_ = 0;
   int64_t in_flight_tokens_ = 0;
-  std::vector<GroupState> groups_;
+  uint64_t table_version_ = 0;
+  GroupState* groups_ = nullptr;  // [num_groups] in the manager's flat group_states_
 };
 
 class StateManager {
@@ -193,7 +202,7 @@ class StateManager {
 
   const StateManagerConfig& config() const { return config_; }
   int num_groups() const { return static_cast<int>(pools_.size()); }
-  int32_t n_tracked_sequences() const { return static_cast<int32_t>(by_uid_.size()); }
+  int32_t n_tracked_sequences() const;
   std::vector<int32_t> free_blocks() const;  // one entry per cache group
   int32_t kv_block_size(int group = 0) const;
   int32_t max_blocks_per_sequence(int group = 0) const;
@@ -211,11 +220,19 @@ class StateManager {
   int32_t BlocksNeeded(int64_t seen, int32_t allocated, int64_t new_tokens, int group) const;
   // The largest number of new tokens a sequence at `seen` may add: max_context and every
   // group's table capacity.
-  int64_t TokenCapacity(int64_t seen) const;
+  int64_t TokenCapacity(int64_t seen) const {
+    return token_limit_ > seen ? token_limit_ - seen : 0;
+  }
   Status CheckGroupArg(int group) const;
-  // Mismatched spans, negative lengths, duplicate uids.
+  // Mismatched spans, negative lengths, duplicate uids. Leaves each uid's slot (or -1 for a new
+  // one) in slot_scratch_ for Check and Schedule.
   Status CheckScheduleArgs(std::span<const SeqId> uids, std::span<const int64_t> lengths) const;
-  // CanSchedule's verdict; `why` names the limit and the values when it is not kSuccess.
+  // The tracked sequence of the i-th uid of the call being checked, or nullptr.
+  const Sequence* Scheduled(size_t i) const {
+    return slot_scratch_[i] < 0 ? nullptr : &sequences_[slot_scratch_[i]];
+  }
+  // CanSchedule's verdict over slot_scratch_; `why` names the limit and the values when it is not
+  // kSuccess.
   SchedulingResult Check(std::span<const SeqId> uids, std::span<const int64_t> lengths,
                          std::string* why) const;
   Status CheckSequence(const Sequence& seq, std::vector<int32_t>* owners, int group) const;
@@ -226,11 +243,14 @@ class StateManager {
 
   StateManagerConfig config_;
   std::unique_ptr<BlockedKVCache> cache_;
-  std::vector<BlockPool> pools_;               // one per cache group
-  std::vector<std::vector<BlockId>> tables_;   // per group [max_tracked, max_blocks]
-  BlockedAllocator slots_;                     // tracking slots
-  std::vector<Sequence> sequences_;            // [max_tracked_sequences], indexed by slot
-  std::unordered_map<SeqId, int32_t> by_uid_;  // uid -> slot
+  std::vector<BlockPool> pools_;                    // one per cache group
+  std::vector<std::vector<BlockId>> tables_;        // per group [max_tracked, max_blocks]
+  BlockedAllocator slots_;                          // tracking slots
+  std::vector<Sequence> sequences_;                 // [max_tracked_sequences], indexed by slot
+  std::vector<Sequence::GroupState> group_states_;  // [max_tracked_sequences, num_groups]
+  std::unique_ptr<internal::UidMap> by_uid_;        // uid -> slot
+  std::vector<internal::BlockSize> block_sizes_;    // per group
+  int64_t token_limit_ = 0;  // min(max_context, every table's token capacity)
 
   // Scratch reused across calls so a step allocates nothing once warm.
   std::vector<std::vector<BlockId>> scratch_;  // per group: blocks taken in one Schedule
@@ -238,8 +258,11 @@ class StateManager {
   std::vector<BlockId> tail_scratch_;
   mutable std::vector<int64_t> free_scratch_;
   mutable std::vector<SeqId> uid_scratch_;
-  mutable std::vector<uint32_t> slot_marks_;  // [max_tracked]: == mark_epoch_ when seen
+  mutable std::vector<int32_t> slot_scratch_;  // per uid of the call: its slot, or -1 when new
+  mutable std::vector<int32_t> need_scratch_;  // [uids, groups]: new blocks Check counted
+  mutable std::vector<uint32_t> slot_marks_;   // [max_tracked]: == mark_epoch_ when seen
   mutable uint32_t mark_epoch_ = 0;
+  uint64_t last_table_version_ = 0;
 };
 
 }  // namespace blockkv

@@ -14,6 +14,13 @@ std::string StrCat(const Args&... args) {
   return os.str();
 }
 
+// StrCat kept out of line: for error messages built inside hot loops, so that the loop does not
+// carry the stream's stack frame and code.
+template <class... Args>
+[[gnu::cold, gnu::noinline]] std::string ColdStrCat(const Args&... args) {
+  return StrCat(args...);
+}
+
 // "1.50 GiB", "512 B": for log lines.
 std::string HumanBytes(long double bytes);
 
