@@ -33,6 +33,11 @@ Status KVCacheConfig::Validate() const {
     return InvalidArgumentError(StrCat("KVCacheConfig.cache_dtype is not a known dtype (value ",
                                        static_cast<int>(cache_dtype), ")"));
   }
+  if (cache_dtype == DType::kInt32 || cache_dtype == DType::kInt64) {
+    return InvalidArgumentError(StrCat("KVCacheConfig.cache_dtype ", DTypeName(cache_dtype),
+                                       " is an index type, not a KV-cache element type; use fp32, "
+                                       "fp16, bf16, fp8_e4m3 or int8"));
+  }
   return bytes_per_block().status();
 }
 
@@ -42,9 +47,9 @@ Result<int64_t> KVCacheConfig::bytes_per_block() const {
     return InvalidArgumentError(StrCat("KVCacheConfig.cache_dtype is not a known dtype (value ",
                                        static_cast<int>(cache_dtype), ")"));
   }
-  const auto bytes = internal::CheckedProduct(
-      {num_caches(), block_size, 2, num_kv_heads(), head_size(),
-       static_cast<int64_t>(ElementSize(cache_dtype))});
+  const auto bytes =
+      internal::CheckedProduct({num_caches(), block_size, 2, num_kv_heads(), head_size(),
+                                static_cast<int64_t>(ElementSize(cache_dtype))});
   if (!bytes) {
     return InvalidArgumentError(
         StrCat("KVCacheConfig bytes per block overflows int64: num_caches=", num_caches(),

@@ -143,3 +143,20 @@ TEST(MemoryConfigTest, ModeNames) {
 
 }  // namespace
 }  // namespace blockkv
+
+namespace blockkv {
+namespace {
+
+TEST(KVCacheConfigDType, RejectsIndexTypesAsCacheElements) {
+  for (DType index : {DType::kInt32, DType::kInt64}) {
+    KVCacheConfig c;
+    c.cache_shape = {1, 1, 8};
+    c.cache_dtype = index;
+    const Status s = c.Validate();
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find(std::string(DTypeName(index))), std::string::npos) << s;
+  }
+}
+
+}  // namespace
+}  // namespace blockkv
