@@ -26,14 +26,15 @@ TEST(DTypeTest, ElementSizes) {
 }
 
 TEST(DTypeTest, CanonicalNamesRoundTrip) {
-  for (DType d :
-       {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat8E4M3, DType::kInt8}) {
+  for (DType d : {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat8E4M3,
+                  DType::kInt8, DType::kInt32, DType::kInt64}) {
     EXPECT_TRUE(IsValidDType(d));
     Result<DType> parsed = ParseDType(DTypeName(d));
     ASSERT_OK(parsed);
     EXPECT_EQ(*parsed, d);
   }
   EXPECT_EQ(DTypeName(DType::kFloat8E4M3), "fp8_e4m3");
+  EXPECT_EQ(DTypeName(DType::kInt64), "int64");
 }
 
 TEST(DTypeTest, ParsesEveryAlias) {
@@ -43,7 +44,8 @@ TEST(DTypeTest, ParsesEveryAlias) {
       {"half", DType::kFloat16},        {"float16", DType::kFloat16},
       {"bf16", DType::kBFloat16},       {"bfloat16", DType::kBFloat16},
       {"fp8_e4m3", DType::kFloat8E4M3}, {"float8_e4m3fn", DType::kFloat8E4M3},
-      {"int8", DType::kInt8},
+      {"int8", DType::kInt8},           {"int32", DType::kInt32},
+      {"int64", DType::kInt64},
   };
   for (const auto& [name, dtype] : aliases) {
     Result<DType> parsed = ParseDType(name);
