@@ -246,7 +246,9 @@ BENCHMARK_TEMPLATE(BM_DecodeStep, Engine)
     ->ReportAggregatesOnly(true);
 BENCHMARK_TEMPLATE(BM_DecodeStep, ManagerOnly)
     ->Name("decode_step/blockkv_manager_only")
-    ->Arg(256)->Arg(1024)->Arg(4096)
+    ->Arg(256)
+    ->Arg(1024)
+    ->Arg(4096)
     ->Unit(benchmark::kMicrosecond)
     ->Repetitions(5)
     ->ReportAggregatesOnly(true);

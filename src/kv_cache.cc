@@ -194,8 +194,7 @@ Status BlockedKVCache::CopyBlocks(std::span<const BlockId> src, std::span<const 
     char* layer_base = base + layer * layer_bytes;
     for (size_t i = 0; i < src.size(); ++i) {
       BLOCKKV_RETURN_IF_ERROR(device_->CopyWithin(layer_base + dst[i] * block_bytes,
-                                                  layer_base + src[i] * block_bytes,
-                                                  block_bytes));
+                                                  layer_base + src[i] * block_bytes, block_bytes));
     }
   }
   return Status::Ok();

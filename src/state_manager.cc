@@ -100,12 +100,12 @@ Result<std::unique_ptr<StateManager>> StateManager::Create(StateManagerConfig co
       std::unique_ptr<BlockedKVCache> cache,
       BlockedKVCache::Create(std::move(kv_configs), config.memory_config, std::move(device), comm));
   return std::unique_ptr<StateManager>(
-      new StateManager(std::move(config), std::move(cache), std::move(slots)));
+      new StateManager(config, std::move(cache), std::move(slots)));
 }
 
 StateManager::StateManager(StateManagerConfig config, std::unique_ptr<BlockedKVCache> cache,
                            BlockedAllocator slots)
-    : config_(std::move(config)),
+    : config_(config),
       cache_(std::move(cache)),
       slots_(std::move(slots)),
       by_uid_(std::make_unique<internal::UidMap>(config_.max_tracked_sequences)) {
@@ -460,12 +460,11 @@ Status StateManager::Fork(SeqId parent, SeqId child) {
     if (s.ok()) s = cache_->CopyBlocks(std::span(&source, 1), std::span(&tails[g], 1), g);
     if (!s.ok()) {
       give_back(g + 1);
-      return Status(s.code(),
-                    StrCat("Fork: copying the partial last block of group ", g, ": ", s.message()));
+      return {s.code(),
+              StrCat("Fork: copying the partial last block of group ", g, ": ", s.message())};
     }
   }
-  Sequence* to = CreateInSlot(child);
-  from = Find(parent);
+  Sequence* to = CreateInSlot(child);  // `from` stays valid: sequences live in fixed slots
   to->seen_tokens_ = seen;
   for (int g = 0; g < num_groups(); ++g) {
     const Sequence::GroupState& src = from->groups_[g];
