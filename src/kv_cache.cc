@@ -108,30 +108,46 @@ Result<std::unique_ptr<BlockedKVCache>> BlockedKVCache::Create(std::vector<KVCac
                                         : PlanKVCache(configs, memory, device->available_memory());
   if (!plan.ok()) return plan.status();
 
-  std::vector<Group> groups;
-  groups.reserve(configs.size());
-  for (size_t g = 0; g < configs.size(); ++g) {
-    const KVCacheConfig& config = configs[g];
-    BLOCKKV_ASSIGN_OR_RETURN(BlockedAllocator allocator,
-                             BlockedAllocator::Create(plan->num_blocks));
-    const int64_t bytes = plan->num_blocks * *config.bytes_per_block();  // <= total_bytes
-    Result<DeviceBuffer> storage = device->Allocate(bytes);
-    if (!storage.ok()) {
-      return Status(storage.status().code(), StrCat("allocating KV cache group ", g, " (", bytes,
-                                                    " bytes): ", storage.status().message()));
+  Result<std::vector<Group>> groups = AllocateGroups(configs, *plan, *device);
+  if (collective) {
+    // Every rank planned for the same capacity, so one that could not allocate it makes every
+    // rank fail (each frees what it allocated), and none is left serving alone.
+    BLOCKKV_ASSIGN_OR_RETURN(const int64_t all_allocated, comm->AllReduceMin(groups.ok() ? 1 : 0));
+    if (groups.ok() && all_allocated < 1) {
+      return ResourceExhaustedError(StrCat("another rank of ", comm->world_size(),
+                                           " could not allocate its KV cache of ", plan->num_blocks,
+                                           " blocks; rank ", comm->rank(), " released its own"));
     }
-    groups.push_back(Group{config, std::move(allocator), std::move(*storage)});
   }
+  if (!groups.ok()) return groups.status();
   for (size_t g = 0; g < configs.size(); ++g) {
     const KVCacheConfig& c = configs[g];
     Log(LogLevel::kInfo,
         StrCat("KV cache group ", g, " on ", device->name(), ": shape [", c.num_caches(), ", ",
                plan->num_blocks, ", ", c.block_size, ", 2, ", c.num_kv_heads(), ", ", c.head_size(),
                "] ", DTypeName(c.cache_dtype), ", ", plan->num_blocks, " blocks, ",
-               internal::HumanBytes(static_cast<long double>(groups[g].storage.size()))));
+               internal::HumanBytes(static_cast<long double>((*groups)[g].storage.size()))));
   }
   return std::unique_ptr<BlockedKVCache>(
-      new BlockedKVCache(std::move(device), *plan, std::move(groups)));
+      new BlockedKVCache(std::move(device), *plan, std::move(*groups)));
+}
+
+Result<std::vector<BlockedKVCache::Group>> BlockedKVCache::AllocateGroups(
+    std::span<const KVCacheConfig> configs, const KVCachePlan& plan, Device& device) {
+  std::vector<Group> groups;
+  groups.reserve(configs.size());
+  for (size_t g = 0; g < configs.size(); ++g) {
+    const KVCacheConfig& config = configs[g];
+    BLOCKKV_ASSIGN_OR_RETURN(BlockedAllocator allocator, BlockedAllocator::Create(plan.num_blocks));
+    const int64_t bytes = plan.num_blocks * *config.bytes_per_block();  // <= total_bytes
+    Result<DeviceBuffer> storage = device.Allocate(bytes);
+    if (!storage.ok()) {
+      return Status(storage.status().code(), StrCat("allocating KV cache group ", g, " (", bytes,
+                                                    " bytes): ", storage.status().message()));
+    }
+    groups.push_back(Group{config, std::move(allocator), std::move(*storage)});
+  }
+  return groups;
 }
 
 BlockedKVCache::BlockedKVCache(std::shared_ptr<Device> device, KVCachePlan plan,

@@ -51,7 +51,8 @@ class BlockedKVCache {
   // group. With `comm` of world size > 1 in RESERVE mode, every rank enters a warm-up barrier and
   // an all-reduce MIN of num_blocks, so every rank ends with the same num_blocks; if any rank
   // cannot plan (too little memory, bad config), every rank fails with kResourceExhausted or the
-  // local error, and none is left waiting in a collective. Logs one line per group.
+  // local error, and none is left waiting in a collective. A last all-reduce after allocating
+  // makes every rank fail when any rank's allocation failed. Logs one line per group.
   static Result<std::unique_ptr<BlockedKVCache>> Create(std::vector<KVCacheConfig> configs,
                                                         MemoryConfig memory,
                                                         std::shared_ptr<Device> device,
@@ -98,6 +99,9 @@ class BlockedKVCache {
   };
 
   BlockedKVCache(std::shared_ptr<Device> device, KVCachePlan plan, std::vector<Group> groups);
+  // One buffer and allocator per group, as planned; on failure what was allocated is freed.
+  static Result<std::vector<Group>> AllocateGroups(std::span<const KVCacheConfig> configs,
+                                                   const KVCachePlan& plan, Device& device);
   Status CheckGroup(int group) const;
 
   std::shared_ptr<Device> device_;

@@ -9,23 +9,16 @@
 
 #include <gtest/gtest.h>
 
+#include "mpi_test_util.h"
+
 #include "blockkv/kv_cache.h"
 #include "blockkv/mpi_communicator.h"
 
 namespace blockkv {
 namespace {
 
-int WorldRank() {
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  return rank;
-}
-
-int WorldSize() {
-  int size = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  return size;
-}
+using ::blockkv::testing::WorldRank;
+using ::blockkv::testing::WorldSize;
 
 // 2 layers · 16 tokens · 2 · 2 heads · 32 dims · 2 bytes = 8 KiB per block.
 std::vector<KVCacheConfig> SmallConfigs() {
@@ -164,6 +157,42 @@ TEST(KVCacheMpiTest, OneRankWithoutADeviceFailsEveryRank) {
   EXPECT_EQ(cache.status().code(),
             rank == 0 ? StatusCode::kInvalidArgument : StatusCode::kResourceExhausted)
       << cache.status();
+  EXPECT_TRUE(comm->Barrier().ok());
+}
+
+// Reports plenty of memory but cannot allocate any: a rank whose allocation fails after the
+// ranks agreed on num_blocks.
+class DeviceThatCannotAllocate final : public Device {
+ public:
+  DeviceKind kind() const override { return DeviceKind::kCpu; }
+  int ordinal() const override { return 0; }
+  std::string name() const override { return "cpu (cannot allocate)"; }
+  int64_t total_memory() const override { return int64_t{1} << 30; }
+  int64_t available_memory() const override { return int64_t{1} << 30; }
+  Result<DeviceBuffer> Allocate(int64_t bytes) override {
+    return ResourceExhaustedError("cannot allocate " + std::to_string(bytes) + " bytes");
+  }
+  void EmptyCache() override {}
+
+ protected:
+  void Deallocate(void* /*data*/, int64_t /*bytes*/) override {}
+};
+
+TEST(KVCacheMpiTest, OneRankWhoseAllocationFailsFailsEveryRank) {
+  const int rank = WorldRank();
+  const int world = WorldSize();
+  std::unique_ptr<MpiCommunicator> comm = World();
+  ASSERT_NE(comm, nullptr);
+  const std::vector<KVCacheConfig> configs = SmallConfigs();
+  const int64_t budget = BudgetOf(rank, world, configs);
+  std::shared_ptr<Device> device =
+      rank == world - 1 ? std::make_shared<DeviceThatCannotAllocate>() : CpuDevice(budget);
+  auto cache = BlockedKVCache::Create(configs, kReserve, device, comm.get());
+  ASSERT_FALSE(cache.ok());
+  EXPECT_EQ(cache.status().code(), StatusCode::kResourceExhausted) << cache.status();
+  if (rank != world - 1) {
+    EXPECT_EQ(device->available_memory(), budget);  // its buffers were released
+  }
   EXPECT_TRUE(comm->Barrier().ok());
 }
 

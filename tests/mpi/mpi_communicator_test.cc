@@ -8,20 +8,13 @@
 
 #include <gtest/gtest.h>
 
+#include "mpi_test_util.h"
+
 namespace blockkv {
 namespace {
 
-int WorldRank() {
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  return rank;
-}
-
-int WorldSize() {
-  int size = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  return size;
-}
+using ::blockkv::testing::WorldRank;
+using ::blockkv::testing::WorldSize;
 
 TEST(MpiCommunicatorTest, RankAndWorldSizeAreMpis) {
   Result<std::unique_ptr<MpiCommunicator>> comm = MpiCommunicator::Create(MPI_COMM_WORLD);

@@ -481,12 +481,15 @@ TEST(BlockedKVCacheTest, LocalCommunicatorChangesNothing) {
 // Rank 0 of a two-rank world whose other rank can fit `other_blocks`.
 class FakeCommunicator final : public Communicator {
  public:
-  explicit FakeCommunicator(int64_t other_blocks) : other_blocks_(other_blocks) {}
+  // The other rank offers `other_blocks` in the plan's all-reduce, then whether it allocated.
+  explicit FakeCommunicator(int64_t other_blocks, bool other_allocates = true)
+      : other_blocks_(other_blocks), other_allocates_(other_allocates) {}
   int world_size() const override { return 2; }
   int rank() const override { return 0; }
   Result<int64_t> AllReduceMin(int64_t value) override {
     reduced_.push_back(value);
-    return std::min(value, other_blocks_);
+    const int64_t other = reduced_.size() == 1 ? other_blocks_ : int64_t{other_allocates_};
+    return std::min(value, other);
   }
   Status Barrier() override {
     ++barriers_;
@@ -497,6 +500,7 @@ class FakeCommunicator final : public Communicator {
 
  private:
   int64_t other_blocks_;
+  bool other_allocates_;
   std::vector<int64_t> reduced_;
   int barriers_ = 0;
 };
@@ -505,13 +509,24 @@ TEST(BlockedKVCacheTest, CommunicatorAgreesOnTheMinimumAcrossRanks) {
   FakeCommunicator comm(/*other_blocks=*/4);
   std::shared_ptr<Device> device = CpuDevice(BudgetFor(10));
   auto cache = CreateOrDie({SmallConfig()}, Reserve(kReserve), device, &comm);
-  EXPECT_THAT(comm.reduced(), ElementsAre(10));  // this rank offered what it could fit
+  // This rank offered what it could fit, then said it allocated.
+  EXPECT_THAT(comm.reduced(), ElementsAre(10, 1));
   EXPECT_EQ(comm.barriers(), 1);
   EXPECT_EQ(cache->num_blocks(), 4);
   EXPECT_EQ(cache->plan().total_bytes, 4 * kBytesPerBlock);
   EXPECT_THAT(cache->free_blocks(), ElementsAre(4));
   EXPECT_EQ(device->available_memory(), BudgetFor(10) - 4 * kBytesPerBlock);
   EXPECT_OK(cache->CheckInvariants());
+}
+
+TEST(BlockedKVCacheTest, ARankWhoseAllocationFailsFailsEveryRank) {
+  FakeCommunicator comm(/*other_blocks=*/4, /*other_allocates=*/false);
+  std::shared_ptr<Device> device = CpuDevice(BudgetFor(10));
+  auto cache = BlockedKVCache::Create({SmallConfig()}, Reserve(kReserve), device, &comm);
+  EXPECT_EQ(cache.status().code(), StatusCode::kResourceExhausted) << cache.status();
+  EXPECT_THAT(cache.status().message(), HasSubstr("another rank of 2 could not allocate"));
+  EXPECT_THAT(comm.reduced(), ElementsAre(10, 1));
+  EXPECT_EQ(device->available_memory(), BudgetFor(10));  // this rank's buffers were released
 }
 
 TEST(BlockedKVCacheTest, CommunicatorWithARankThatFitsNothingFailsEveryRank) {
