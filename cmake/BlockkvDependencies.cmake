@@ -46,3 +46,27 @@ if(NOT BLOCKKV_MPI STREQUAL "OFF")
     message(FATAL_ERROR "BLOCKKV_MPI=ON but MPI was not found; apt-get install libopenmpi-dev")
   endif()
 endif()
+
+# Python module: pybind11 (pybind11-dev, CMake config only) for Debian's /usr/bin/python3 (not
+# whatever python3 comes first on PATH, e.g. a pyenv shim), and DLPack's header (libdlpack-dev)
+# for the tensors it hands out. AUTO builds it when all are found, ON fails at configure time
+# without them.
+set(BLOCKKV_HAVE_PYTHON OFF)
+if(BLOCKKV_PYTHON STREQUAL "AUTO" OR BLOCKKV_PYTHON)
+  if(NOT DEFINED Python_EXECUTABLE AND EXISTS /usr/bin/python3)
+    set(Python_EXECUTABLE /usr/bin/python3 CACHE FILEPATH "Python the blockkv module is built for")
+  endif()
+  find_package(Python 3.8 COMPONENTS Interpreter Development.Module)
+  if(Python_FOUND)
+    find_package(pybind11 2.10 CONFIG)
+  endif()
+  find_path(BLOCKKV_DLPACK_INCLUDE_DIR dlpack/dlpack.h)
+  if(Python_FOUND AND pybind11_FOUND AND BLOCKKV_DLPACK_INCLUDE_DIR)
+    set(BLOCKKV_HAVE_PYTHON ON)
+    message(STATUS "blockkv Python module: ${Python_EXECUTABLE} (${Python_VERSION}), "
+                   "pybind11 ${pybind11_VERSION}")
+  elseif(NOT BLOCKKV_PYTHON STREQUAL "AUTO")
+    message(FATAL_ERROR "BLOCKKV_PYTHON=ON but Python's development files, pybind11 or DLPack "
+                        "were not found; apt-get install python3-dev pybind11-dev libdlpack-dev")
+  endif()
+endif()

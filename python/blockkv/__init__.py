@@ -1,0 +1,151 @@
+"""blockkv: a paged KV cache for LLM inference, with DeepSpeed-FastGen's Python API.
+
+The names, argument names and defaults follow ``deepspeed.inference.v2.ragged``, so code written
+against DeepSpeed ports by changing the import::
+
+    import blockkv
+    cfg = blockkv.KVCacheConfig(block_size=16, cache_shape=(32, 8, 128), cache_dtype="fp16")
+    mem = blockkv.MemoryConfig(mode="allocate", size=1024)
+    cache = blockkv.BlockedKVCache((cfg,), mem, device="cpu")
+    blocks = cache.reserve(4)                            # int32 NumPy array
+    layer0 = torch.from_dlpack(cache.get_cache(0))       # zero-copy [1024, 16, 2, 8, 128]
+    k, v = blockkv.split_kv(layer0)                      # torch views
+    cache.free(blocks)
+
+Tensors cross as DLPack without a copy; block ids come back as int32 NumPy arrays. See
+docs/python.md for the whole API, the error types and what differs from DeepSpeed.
+"""
+
+import sys
+from enum import Enum
+
+from . import _blockkv
+from ._blockkv import (
+    AllocationMode,
+    BlockedAllocator,
+    BlockedKVCache,
+    CpuDevice,
+    CudaDevice,
+    Device,
+    KVCacheConfig,
+    MemoryConfig,
+    RaggedBatchWrapper,
+    ResourceExhaustedError,
+    SchedulingResult,
+    SequenceDescriptor,
+    StateManager,
+    StateManagerConfig,
+    Tensor,
+    built_with_cuda,
+    set_log_level,
+)
+
+__all__ = [
+    "AllocationMode",
+    "BlockedAllocator",
+    "BlockedKVCache",
+    "CpuDevice",
+    "CudaDevice",
+    "DSSequenceDescriptor",
+    "DSStateManager",
+    "DSStateManagerConfig",
+    "Device",
+    "KVCacheConfig",
+    "KVCacheType",
+    "MemoryConfig",
+    "PlaceholderSequenceDescriptor",
+    "RaggedBatchWrapper",
+    "ResourceExhaustedError",
+    "SchedulingError",
+    "SchedulingResult",
+    "SequenceDescriptor",
+    "StateManager",
+    "StateManagerConfig",
+    "Tensor",
+    "built_with_cuda",
+    "set_log_level",
+    "split_kv",
+]
+
+# The classes print as blockkv.X, not blockkv._blockkv.X.
+for _cls in (AllocationMode, BlockedAllocator, BlockedKVCache, Device, KVCacheConfig, MemoryConfig,
+             RaggedBatchWrapper, ResourceExhaustedError, SchedulingResult, SequenceDescriptor,
+             StateManager, StateManagerConfig, Tensor):
+    _cls.__module__ = __name__
+del _cls
+
+# DeepSpeed's names for the same classes.
+DSStateManager = StateManager
+DSStateManagerConfig = StateManagerConfig
+DSSequenceDescriptor = SequenceDescriptor
+
+
+class KVCacheType(Enum):
+    """DeepSpeed's KVCacheType. Informational, as there: KVCacheConfig(type=...) accepts it."""
+
+    DENSE = "dense"
+    LOCAL = "local"
+
+
+class SchedulingError(RuntimeError):
+    """StateManager.schedule could not fit the batch; ``result`` says which limit (DeepSpeed's)."""
+
+    def __init__(self, result, message=None):
+        self.result = result
+        super().__init__(message or f"Batch scheduling failed with result {result}")
+
+
+class PlaceholderSequenceDescriptor:
+    """DeepSpeed's stand-in for a sequence that is not tracked yet, holding plain values.
+
+    blockkv's StateManager.query evaluates unknown uids itself, and RaggedBatchWrapper only
+    batches tracked sequences, so this exists for code that builds one.
+    """
+
+    def __init__(self, seen_tokens=0, cur_allocated_blocks=0, kv_blocks_ptr=0):
+        self._seen_tokens = seen_tokens
+        self._cur_allocated_blocks = cur_allocated_blocks
+        self._kv_blocks_ptr = kv_blocks_ptr
+
+    @property
+    def seen_tokens(self):
+        return self._seen_tokens
+
+    @property
+    def in_flight_tokens(self):
+        return 0
+
+    @property
+    def cur_allocated_blocks(self):
+        return self._cur_allocated_blocks
+
+    @property
+    def kv_blocks_ptr(self):
+        return self._kv_blocks_ptr
+
+
+def _torch_tensor_type():
+    torch = sys.modules.get("torch")
+    return getattr(torch, "Tensor", None) if torch is not None else None
+
+
+def split_kv(kv_cache):
+    """Splits one layer's cache [num_blocks, block_size, 2, H, D] into its K and V planes.
+
+    Each is [num_blocks, block_size, H, D] with stride(1) = 2*H*D, a view of the same memory.
+    A torch tensor gives torch views back (DeepSpeed's split_kv, autograd and all), a NumPy array
+    NumPy views; anything else with __dlpack__ (a blockkv.Tensor from get_cache) goes through
+    blockkv's SplitKV and gives blockkv.Tensors. ValueError unless 5-D with a dimension 2 of
+    size 2.
+    """
+    torch_tensor = _torch_tensor_type()
+    numpy = sys.modules.get("numpy")
+    if (torch_tensor is not None and isinstance(kv_cache, torch_tensor)) or (
+            numpy is not None and isinstance(kv_cache, numpy.ndarray)):
+        if kv_cache.ndim != 5:
+            raise ValueError(f"KV-cache must have 5 dimensions, got {kv_cache.ndim}.")
+        if kv_cache.shape[2] != 2:
+            raise ValueError(f"KV-cache dimension 2 holds K and V and must be 2, got "
+                             f"{kv_cache.shape[2]}.")
+        return kv_cache[:, :, 0], kv_cache[:, :, 1]
+    return _blockkv._split_kv(kv_cache)

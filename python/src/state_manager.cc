@@ -1,0 +1,303 @@
+// StateManager (DeepSpeed's DSStateManager plus the engine's scheduling queries), its sequence
+// descriptors and SchedulingResult / SchedulingError.
+#include "blockkv/state_manager.h"
+
+#include <Python.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "sequence.h"
+#include "tensor.h"
+
+namespace blockkv::python {
+namespace {
+
+using Manager = std::shared_ptr<StateManager>;
+
+// Raises blockkv.SchedulingError(result, message) (defined in blockkv/__init__.py).
+[[noreturn]] void ThrowSchedulingError(SchedulingResult result, const std::string& message) {
+  py::object type = py::module_::import("blockkv").attr("SchedulingError");
+  py::object error = type(py::cast(result), message);
+  PyErr_SetObject(type.ptr(), error.ptr());
+  throw py::error_already_set();
+}
+
+SequenceHandle Handle(const Manager& manager, const Sequence& seq) {
+  return SequenceHandle{manager, seq.uid(), seq.tracking_slot()};
+}
+
+// The table row of `group` for the sequence's slot, [max_blocks_per_sequence(group)].
+const BlockId* TableRow(const SequenceHandle& h, int group) {
+  return h.manager->block_tables(group) +
+         static_cast<int64_t>(h.slot) * h.manager->max_blocks_per_sequence(group);
+}
+
+void BindSchedulingResult(py::module_& m) {
+  py::enum_<SchedulingResult>(m, "SchedulingResult",
+                              "What can_schedule answers; DeepSpeed's names and values.")
+      .value("Success", SchedulingResult::kSuccess)
+      .value("EngineSequenceLimitExceeded", SchedulingResult::kEngineSequenceLimitExceeded)
+      .value("BatchSequenceLimitExceeded", SchedulingResult::kBatchSequenceLimitExceeded)
+      .value("BatchTokenLimitExceeded", SchedulingResult::kBatchTokenLimitExceeded)
+      .value("KVCacheLimitExceeded", SchedulingResult::kKVCacheLimitExceeded)
+      .value("SequenceTokenLimitExceeded", SchedulingResult::kSequenceTokenLimitExceeded);
+}
+
+void BindSequence(py::module_& m) {
+  py::class_<SequenceHandle>(m, "SequenceDescriptor",
+                             "A tracked sequence (DeepSpeed's DSSequenceDescriptor). Read-only: "
+                             "the StateManager changes it through schedule, post_forward, "
+                             "free_leading_blocks and fork.")
+      .def_property_readonly("uid", [](const SequenceHandle& h) { return h.uid; })
+      .def_property_readonly(
+          "tracking_id", [](const SequenceHandle& h) { return h.slot; },
+          "The tracking slot (DeepSpeed's name)")
+      .def_property_readonly("tracking_slot", [](const SequenceHandle& h) { return h.slot; })
+      .def_property_readonly("seen_tokens",
+                             [](const SequenceHandle& h) { return h.Get().seen_tokens(); })
+      .def_property_readonly("in_flight_tokens",
+                             [](const SequenceHandle& h) { return h.Get().in_flight_tokens(); })
+      .def_property_readonly(
+          "max_context", [](const SequenceHandle& h) { return h.manager->config().max_context; })
+      .def_property_readonly(
+          "cur_allocated_blocks",
+          [](const SequenceHandle& h) { return h.Get().cur_allocated_blocks(0); },
+          "Blocks of cache group 0 allocated so far (released ones included); "
+          "allocated_blocks(cache_group) for another group")
+      .def(
+          "allocated_blocks",
+          [](const SequenceHandle& h, int cache_group) {
+            CheckGroup(*h.manager, cache_group);
+            return h.Get().cur_allocated_blocks(cache_group);
+          },
+          py::arg("cache_group") = 0)
+      .def(
+          "released_blocks",
+          [](const SequenceHandle& h, int cache_group) {
+            CheckGroup(*h.manager, cache_group);
+            return h.Get().released_blocks(cache_group);
+          },
+          py::arg("cache_group") = 0,
+          "Leading table entries released by free_leading_blocks (now -1)")
+      .def_property_readonly(
+          "kv_blocks_ptr",
+          [](const SequenceHandle& h) {
+            h.Get();
+            return reinterpret_cast<uintptr_t>(TableRow(h, 0));
+          },
+          "Host address of the sequence's block-table row of cache group 0")
+      .def(
+          "kv_cache_ids",
+          [](const SequenceHandle& h, int cache_group, bool /*on_device*/) {
+            CheckGroup(*h.manager, cache_group);
+            h.Get();
+            const BlockId* row = TableRow(h, cache_group);
+            const int32_t width = h.manager->max_blocks_per_sequence(cache_group);
+            py::array_t<int32_t> out({py::ssize_t{1}, py::ssize_t{width}});
+            std::copy(row, row + width, out.mutable_data());
+            return out;
+          },
+          py::arg("cache_group") = 0, py::arg("on_device") = false,
+          "A copy of the table row, int32 [1, max_blocks_per_allocation_group] "
+          "(DeepSpeed's [num_allocation_groups, max_blocks] with one allocation group); -1 past "
+          "the allocated blocks. on_device is accepted and ignored: the table is on the host.")
+      .def(
+          "block_table",
+          [](const SequenceHandle& h, int cache_group) {
+            CheckGroup(*h.manager, cache_group);
+            std::span<const BlockId> table = h.Get().block_table(cache_group);
+            return ToNumpy(std::vector<BlockId>(table.begin(), table.end()));
+          },
+          py::arg("cache_group") = 0,
+          "A copy of the table, int32 [cur_allocated_blocks]; released entries are -1")
+      .def(
+          "all_block_ids",
+          [](const SequenceHandle& h, int cache_group) {
+            CheckGroup(*h.manager, cache_group);
+            std::vector<BlockId> held;
+            for (BlockId b : h.Get().block_table(cache_group)) {
+              if (b != kNoBlock) held.push_back(b);
+            }
+            return ToNumpy(held);
+          },
+          py::arg("cache_group") = 0, "The blocks the sequence holds, int32, in table order")
+      .def(
+          "post_forward",
+          [](const SequenceHandle& h) {
+            h.Get();
+            const SeqId uid = h.uid;
+            ThrowIfError(h.manager->PostForward(std::span<const SeqId>(&uid, 1)));
+          },
+          "seen_tokens += in_flight_tokens (the manager's post_forward for this uid)")
+      .def("__repr__", [](const SequenceHandle& h) {
+        const Sequence* seq = h.manager->GetSequence(h.uid);
+        if (seq == nullptr || seq->tracking_slot() != h.slot) {
+          return "<blockkv.SequenceDescriptor uid=" + std::to_string(h.uid) + " (flushed)>";
+        }
+        return "<blockkv.SequenceDescriptor uid=" + std::to_string(h.uid) +
+               " seen_tokens=" + std::to_string(seq->seen_tokens()) +
+               " in_flight_tokens=" + std::to_string(seq->in_flight_tokens()) +
+               " cur_allocated_blocks=" + std::to_string(seq->cur_allocated_blocks(0)) + ">";
+      });
+}
+
+Manager Create(const StateManagerConfig& config, py::handle kv_configs, py::handle base_mp_group,
+               py::handle device) {
+  if (config.offload) {
+    Throw(PyExc_NotImplementedError, "Offloading of KV-caches is not yet supported.");
+  }
+  RequireNoGroup(base_mp_group, "base_mp_group");
+  std::vector<KVCacheConfig> configs;
+  if (py::isinstance<KVCacheConfig>(kv_configs)) {
+    configs.push_back(kv_configs.cast<KVCacheConfig>());
+  } else {
+    for (py::handle c : kv_configs) configs.push_back(c.cast<KVCacheConfig>());
+  }
+  std::shared_ptr<Device> dev = ToDevice(device);
+  Result<std::unique_ptr<StateManager>> manager = InternalError("not created");
+  {
+    py::gil_scoped_release release;
+    manager = StateManager::Create(config, std::move(configs), std::move(dev));
+  }
+  return Manager(ValueOrThrow(std::move(manager)));
+}
+
+void BindManager(py::module_& m) {
+  py::class_<StateManager, Manager>(
+      m, "StateManager",
+      "The sequences of an engine and their block tables over one BlockedKVCache (DeepSpeed's "
+      "DSStateManager, plus the engine's query / can_schedule and a schedule that reserves the "
+      "blocks).")
+      .def(py::init(&Create), py::arg("config"), py::arg("kv_configs"),
+           py::arg("base_mp_group") = py::none(), py::arg("device") = py::none())
+      .def(
+          "get_or_create_sequence",
+          [](const Manager& self, SeqId uid) {
+            return Handle(self, *ValueOrThrow(self->GetOrCreateSequence(uid)));
+          },
+          py::arg("uid"))
+      .def(
+          "get_sequence",
+          [](const Manager& self, SeqId uid) -> py::object {
+            const Sequence* seq = self->GetSequence(uid);
+            if (seq == nullptr) return py::none();
+            return py::cast(Handle(self, *seq));
+          },
+          py::arg("uid"), "The descriptor, or None when `uid` is not tracked")
+      .def(
+          "flush_sequence",
+          [](StateManager& self, SeqId uid) {
+            Status status = self.FlushSequence(uid);
+            if (status.code() == StatusCode::kNotFound) {  // DeepSpeed only warns
+              const std::string message =
+                  "Attempting to flush sequence " + std::to_string(uid) + " which does not exist.";
+              if (PyErr_WarnEx(PyExc_RuntimeWarning, message.c_str(), 1) != 0) {
+                throw py::error_already_set();
+              }
+              return;
+            }
+            ThrowIfError(status);
+          },
+          py::arg("uid"))
+      .def(
+          "query",
+          [](const StateManager& self, SeqId uid, int64_t max_request_tokens,
+             int64_t max_request_blocks, int cache_group) {
+            const KVRequirement r = ValueOrThrow(
+                self.Query(uid, max_request_tokens,
+                           ToInt32(max_request_blocks, "max_request_blocks"), cache_group));
+            return py::make_tuple(r.tokens, r.blocks);
+          },
+          py::arg("uid"), py::arg("max_request_tokens"), py::arg("max_request_blocks"),
+          py::arg("cache_group") = 0,
+          "(tokens, blocks): how many of max_request_tokens `uid` may run next and the new "
+          "blocks they need (DeepSpeed's engine query)")
+      .def(
+          "can_schedule",
+          [](const StateManager& self, py::handle uids, py::handle lengths) {
+            const std::vector<SeqId> u = ToInt64Vector(uids, "uids");
+            const std::vector<int64_t> l = ToInt64Vector(lengths, "lengths");
+            return ValueOrThrow(self.CanSchedule(u, l));
+          },
+          py::arg("uids"), py::arg("lengths"))
+      .def(
+          "schedule",
+          [](StateManager& self, py::handle uids, py::handle lengths) {
+            const std::vector<SeqId> u = ToInt64Vector(uids, "uids");
+            const std::vector<int64_t> l = ToInt64Vector(lengths, "lengths");
+            SchedulingResult result = SchedulingResult::kSuccess;
+            Status status = self.Schedule(u, l, &result);
+            if (status.ok()) return;
+            if (result != SchedulingResult::kSuccess) {
+              ThrowSchedulingError(result, status.message());
+            }
+            ThrowStatus(status);
+          },
+          py::arg("uids"), py::arg("lengths"),
+          "All or nothing: creates unknown sequences, reserves their blocks and sets "
+          "in_flight_tokens. SchedulingError (with .result) when a limit is hit.")
+      .def(
+          "post_forward",
+          [](StateManager& self, py::handle uids) {
+            ThrowIfError(self.PostForward(ToInt64Vector(uids, "uids")));
+          },
+          py::arg("uids"))
+      .def(
+          "fork",
+          [](StateManager& self, SeqId parent_uid, SeqId child_uid) {
+            CallWithoutGil([&] { return self.Fork(parent_uid, child_uid); });
+          },
+          py::arg("parent_uid"), py::arg("child_uid"))
+      .def(
+          "free_leading_blocks",
+          [](StateManager& self, SeqId uid, int64_t num_blocks, int cache_group) {
+            ThrowIfError(
+                self.FreeLeadingBlocks(uid, ToInt32(num_blocks, "num_blocks"), cache_group));
+          },
+          py::arg("uid"), py::arg("num_blocks"), py::arg("cache_group") = 0)
+      .def(
+          "get_remaining_block_capacity",
+          [](const StateManager& self, SeqId uid, int cache_group) {
+            CheckGroup(self, cache_group);
+            return self.RemainingBlockCapacity(uid, cache_group);
+          },
+          py::arg("uid"), py::arg("cache_group") = 0)
+      .def(
+          "get_cache",
+          [](const Manager& self, int64_t cache_id, int cache_group) {
+            return MakeTensor(ValueOrThrow(self->GetCache(cache_id, cache_group)), self);
+          },
+          py::arg("cache_id"), py::arg("cache_group") = 0)
+      .def_property_readonly("n_tracked_sequences", &StateManager::n_tracked_sequences)
+      .def_property_readonly("free_blocks", &StateManager::free_blocks,
+                             "A list: one entry per cache group")
+      .def_property_readonly("kv_block_size",
+                             [](const StateManager& self) { return self.kv_block_size(0); })
+      .def_property_readonly("num_caches", &StateManager::num_groups, "The number of cache groups")
+      .def_property_readonly("num_blocks",
+                             [](const StateManager& self) { return self.kv_cache().num_blocks(); })
+      .def(
+          "max_blocks_per_sequence",
+          [](const StateManager& self, int cache_group) {
+            CheckGroup(self, cache_group);
+            return self.max_blocks_per_sequence(cache_group);
+          },
+          py::arg("cache_group") = 0)
+      .def_property_readonly("config", [](const StateManager& self) { return self.config(); })
+      .def("check_invariants",
+           [](const StateManager& self) { ThrowIfError(self.CheckInvariants()); });
+}
+
+}  // namespace
+
+void BindStateManager(py::module_& m) {
+  BindSchedulingResult(m);
+  BindSequence(m);
+  BindManager(m);
+}
+
+}  // namespace blockkv::python
