@@ -114,9 +114,11 @@ struct RaggedBatch::Impl {
   [[gnu::cold, gnu::noinline]] Status InsertError(const Sequence& seq, int64_t n) const;
   Status CheckInsertable(const Sequence& seq, int64_t n) const;
   Status CheckCoverage(const Sequence& seq, int64_t n, int g) const;
-  Status CheckUnchanged() const;
-  void FillTokens(bool padding);
-  void FillGroup(int g);
+  static bool Unchanged(const Entry& e);
+  [[gnu::cold, gnu::noinline]] static Status ChangedError(const Entry& e);
+  void FillEntry(int32_t i);  // descriptors, token map, and every group's arrays for entry i
+  void FillGroupEntry(Group& group, int32_t i);
+  void FillPadding();
   Status Upload() const;
   Status CheckReadable(bool on_device) const;
   Status CheckGroup(int g) const;
@@ -281,77 +283,74 @@ Status RaggedBatch::Impl::CheckCoverage(const Sequence& seq, int64_t n, int g) c
   return Status::Ok();
 }
 
-// The recorded sequences were not flushed, scheduled or advanced since they were inserted. Their
+// The recorded sequence was not flushed, scheduled or advanced since it was inserted. Its
 // blocks for the new tokens cannot have changed without one of these: a sequence's table grows
 // only through Schedule (which sets in_flight) and loses entries only to Flush or to
 // FreeLeadingBlocks (which releases only blocks before seen).
-Status RaggedBatch::Impl::CheckUnchanged() const {
-  for (const Entry& e : entries) {
-    const Sequence& seq = *e.seq;
-    if (seq.uid() != e.uid || seq.tracking_slot() != e.slot || seq.seen_tokens() != e.seen_tokens ||
-        seq.in_flight_tokens() != e.n_tokens) {
-      return FailedPreconditionError(
-          ColdStrCat("sequence ", e.uid, " changed after InsertSequence (inserted with seen ",
-                     e.seen_tokens, ", ", e.n_tokens, " in flight; now uid ", seq.uid(), ", seen ",
-                     seq.seen_tokens(), ", ", seq.in_flight_tokens(), " in flight)"));
-    }
-  }
-  return Status::Ok();
+bool RaggedBatch::Impl::Unchanged(const Entry& e) {
+  const Sequence& seq = *e.seq;
+  return seq.uid() == e.uid && seq.tracking_slot() == e.slot &&
+         seq.seen_tokens() == e.seen_tokens && seq.in_flight_tokens() == e.n_tokens;
 }
 
-void RaggedBatch::Impl::FillTokens(bool padding) {
-  padded = padding ? static_cast<int32_t>(PaddedTokenCount(n_tokens)) : n_tokens;
-  const auto n_seqs = static_cast<int32_t>(entries.size());
-  for (int32_t i = 0; i < n_seqs; ++i) {
-    const Entry& e = entries[static_cast<size_t>(i)];
-    auto to_seq = tokens_to_seq.host.begin() + e.start;
-    std::fill(to_seq, to_seq + e.n_tokens, i);
-    int32_t* row = descriptors.host.data() + int64_t{i} * kDescriptorWidth;
-    row[0] = e.start;
-    row[1] = e.n_tokens;
-    row[2] = e.seen_tokens;
-    row[3] = 0;
+Status RaggedBatch::Impl::ChangedError(const Entry& e) {
+  const Sequence& seq = *e.seq;
+  return FailedPreconditionError(
+      StrCat("sequence ", e.uid, " changed after InsertSequence (inserted with seen ",
+             e.seen_tokens, ", ", e.n_tokens, " in flight; now uid ", seq.uid(), ", seen ",
+             seq.seen_tokens(), ", ", seq.in_flight_tokens(), " in flight)"));
+}
+
+void RaggedBatch::Impl::FillEntry(int32_t i) {
+  const Entry& e = entries[static_cast<size_t>(i)];
+  std::fill_n(tokens_to_seq.host.begin() + e.start, e.n_tokens, i);
+  int32_t* row = descriptors.host.data() + int64_t{i} * kDescriptorWidth;
+  row[0] = e.start;
+  row[1] = e.n_tokens;
+  row[2] = e.seen_tokens;
+  row[3] = 0;
+  for (Group& group : groups) FillGroupEntry(group, i);
+}
+
+void RaggedBatch::Impl::FillGroupEntry(Group& group, int32_t i) {
+  const Entry& e = entries[static_cast<size_t>(i)];
+  const int g = static_cast<int>(&group - groups.data());
+  const internal::BlockSize bs = group.block_size;
+  std::span<const BlockId> table = e.seq->block_table(g);
+  BlockId* row = group.block_tables.host.data() + int64_t{i} * group.max_blocks;
+  const auto len = static_cast<int32_t>(table.size());
+  // The row still holds this table's prefix when it last copied the same table version: copy
+  // only what was appended since.
+  const int32_t kept =
+      group.row_version[i] == e.seq->table_version() ? std::min(group.row_len[i], len) : 0;
+  std::copy(table.begin() + kept, table.end(), row + kept);
+  if (group.row_len[i] > len) std::fill(row + len, row + group.row_len[i], kNoBlock);
+  group.row_len[i] = len;
+  group.row_version[i] = e.seq->table_version();
+
+  const int64_t total = int64_t{e.seen_tokens} + e.n_tokens;
+  const auto used = static_cast<int32_t>(bs.BlocksFor(total));
+  int32_t* indptr = group.kv_indptr.host.data();
+  std::copy_n(row, used, group.kv_indices.host.begin() + indptr[i]);
+  indptr[i + 1] = indptr[i] + used;
+  group.kv_last_page_len.host[i] = total == 0 ? 0 : static_cast<int32_t>(bs.Offset(total - 1) + 1);
+
+  int64_t* slots = group.slot_mapping.host.data() + e.start;
+  for (int32_t t = 0; t < e.n_tokens; ++t) {
+    const int64_t pos = int64_t{e.seen_tokens} + t;
+    slots[t] = int64_t{row[bs.Index(pos)]} * bs.value() + bs.Offset(pos);
   }
+}
+
+void RaggedBatch::Impl::FillPadding() {
   std::fill(input_ids.host.begin() + n_tokens, input_ids.host.begin() + padded, kPadIndex);
   std::fill(tokens_to_seq.host.begin() + n_tokens, tokens_to_seq.host.begin() + padded, kPadIndex);
-  metadata.host[0] = n_tokens;
-  metadata.host[1] = n_seqs;
-}
-
-void RaggedBatch::Impl::FillGroup(int g) {
-  Group& group = groups[static_cast<size_t>(g)];
-  const internal::BlockSize bs = group.block_size;
-  int32_t* indptr = group.kv_indptr.host.data();
-  indptr[0] = 0;
-  for (size_t i = 0; i < entries.size(); ++i) {
-    const Entry& e = entries[i];
-    std::span<const BlockId> table = e.seq->block_table(g);
-    BlockId* row = group.block_tables.host.data() + static_cast<int64_t>(i) * group.max_blocks;
-    const auto len = static_cast<int32_t>(table.size());
-    // The row still holds this table's prefix when it last copied the same table version:
-    // copy only what was appended since.
-    const int32_t kept =
-        group.row_version[i] == e.seq->table_version() ? std::min(group.row_len[i], len) : 0;
-    std::copy(table.begin() + kept, table.end(), row + kept);
-    if (group.row_len[i] > len) std::fill(row + len, row + group.row_len[i], kNoBlock);
-    group.row_len[i] = len;
-    group.row_version[i] = e.seq->table_version();
-
-    const int64_t total = int64_t{e.seen_tokens} + e.n_tokens;
-    const auto used = static_cast<int32_t>(bs.BlocksFor(total));
-    std::copy(row, row + used, group.kv_indices.host.begin() + indptr[i]);
-    indptr[i + 1] = indptr[i] + used;
-    group.kv_last_page_len.host[i] =
-        total == 0 ? 0 : static_cast<int32_t>(bs.Offset(total - 1) + 1);
-
-    int64_t* slots = group.slot_mapping.host.data() + e.start;
-    for (int32_t t = 0; t < e.n_tokens; ++t) {
-      const int64_t pos = int64_t{e.seen_tokens} + t;
-      slots[t] = int64_t{row[bs.Index(pos)]} * bs.value() + bs.Offset(pos);
-    }
+  for (Group& group : groups) {
+    std::fill(group.slot_mapping.host.begin() + n_tokens, group.slot_mapping.host.begin() + padded,
+              int64_t{kPadIndex});
   }
-  std::fill(group.slot_mapping.host.begin() + n_tokens, group.slot_mapping.host.begin() + padded,
-            int64_t{kPadIndex});
+  metadata.host[0] = n_tokens;
+  metadata.host[1] = static_cast<int32_t>(entries.size());
 }
 
 Status RaggedBatch::Impl::Upload() const {
@@ -435,11 +434,20 @@ Status RaggedBatch::InsertSequence(const Sequence& seq, std::span<const int64_t>
 }
 
 Status RaggedBatch::Finalize(bool padding) {
+  // One pass over the sequences, checking each before its arrays are written; a failure leaves
+  // the batch unfinalized (its arrays are not readable until a Finalize succeeds).
   Impl& b = *impl_;
-  BLOCKKV_RETURN_IF_ERROR(b.CheckUnchanged());
   b.finalized = false;
-  b.FillTokens(padding);
-  for (int g = 0; g < std::ssize(b.groups); ++g) b.FillGroup(g);
+  b.padded = padding ? static_cast<int32_t>(PaddedTokenCount(b.n_tokens)) : b.n_tokens;
+  for (Impl::Group& group : b.groups) group.kv_indptr.host[0] = 0;
+  for (int32_t i = 0; i < std::ssize(b.entries); ++i) {
+    const Impl::Entry& e = b.entries[static_cast<size_t>(i)];
+    if (!Impl::Unchanged(e)) [[unlikely]] {
+      return Impl::ChangedError(e);
+    }
+    b.FillEntry(i);
+  }
+  b.FillPadding();
   BLOCKKV_RETURN_IF_ERROR(b.Upload());
   b.finalized = true;
   return Status::Ok();
