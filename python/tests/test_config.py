@@ -1,0 +1,162 @@
+"""KVCacheConfig, MemoryConfig, AllocationMode and StateManagerConfig: DeepSpeed's names and
+defaults, its config scenarios (test_manager_configs.py), and validation on assignment."""
+
+import blockkv
+import numpy as np
+import pytest
+import torch
+
+
+def test_kv_cache_config_defaults_are_deepspeeds():
+    c = blockkv.KVCacheConfig(cache_shape=(32, 8, 128))
+    assert c.block_size == 128
+    assert c.cache_shape == (32, 8, 128)
+    assert c.cache_dtype == torch.float16
+    assert c.dtype_name == "fp16"
+    assert c.num_allocation_groups == 1
+    assert c.max_blocks_per_allocation_group == 64
+    assert c.bytes_per_block == 128 * 32 * 8 * 128 * 2 * 2
+
+
+def test_cache_shape_is_required_and_arguments_are_keywords():
+    with pytest.raises(TypeError):
+        blockkv.KVCacheConfig(block_size=16)
+    with pytest.raises(TypeError):  # keyword-only, as a pydantic model's fields
+        blockkv.KVCacheConfig(16, (1, 2, 3))
+
+
+@pytest.mark.parametrize(
+    "dtype, name, torch_dtype",
+    [
+        (torch.float16, "fp16", torch.float16),
+        ("fp16", "fp16", torch.float16),
+        ("half", "fp16", torch.float16),
+        ("float16", "fp16", torch.float16),
+        ("torch.float16", "fp16", torch.float16),
+        (np.float16, "fp16", torch.float16),
+        (torch.bfloat16, "bf16", torch.bfloat16),
+        ("bf16", "bf16", torch.bfloat16),
+        ("bfloat16", "bf16", torch.bfloat16),
+        (torch.float32, "fp32", torch.float32),
+        ("fp32", "fp32", torch.float32),
+        ("float", "fp32", torch.float32),
+        (torch.int8, "int8", torch.int8),
+        ("int8", "int8", torch.int8),
+        ("fp8_e4m3", "fp8_e4m3", None),
+    ],
+)
+def test_cache_dtype_takes_torch_dtypes_and_deepspeeds_strings(dtype, name, torch_dtype):
+    c = blockkv.KVCacheConfig(cache_shape=(1, 1, 8), cache_dtype=dtype)
+    assert c.dtype_name == name
+    if torch_dtype is not None:
+        assert c.cache_dtype == torch_dtype  # DeepSpeed's configs hand back torch dtypes
+    else:  # torch 1.13 has no float8: blockkv's name
+        assert c.cache_dtype in ("fp8_e4m3", getattr(torch, "float8_e4m3fn", None))
+
+
+@pytest.mark.parametrize("dtype", ["fp64", "float64", torch.float64, "", 3])
+def test_unknown_cache_dtype_is_a_value_error(dtype):
+    with pytest.raises(ValueError):
+        blockkv.KVCacheConfig(cache_shape=(1, 1, 8), cache_dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("block_size", 0),
+        ("block_size", -1),
+        ("num_allocation_groups", 0),
+        ("max_blocks_per_allocation_group", -1),
+        ("cache_shape", (0, 1, 8)),
+        ("cache_shape", (1, -1, 8)),
+        ("cache_shape", (1, 1)),
+        ("cache_shape", "abc"),
+        ("block_size", 2**31),
+    ],
+)
+def test_invalid_kv_cache_config_is_a_value_error(field, value):
+    kwargs = {"cache_shape": (1, 1, 8), field: value}
+    with pytest.raises(ValueError):
+        blockkv.KVCacheConfig(**kwargs)
+    # Assignment is validated too (DeepSpeed's validate_assignment) and changes nothing.
+    c = blockkv.KVCacheConfig(cache_shape=(1, 1, 8))
+    before = repr(c)
+    with pytest.raises(ValueError):
+        setattr(c, field, value)
+    assert repr(c) == before
+
+
+def test_kv_cache_config_assignment_and_equality():
+    c = blockkv.KVCacheConfig(cache_shape=(1, 1, 8))
+    c.block_size = 16
+    c.cache_dtype = "bf16"
+    c.cache_shape = (2, 4, 64)
+    assert (c.block_size, c.dtype_name, c.cache_shape) == (16, "bf16", (2, 4, 64))
+    assert c == blockkv.KVCacheConfig(block_size=16, cache_shape=(2, 4, 64), cache_dtype="bf16")
+    assert "block_size=16" in repr(c)
+
+
+def test_kv_cache_type_is_accepted_and_informational():
+    blockkv.KVCacheConfig(cache_shape=(1, 1, 8), type=blockkv.KVCacheType.DENSE)
+    blockkv.KVCacheConfig(cache_shape=(1, 1, 8), type="local")
+    with pytest.raises(ValueError):
+        blockkv.KVCacheConfig(cache_shape=(1, 1, 8), type="sparse")
+
+
+def test_memory_config_defaults_and_modes():
+    m = blockkv.MemoryConfig()
+    assert m.mode == blockkv.AllocationMode.RESERVE and m.size == 1_000_000_000
+    assert blockkv.MemoryConfig(mode="allocate", size=8).mode == blockkv.AllocationMode.ALLOCATE
+    assert blockkv.MemoryConfig(mode="reserve").mode == blockkv.AllocationMode.RESERVE
+    assert blockkv.MemoryConfig(mode=blockkv.AllocationMode.ALLOCATE, size=3).size == 3
+    m.mode = "allocate"
+    assert m.mode == blockkv.AllocationMode.ALLOCATE
+
+
+@pytest.mark.parametrize("kwargs", [{"size": 0}, {"size": -1}, {"mode": "borrow"}, {"mode": 3}])
+def test_invalid_memory_config_is_a_value_error(kwargs):
+    with pytest.raises(ValueError):
+        blockkv.MemoryConfig(**kwargs)
+
+
+def test_state_manager_config_defaults_are_deepspeeds():
+    c = blockkv.StateManagerConfig()
+    assert c.max_tracked_sequences == 2048
+    assert c.max_ragged_batch_size == 768
+    assert c.max_ragged_sequence_count == 512
+    assert c.max_context == 8192
+    assert c.memory_config == blockkv.MemoryConfig()
+    assert c.offload is False
+
+
+@pytest.mark.parametrize(
+    "field", ["max_tracked_sequences", "max_ragged_batch_size", "max_ragged_sequence_count"])
+@pytest.mark.parametrize("value", [-1, 0])
+def test_non_positive_counts_are_a_value_error(field, value):
+    with pytest.raises(ValueError):
+        blockkv.StateManagerConfig(**{field: value})
+
+
+def test_sequence_count_above_batch_size_is_a_value_error():
+    with pytest.raises(ValueError):
+        blockkv.StateManagerConfig(max_ragged_batch_size=512, max_ragged_sequence_count=1024)
+
+
+def test_sequence_count_above_tracked_sequences_is_a_value_error():
+    with pytest.raises(ValueError):
+        blockkv.StateManagerConfig(max_tracked_sequences=512, max_ragged_sequence_count=1024)
+
+
+def test_state_manager_config_assignment_is_validated():
+    c = blockkv.StateManagerConfig()
+    with pytest.raises(ValueError):
+        c.max_ragged_sequence_count = 4096  # above max_tracked_sequences
+    assert c.max_ragged_sequence_count == 512
+    c.max_context = 1024
+    c.memory_config = blockkv.MemoryConfig(mode="allocate", size=10)
+    assert c.memory_config.size == 10
+    c.memory_config.size = 20  # the nested config is the config's own, validated itself
+    assert c.memory_config.size == 20
+    with pytest.raises(ValueError):
+        c.memory_config.size = 0
+    assert c.memory_config.size == 20
