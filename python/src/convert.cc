@@ -54,7 +54,7 @@ std::vector<int64_t> ToInt64Vector(py::handle obj, const char* what) {
     }
     return {static_cast<int64_t>(value)};
   }
-  py::object host = py::reinterpret_borrow<py::object>(obj);
+  auto host = py::reinterpret_borrow<py::object>(obj);
   if (IsTorchObject(obj) && py::hasattr(obj, "cpu")) host = host.attr("detach")().attr("cpu")();
   py::array array = py::module_::import("numpy").attr("asarray")(host);
   if (array.ndim() > 1) {
@@ -165,8 +165,7 @@ std::shared_ptr<Device> ToDevice(py::handle obj) {
       return CudaOrThrow(std::stoll(index));
     }
   }
-  Throw(PyExc_ValueError,
-        "unknown device \"" + name + "\": expected \"cpu\", \"cuda\" or \"cuda:N\"");
+  Throw(PyExc_ValueError, "unknown device \"" + name + R"(": expected "cpu", "cuda" or "cuda:N")");
 }
 
 void RequireNoGroup(py::handle group, const char* argument) {

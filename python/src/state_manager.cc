@@ -163,7 +163,7 @@ Manager Create(const StateManagerConfig& config, py::handle kv_configs, py::hand
     py::gil_scoped_release release;
     manager = StateManager::Create(config, std::move(configs), std::move(dev));
   }
-  return Manager(ValueOrThrow(std::move(manager)));
+  return {ValueOrThrow(std::move(manager))};
 }
 
 void BindManager(py::module_& m) {

@@ -160,3 +160,21 @@ def test_state_manager_config_assignment_is_validated():
     with pytest.raises(ValueError):
         c.memory_config.size = 0
     assert c.memory_config.size == 20
+
+
+def test_configs_copy_and_pickle():
+    import copy
+    import pickle
+
+    kv = blockkv.KVCacheConfig(block_size=16, cache_shape=(2, 4, 64), cache_dtype="bf16",
+                               max_blocks_per_allocation_group=8)
+    mem = blockkv.MemoryConfig(mode="allocate", size=12)
+    manager = blockkv.StateManagerConfig(max_tracked_sequences=64, max_ragged_sequence_count=32,
+                                         memory_config=mem, max_context=512)
+    for config in (kv, mem, manager):
+        for clone in (copy.copy(config), copy.deepcopy(config),
+                      pickle.loads(pickle.dumps(config))):
+            assert clone is not config and repr(clone) == repr(config)
+    clone = copy.deepcopy(manager)
+    clone.memory_config.size = 99
+    assert manager.memory_config.size == 12
