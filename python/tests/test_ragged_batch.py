@@ -239,3 +239,11 @@ def test_batch_limits_raise_what_deepspeed_raises():
 def test_takes_the_manager_not_the_config():
     with pytest.raises(TypeError, match="StateManager"):
         blockkv.RaggedBatchWrapper(blockkv.StateManagerConfig())
+
+
+def test_an_empty_batch_finalizes():
+    m = make_manager()
+    batch = blockkv.RaggedBatchWrapper(m)
+    batch.finalize(padding=True)
+    assert batch.input_ids().size == 0 and batch.batch_metadata_buffer().tolist() == [0, 0]
+    assert batch.kv_indptr().tolist() == [0]
