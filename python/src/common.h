@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "blockkv/block_allocator.h"
+#include "blockkv/config.h"
 #include "blockkv/device.h"
 #include "blockkv/dtype.h"
 #include "blockkv/status.h"
@@ -78,6 +79,9 @@ py::object DTypeToPython(DType dtype);
 // device when torch is imported, else GPU 0), else the host. "cpu"; "cuda" / "cuda:N" / an int N
 // (kUnavailable without CUDA or GPU N: RuntimeError); a torch.device; a blockkv Device.
 std::shared_ptr<Device> ToDevice(py::handle obj);
+// A KVCacheConfig, or a sequence of them (DeepSpeed passes a tuple, one per cache group); anything
+// else is a TypeError.
+std::vector<KVCacheConfig> ToConfigs(py::handle obj);
 // mp_group / base_mp_group: only None, since communicators are not bound.
 void RequireNoGroup(py::handle group, const char* argument);
 

@@ -6,6 +6,7 @@
 #include <string>
 #include <string_view>
 
+#include "blockkv/config.h"
 #include "common.h"
 
 namespace blockkv::python {
@@ -166,6 +167,21 @@ std::shared_ptr<Device> ToDevice(py::handle obj) {
     }
   }
   Throw(PyExc_ValueError, "unknown device \"" + name + R"(": expected "cpu", "cuda" or "cuda:N")");
+}
+
+std::vector<KVCacheConfig> ToConfigs(py::handle obj) {
+  if (py::isinstance<KVCacheConfig>(obj)) return {obj.cast<KVCacheConfig>()};
+  if (!py::isinstance<py::sequence>(obj)) {
+    Throw(PyExc_TypeError, "expected a KVCacheConfig or a sequence of them, got " + TypeName(obj));
+  }
+  std::vector<KVCacheConfig> configs;
+  for (py::handle item : obj) {
+    if (!py::isinstance<KVCacheConfig>(item)) {
+      Throw(PyExc_TypeError, "every cache config must be a KVCacheConfig, got " + TypeName(item));
+    }
+    configs.push_back(item.cast<KVCacheConfig>());
+  }
+  return configs;
 }
 
 void RequireNoGroup(py::handle group, const char* argument) {

@@ -18,24 +18,6 @@
 namespace blockkv::python {
 namespace {
 
-// A KVCacheConfig, or a sequence of them (DeepSpeed passes a tuple, one per cache group).
-std::vector<KVCacheConfig> ToConfigs(py::handle obj) {
-  if (py::isinstance<KVCacheConfig>(obj)) return {obj.cast<KVCacheConfig>()};
-  if (!py::isinstance<py::sequence>(obj)) {
-    Throw(PyExc_TypeError, "expected a KVCacheConfig or a sequence of them, got " +
-                               std::string(py::str(py::type::of(obj).attr("__name__"))));
-  }
-  std::vector<KVCacheConfig> configs;
-  for (py::handle item : obj) {
-    if (!py::isinstance<KVCacheConfig>(item)) {
-      Throw(PyExc_TypeError, "every cache config must be a KVCacheConfig, got " +
-                                 std::string(py::str(py::type::of(item).attr("__name__"))));
-    }
-    configs.push_back(item.cast<KVCacheConfig>());
-  }
-  return configs;
-}
-
 void BindDevice(py::module_& m) {
   py::class_<Device, std::shared_ptr<Device>>(
       m, "Device", "Where a cache's bytes live. Made by CpuDevice() or CudaDevice().")

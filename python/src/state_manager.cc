@@ -151,12 +151,7 @@ Manager Create(const StateManagerConfig& config, py::handle kv_configs, py::hand
     Throw(PyExc_NotImplementedError, "Offloading of KV-caches is not yet supported.");
   }
   RequireNoGroup(base_mp_group, "base_mp_group");
-  std::vector<KVCacheConfig> configs;
-  if (py::isinstance<KVCacheConfig>(kv_configs)) {
-    configs.push_back(kv_configs.cast<KVCacheConfig>());
-  } else {
-    for (py::handle c : kv_configs) configs.push_back(c.cast<KVCacheConfig>());
-  }
+  std::vector<KVCacheConfig> configs = ToConfigs(kv_configs);
   std::shared_ptr<Device> dev = ToDevice(device);
   Result<std::unique_ptr<StateManager>> manager = InternalError("not created");
   {

@@ -187,6 +187,8 @@ def test_unsupported_manager_options():
         blockkv.StateManager(config, (kv_config(),), base_mp_group=object(), device="cpu")
     with pytest.raises(NotImplementedError):
         blockkv.StateManager(config, (kv_config(num_allocation_groups=2),), device="cpu")
+    with pytest.raises(TypeError):
+        blockkv.StateManager(config, ("not a config",), device="cpu")
     config.offload = True
     with pytest.raises(NotImplementedError):
         blockkv.StateManager(config, (kv_config(),), device="cpu")
