@@ -24,6 +24,7 @@ BlockedAllocator::BlockedAllocator(int32_t num_blocks)
 Result<std::vector<BlockId>> BlockedAllocator::Allocate(int32_t n) {
   if (n < 0)
     return InvalidArgumentError(StrCat("cannot allocate a negative number of blocks: ", n));
+  if (n > free_blocks()) return NotEnoughBlocks(n);  // before a huge n sizes a vector
   std::vector<BlockId> out(static_cast<size_t>(n));
   BLOCKKV_RETURN_IF_ERROR(Allocate(n, out));
   return out;
@@ -38,8 +39,7 @@ Status BlockedAllocator::Allocate(int32_t n, std::span<BlockId> out) {
       return InvalidArgumentError(
           StrCat("output span holds ", out.size(), " ids, fewer than the ", n, " requested"));
     }
-    return ResourceExhaustedError(
-        StrCat("cannot allocate ", n, " blocks: ", free_blocks(), " of ", num_blocks(), " free"));
+    return NotEnoughBlocks(n);
   }
   const size_t top = free_stack_.size();
   for (int32_t i = 0; i < n; ++i) {
@@ -65,6 +65,11 @@ Status BlockedAllocator::Free(std::span<const BlockId> blocks) {
     free_stack_.push_back(id);
   }
   return Status::Ok();
+}
+
+Status BlockedAllocator::NotEnoughBlocks(int32_t n) const {
+  return ResourceExhaustedError(
+      StrCat("cannot allocate ", n, " blocks: ", free_blocks(), " of ", num_blocks(), " free"));
 }
 
 Status BlockedAllocator::FreeFailure(std::span<const BlockId> blocks, size_t bad) {

@@ -26,7 +26,11 @@ Result<KVCachePlan> PlanKVCache(std::span<const KVCacheConfig> configs, const Me
       return Status(s.code(), StrCat("cache group ", g, ": ", s.message()));
     }
     const auto sum = internal::CheckedAdd(plan.bytes_per_block, *configs[g].bytes_per_block());
-    if (!sum) return InvalidArgumentError("bytes per block summed over groups overflows int64");
+    if (!sum) {
+      return InvalidArgumentError(
+          StrCat("bytes per block summed over groups overflows int64 at group ", g, ": ",
+                 plan.bytes_per_block, " + ", *configs[g].bytes_per_block()));
+    }
     plan.bytes_per_block = *sum;
   }
 
@@ -96,11 +100,7 @@ Result<std::unique_ptr<BlockedKVCache>> BlockedKVCache::Create(std::vector<KVCac
   const bool collective =
       comm != nullptr && comm->world_size() > 1 && memory.mode == AllocationMode::kReserve;
   if (device == nullptr) {
-    if (collective) {
-      // Still take part in the collectives so the other ranks fail instead of hanging.
-      BLOCKKV_RETURN_IF_ERROR(comm->Barrier());
-      comm->AllReduceMin(0).status().IgnoreError();
-    }
+    AbandonCreate(comm, memory.mode);
     return InvalidArgumentError("BlockedKVCache::Create needs a device, got null");
   }
   if (memory.mode == AllocationMode::kReserve) device->EmptyCache();
@@ -130,6 +130,13 @@ Result<std::unique_ptr<BlockedKVCache>> BlockedKVCache::Create(std::vector<KVCac
   }
   return std::unique_ptr<BlockedKVCache>(
       new BlockedKVCache(std::move(device), *plan, std::move(*groups)));
+}
+
+void BlockedKVCache::AbandonCreate(Communicator* comm, AllocationMode mode) {
+  if (comm == nullptr || comm->world_size() <= 1 || mode != AllocationMode::kReserve) return;
+  // Create's warm-up barrier and plan agreement; the others see 0 blocks and fail before
+  // allocating, so they enter no further collective.
+  if (comm->Barrier().ok()) comm->AllReduceMin(0).status().IgnoreError();
 }
 
 Result<std::vector<BlockedKVCache::Group>> BlockedKVCache::AllocateGroups(

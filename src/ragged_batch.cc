@@ -108,12 +108,7 @@ struct RaggedBatch::Impl {
 
   Status Init(const StateManager& manager);
   Status InitGroup(const StateManager& manager, int g, int64_t padded_capacity);
-  // The checks of InsertSequence as one predicate, for the hot path; when it fails, the two
-  // functions below (out of line) say which check failed.
-  bool Insertable(const Sequence& seq, int64_t n) const;
-  [[gnu::cold, gnu::noinline]] Status InsertError(const Sequence& seq, int64_t n) const;
   Status CheckInsertable(const Sequence& seq, int64_t n) const;
-  Status CheckCoverage(const Sequence& seq, int64_t n, int g) const;
   static bool Unchanged(const Entry& e);
   [[gnu::cold, gnu::noinline]] static Status ChangedError(const Entry& e);
   void FillEntry(int32_t i);  // descriptors, token map, and every group's arrays for entry i
@@ -126,6 +121,7 @@ struct RaggedBatch::Impl {
   Result<TensorView> View(const MirroredArray<T>& array, bool on_device,
                           std::initializer_list<int64_t> shape) const;
 
+  const StateManager* owner = nullptr;   // outlives the batch (RaggedBatch::Create's REQUIRES)
   int32_t max_tokens = 0;                // max_ragged_batch_size
   int32_t max_seqs = 0;                  // max_ragged_sequence_count
   std::shared_ptr<Device> mirror;        // the CUDA device of the cache; null on the host
@@ -142,6 +138,7 @@ struct RaggedBatch::Impl {
 };
 
 Status RaggedBatch::Impl::Init(const StateManager& manager) {
+  owner = &manager;
   const StateManagerConfig& config = manager.config();
   max_tokens = config.max_ragged_batch_size;
   max_seqs = config.max_ragged_sequence_count;
@@ -199,86 +196,58 @@ Status RaggedBatch::Impl::InitGroup(const StateManager& manager, int g, int64_t 
   return Status::Ok();
 }
 
+// Every check of InsertSequence, before anything changes. Messages are built out of line
+// (ColdStrCat) and an OK Status is free, so this is also the hot path.
 Status RaggedBatch::Impl::CheckInsertable(const Sequence& seq, int64_t n) const {
-  if (finalized) {
-    return FailedPreconditionError(
-        StrCat("cannot insert sequence ", seq.uid(), ": the batch is finalized; Clear it first"));
+  if (finalized) [[unlikely]] {
+    return FailedPreconditionError(ColdStrCat("cannot insert sequence ", seq.uid(),
+                                              ": the batch is finalized; Clear it first"));
   }
-  const int32_t slot = seq.tracking_slot();
-  if (slot < 0 || static_cast<size_t>(slot) >= in_batch.size()) {
-    return InvalidArgumentError(StrCat("sequence ", seq.uid(), " has tracking slot ", slot,
-                                       ", outside [0, ", in_batch.size(),
-                                       ") of this batch's manager"));
+  if (!owner->Owns(seq)) [[unlikely]] {
+    return InvalidArgumentError(ColdStrCat(
+        "sequence ", seq.uid(), " (slot ", seq.tracking_slot(),
+        ") is not tracked by this batch's state manager: flushed, or another manager's"));
   }
-  if (in_batch[static_cast<size_t>(slot)] != 0) {
-    return AlreadyExistsError(StrCat("sequence ", seq.uid(), " is already in the batch"));
+  const auto slot = static_cast<size_t>(seq.tracking_slot());
+  if (in_batch[slot] != 0) [[unlikely]] {
+    return AlreadyExistsError(ColdStrCat("sequence ", seq.uid(), " is already in the batch"));
   }
-  if (std::ssize(entries) >= max_seqs) {
-    return ResourceExhaustedError(StrCat("Ragged batch is full due to sequence limit: ", max_seqs,
-                                         " (max_ragged_sequence_count); cannot insert sequence ",
-                                         seq.uid()));
+  if (std::ssize(entries) >= max_seqs) [[unlikely]] {
+    return ResourceExhaustedError(
+        ColdStrCat("Ragged batch is full due to sequence limit: ", max_seqs,
+                   " (max_ragged_sequence_count); cannot insert sequence ", seq.uid()));
   }
-  if (n > int64_t{max_tokens} - n_tokens) {
-    return ResourceExhaustedError(StrCat("Ragged batch is full due to token limit: ", max_tokens,
-                                         " (max_ragged_batch_size); it holds ", n_tokens,
-                                         " tokens and sequence ", seq.uid(), " adds ", n));
+  if (n > int64_t{max_tokens} - n_tokens) [[unlikely]] {
+    return ResourceExhaustedError(
+        ColdStrCat("Ragged batch is full due to token limit: ", max_tokens,
+                   " (max_ragged_batch_size); it holds ", n_tokens, " tokens and sequence ",
+                   seq.uid(), " adds ", n));
   }
-  if (n != seq.in_flight_tokens()) {
-    return FailedPreconditionError(StrCat("sequence ", seq.uid(), " has ", seq.in_flight_tokens(),
-                                          " tokens in flight but ", n,
-                                          " tokens were given; Schedule it first"));
+  if (n != seq.in_flight_tokens()) [[unlikely]] {
+    return FailedPreconditionError(ColdStrCat("sequence ", seq.uid(), " has ",
+                                              seq.in_flight_tokens(), " tokens in flight but ", n,
+                                              " tokens were given; Schedule it first"));
   }
-  if (seq.seen_tokens() > kInt32Max - n) {
-    return OutOfRangeError(StrCat("sequence ", seq.uid(), ": seen_tokens ", seq.seen_tokens(),
-                                  " + ", n, " new tokens do not fit the int32 descriptors"));
+  if (seq.seen_tokens() > kInt32Max - n) [[unlikely]] {
+    return OutOfRangeError(ColdStrCat("sequence ", seq.uid(), ": seen_tokens ", seq.seen_tokens(),
+                                      " + ", n, " new tokens do not fit the int32 descriptors"));
   }
-  return Status::Ok();
-}
-
-bool RaggedBatch::Impl::Insertable(const Sequence& seq, int64_t n) const {
-  const int32_t slot = seq.tracking_slot();
-  if (finalized || slot < 0 || static_cast<size_t>(slot) >= in_batch.size() ||
-      in_batch[static_cast<size_t>(slot)] != 0 || std::ssize(entries) >= max_seqs ||
-      n > int64_t{max_tokens} - n_tokens || n != seq.in_flight_tokens() ||
-      seq.seen_tokens() > kInt32Max - n) {
-    return false;
-  }
+  // The table of every group reaches past the new positions [seen, seen + n). The entries there
+  // hold blocks by the state manager's invariants (an entry is kNoBlock only when
+  // FreeLeadingBlocks released it, and that releases only blocks wholly before seen), which
+  // StateManager::CheckInvariants verifies; this O(1) check keeps the batch from ever indexing
+  // past a table without reading the table itself.
   const int64_t end = seq.seen_tokens() + n;
   for (int g = 0; g < std::ssize(groups); ++g) {
     const Group& group = groups[static_cast<size_t>(g)];
     const int32_t allocated = seq.cur_allocated_blocks(g);
-    if (allocated > group.max_blocks || allocated < group.block_size.BlocksFor(end)) return false;
-  }
-  return true;
-}
-
-Status RaggedBatch::Impl::InsertError(const Sequence& seq, int64_t n) const {
-  BLOCKKV_RETURN_IF_ERROR(CheckInsertable(seq, n));
-  for (int g = 0; g < std::ssize(groups); ++g) BLOCKKV_RETURN_IF_ERROR(CheckCoverage(seq, n, g));
-  return InternalError("RaggedBatch: Insertable and its checks disagree");
-}
-
-// The sequence's table of group `g` reaches past every new position [seen, seen + n). The
-// entries there hold blocks by the state manager's invariants (a table entry is kNoBlock only
-// when FreeLeadingBlocks released it, and that releases only blocks wholly before seen), which
-// StateManager::CheckInvariants verifies; this O(1) check keeps a batch from ever indexing past
-// a table without reading the table itself.
-Status RaggedBatch::Impl::CheckCoverage(const Sequence& seq, int64_t n, int g) const {
-  const Group& group = groups[static_cast<size_t>(g)];
-  const int32_t allocated = seq.cur_allocated_blocks(g);
-  if (allocated > group.max_blocks) {
-    return InvalidArgumentError(StrCat("sequence ", seq.uid(), " has ", allocated,
-                                       " blocks in cache group ", g, ", more than the ",
-                                       group.max_blocks, " of this batch's manager"));
-  }
-  const int64_t seen = seq.seen_tokens();
-  const int64_t end = seen + n;
-  const int64_t needed = group.block_size.BlocksFor(end);
-  if (allocated < needed) {
-    return FailedPreconditionError(StrCat("sequence ", seq.uid(), " holds ", allocated,
-                                          " blocks of cache group ", g, " (block size ",
-                                          group.block_size.value(), ") but tokens [", seen, ", ",
-                                          end, ") need ", needed, "; Schedule it first"));
+    const int64_t needed = group.block_size.BlocksFor(end);
+    if (allocated < needed) [[unlikely]] {
+      return FailedPreconditionError(
+          ColdStrCat("sequence ", seq.uid(), " holds ", allocated, " blocks of cache group ", g,
+                     " (block size ", group.block_size.value(), ") but tokens [", seq.seen_tokens(),
+                     ", ", end, ") need ", needed, "; Schedule it first"));
+    }
   }
   return Status::Ok();
 }
@@ -414,9 +383,7 @@ RaggedBatch::~RaggedBatch() = default;
 Status RaggedBatch::InsertSequence(const Sequence& seq, std::span<const int64_t> tokens) {
   Impl& b = *impl_;
   const int64_t n = std::ssize(tokens);
-  if (!b.Insertable(seq, n)) [[unlikely]] {
-    return b.InsertError(seq, n);
-  }
+  BLOCKKV_RETURN_IF_ERROR(b.CheckInsertable(seq, n));
   b.entries.push_back(Impl::Entry{.seq = &seq,
                                   .uid = seq.uid(),
                                   .slot = seq.tracking_slot(),
@@ -434,19 +401,19 @@ Status RaggedBatch::InsertSequence(const Sequence& seq, std::span<const int64_t>
 }
 
 Status RaggedBatch::Finalize(bool padding) {
-  // One pass over the sequences, checking each before its arrays are written; a failure leaves
-  // the batch unfinalized (its arrays are not readable until a Finalize succeeds).
+  // Every sequence is checked before any array is written, so a failed Finalize changes nothing
+  // (a batch finalized before stays finalized, its arrays intact). A failed upload to the device
+  // mirror leaves the batch unfinalized.
   Impl& b = *impl_;
-  b.finalized = false;
-  b.padded = padding ? static_cast<int32_t>(PaddedTokenCount(b.n_tokens)) : b.n_tokens;
-  for (Impl::Group& group : b.groups) group.kv_indptr.host[0] = 0;
-  for (int32_t i = 0; i < std::ssize(b.entries); ++i) {
-    const Impl::Entry& e = b.entries[static_cast<size_t>(i)];
+  for (const Impl::Entry& e : b.entries) {
     if (!Impl::Unchanged(e)) [[unlikely]] {
       return Impl::ChangedError(e);
     }
-    b.FillEntry(i);
   }
+  b.finalized = false;
+  b.padded = padding ? static_cast<int32_t>(PaddedTokenCount(b.n_tokens)) : b.n_tokens;
+  for (Impl::Group& group : b.groups) group.kv_indptr.host[0] = 0;
+  for (int32_t i = 0; i < std::ssize(b.entries); ++i) b.FillEntry(i);
   b.FillPadding();
   BLOCKKV_RETURN_IF_ERROR(b.Upload());
   b.finalized = true;

@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 
 #include "internal/block_size.h"
 #include "internal/check.h"
 #include "internal/checked_math.h"
+#include "internal/host_memory.h"
 #include "internal/strings.h"
 #include "internal/uid_map.h"
 
@@ -72,10 +74,27 @@ KVRequirement ComputeKVRequirement(int64_t seen_tokens, int32_t allocated_blocks
 
 // ---- creation ---------------------------------------------------------------------------------
 
-Result<std::unique_ptr<StateManager>> StateManager::Create(StateManagerConfig config,
-                                                           std::vector<KVCacheConfig> kv_configs,
-                                                           std::shared_ptr<Device> device,
-                                                           Communicator* comm) {
+namespace {
+
+// Host bytes a manager's own bookkeeping takes for `config` (block tables, sequences, the uid
+// map), or nullopt when that overflows.
+std::optional<int64_t> BookkeepingBytes(const StateManagerConfig& config,
+                                        std::span<const KVCacheConfig> kv_configs) {
+  std::optional<int64_t> bytes = internal::CheckedProduct(
+      {config.max_tracked_sequences, int64_t{sizeof(Sequence) + 64}});  // + uid map and marks
+  for (const KVCacheConfig& c : kv_configs) {
+    const auto table =
+        internal::CheckedProduct({config.max_tracked_sequences, c.max_blocks_per_allocation_group,
+                                  int64_t{sizeof(BlockId)}});
+    if (!bytes || !table) return std::nullopt;
+    bytes = internal::CheckedAdd(*bytes, *table);
+  }
+  return bytes;
+}
+
+// What the manager itself requires of its configuration, beyond what BlockedKVCache checks.
+Status CheckManagerConfig(const StateManagerConfig& config,
+                          std::span<const KVCacheConfig> kv_configs) {
   BLOCKKV_RETURN_IF_ERROR(config.Validate());
   if (config.offload) {
     return UnimplementedError(
@@ -83,16 +102,39 @@ Result<std::unique_ptr<StateManager>> StateManager::Create(StateManagerConfig co
         "offload=false");
   }
   for (size_t g = 0; g < kv_configs.size(); ++g) {
+    if (Status s = kv_configs[g].Validate(); !s.ok()) {
+      return {s.code(), StrCat("cache group ", g, ": ", s.message())};
+    }
     if (kv_configs[g].num_allocation_groups != 1) {
       return UnimplementedError(
           StrCat("cache group ", g, ": num_allocation_groups=", kv_configs[g].num_allocation_groups,
                  "; the state manager supports only 1 (as DeepSpeed's engine uses)"));
     }
-    BLOCKKV_RETURN_IF_ERROR(kv_configs[g].Validate());
-    if (!internal::CheckedMul(config.max_tracked_sequences,
-                              kv_configs[g].max_blocks_per_allocation_group)) {
-      return InvalidArgumentError("block table size overflows int64");
-    }
+  }
+  // The tables live in host memory: refuse what cannot fit instead of throwing bad_alloc.
+  const std::optional<int64_t> bytes = BookkeepingBytes(config, kv_configs);
+  const int64_t available = internal::ReadHostMemory().available;
+  if (!bytes || *bytes > available) {
+    return ResourceExhaustedError(StrCat(
+        "the state manager's block tables for ", config.max_tracked_sequences, " sequences need ",
+        bytes ? StrCat(*bytes, " bytes") : std::string("more than 2^63 bytes"), " of host memory, ",
+        available,
+        " available; lower max_tracked_sequences or "
+        "max_blocks_per_allocation_group"));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<StateManager>> StateManager::Create(StateManagerConfig config,
+                                                           std::vector<KVCacheConfig> kv_configs,
+                                                           std::shared_ptr<Device> device,
+                                                           Communicator* comm) {
+  if (Status s = CheckManagerConfig(config, kv_configs); !s.ok()) {
+    // The other ranks are entering the cache's collectives: join them, so they fail too.
+    BlockedKVCache::AbandonCreate(comm, config.memory_config.mode);
+    return s;
   }
   BLOCKKV_ASSIGN_OR_RETURN(BlockedAllocator slots,
                            BlockedAllocator::Create(config.max_tracked_sequences));
@@ -118,7 +160,7 @@ StateManager::StateManager(StateManagerConfig config, std::unique_ptr<BlockedKVC
     block_sizes_.emplace_back(kv_block_size(g));
     token_limit_ = std::min(token_limit_, int64_t{max_blocks_per_sequence(g)} * kv_block_size(g));
   }
-  sequences_.resize(tracked);
+  sequences_.reset(new Sequence[tracked]);
   group_states_.resize(tracked * static_cast<size_t>(num_groups));
   for (size_t slot = 0; slot < tracked; ++slot) {
     Sequence& seq = sequences_[slot];
@@ -155,6 +197,12 @@ int32_t StateManager::BlocksNeeded(int64_t seen, int32_t allocated, int64_t new_
 }
 
 const Sequence* StateManager::GetSequence(SeqId uid) const { return Find(uid); }
+
+bool StateManager::Owns(const Sequence& seq) const {
+  const int32_t slot = seq.slot_;
+  return slot >= 0 && slot < config_.max_tracked_sequences && &sequences_[slot] == &seq &&
+         slots_.IsUsed(slot);
+}
 
 int32_t StateManager::kv_block_size(int group) const { return cache_->config(group).block_size; }
 
@@ -269,6 +317,7 @@ Status StateManager::FreeLeadingBlocks(SeqId uid, int32_t num_blocks, int group)
                                   " blocks lie wholly before seen_tokens=", seq->seen_tokens_, ", ",
                                   state.released, " already released), asked for ", num_blocks));
   }
+  if (num_blocks == 0) return Status::Ok();  // nothing released: the table version stays
   BlockId* first = state.row + state.released;
   BLOCKKV_RETURN_IF_ERROR(
       pools_[group].Release(std::span<const BlockId>(first, static_cast<size_t>(num_blocks))));

@@ -72,6 +72,8 @@ class BlockedAllocator {
 
   enum State : uint8_t { kFree, kUsed };
 
+  // kResourceExhausted for asking `n` blocks. Off the hot path.
+  [[gnu::cold]] Status NotEnoughBlocks(int32_t n) const;
   // Undoes the pushes of blocks[0, bad) and builds the error for blocks[bad]. Off the hot path.
   Status FreeFailure(std::span<const BlockId> blocks, size_t bad);
 

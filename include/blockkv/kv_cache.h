@@ -58,6 +58,11 @@ class BlockedKVCache {
                                                         std::shared_ptr<Device> device,
                                                         Communicator* comm = nullptr);
 
+  // For a rank that fails before it can call Create (a StateManager whose own configuration is
+  // invalid): enters the collectives Create enters, offering nothing, so the other ranks fail
+  // instead of waiting. Does nothing unless `comm` has more than one rank and `mode` is RESERVE.
+  static void AbandonCreate(Communicator* comm, AllocationMode mode);
+
   BlockedKVCache(const BlockedKVCache&) = delete;
   BlockedKVCache& operator=(const BlockedKVCache&) = delete;
   ~BlockedKVCache();

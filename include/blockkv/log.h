@@ -1,4 +1,6 @@
-// Logging: library code never prints; it hands lines to a sink the application can replace.
+// Logging: library code writes nothing itself; it hands lines to a sink the application can
+// replace. The default sink writes them to stderr, from INFO up (BlockedKVCache::Create logs one
+// INFO line per cache group): set the level or the sink to silence or redirect them.
 //
 //   blockkv::SetLogLevel(blockkv::LogLevel::kWarning);          // silence info lines
 //   blockkv::SetLogSink([](blockkv::LogLevel, std::string_view line) { MyLogger(line); });
@@ -12,7 +14,8 @@ namespace blockkv {
 enum class LogLevel { kDebug, kInfo, kWarning, kError };
 
 // Called for each line at or above the current level, from whichever thread logged it; calls
-// are serialized. The line has no trailing newline.
+// are serialized under a lock, so a sink must not call Log or SetLogSink itself. The line has no
+// trailing newline.
 using LogSink = std::function<void(LogLevel level, std::string_view line)>;
 
 // Replaces the sink; an empty function restores the default (stderr, "blockkv [I] ..." lines).

@@ -22,10 +22,14 @@
 //   kv_indices(g)           int32 [kv_indptr[S]] the blocks holding tokens [0, seen + n_tokens)
 //                                          (entries released by FreeLeadingBlocks stay kNoBlock)
 //   kv_last_page_len(g)     int32 [S]      tokens in each sequence's last block, 1..block_size
+//                                          (0 for a sequence with no tokens at all)
 //   slot_mapping(g)         int64 [P]      block · block_size + offset of each new token; −1 pad
 //
 // Host arrays always; when the manager's cache lives on a CUDA device, Finalize also copies each
-// array into a device mirror, reached with on_device = true.
+// array into a device mirror, reached with on_device = true. The mirror is single-buffered and
+// the copies are synchronous on the default stream: REQUIRES that kernels reading one step's
+// mirror have finished before the next Finalize (an engine running them on its own stream
+// synchronizes that stream first).
 //
 // Limits are checked on every insert: more than max_ragged_sequence_count sequences or
 // max_ragged_batch_size tokens is kResourceExhausted naming the limit, and nothing is added.
@@ -61,10 +65,15 @@ class RaggedBatch {
   // the state, else kFailedPrecondition: tokens.size() == seq.in_flight_tokens() (Schedule it
   // first) and the sequence holds blocks for every new position in every cache group (never
   // writes through a block it does not own). kAlreadyExists if `seq` is already in the batch;
-  // kResourceExhausted past a limit; kFailedPrecondition after Finalize until Clear.
+  // kResourceExhausted past a limit; kFailedPrecondition after Finalize until Clear;
+  // kInvalidArgument when `seq` is not a tracked sequence of this batch's manager (another
+  // manager's, or flushed); kOutOfRange when seen_tokens + n does not fit the int32
+  // descriptors.
   Status InsertSequence(const Sequence& seq, std::span<const int64_t> tokens);
 
   // Builds the arrays (and copies them to the device mirror). An empty batch is valid: T = S = 0.
+  // kFailedPrecondition, with nothing changed, when an inserted sequence was flushed, scheduled
+  // or advanced since it was inserted.
   Status Finalize(bool padding = false);
 
   // Empties the batch for the next step; buffers are kept.

@@ -84,6 +84,7 @@ struct KVRequirement {
 // required = ceil((seen + max_new_tokens) / block_size) − allocated; if it is within
 // max_new_blocks, (max_new_tokens, required); otherwise
 // ((max_new_blocks + allocated)·block_size − seen, max_new_blocks).
+// REQUIRES: block_size > 0, and every argument >= 0 (Query checks them for its callers).
 KVRequirement ComputeKVRequirement(int64_t seen_tokens, int32_t allocated_blocks,
                                    int64_t max_new_tokens, int32_t max_new_blocks,
                                    int32_t block_size);
@@ -94,10 +95,16 @@ class StateManager;
 // changes it through Schedule, PostForward, FreeLeadingBlocks and Fork.
 class Sequence {
  public:
+  // Not copyable: a Sequence is known by its address (RaggedBatch checks that what it is given
+  // is the manager's own), so a copy would be a stale snapshot.
+  Sequence(const Sequence&) = delete;
+  Sequence& operator=(const Sequence&) = delete;
+
   SeqId uid() const { return uid_; }
   int32_t tracking_slot() const { return slot_; }
   int64_t seen_tokens() const { return seen_tokens_; }
   int64_t in_flight_tokens() const { return in_flight_tokens_; }
+  // Accessors by cache group REQUIRE 0 <= group < the manager's num_groups().
   // Logical length of the block table of `group`: blocks allocated so far, released ones
   // included (token positions never move).
   int32_t cur_allocated_blocks(int group = 0) const { return groups_[group].allocated; }
@@ -115,6 +122,7 @@ class Sequence {
 
  private:
   friend class StateManager;
+  Sequence() = default;
   struct GroupState {
     BlockId* row = nullptr;  // [max_blocks_per_allocation_group] in the manager's table
     int32_t allocated = 0;
@@ -148,6 +156,9 @@ class StateManager {
   Result<Sequence*> GetOrCreateSequence(SeqId uid);
   // nullptr when `uid` is not tracked.
   const Sequence* GetSequence(SeqId uid) const;
+  // True when `seq` is one of this manager's tracked sequences (not a sequence of another
+  // manager, nor a flushed one).
+  bool Owns(const Sequence& seq) const;
   // Drops the sequence's references to its blocks (blocks nobody else holds are freed) and its
   // slot. kNotFound for an unknown uid (DeepSpeed only warns).
   Status FlushSequence(SeqId uid);
@@ -155,7 +166,8 @@ class StateManager {
   // What `uid` may run next, at most `max_new_tokens` tokens and `max_new_blocks` new blocks of
   // `group` (DeepSpeed's query / get_kv_requirements), also capped by max_context and the block
   // table capacity. An unknown uid is evaluated as a new sequence; (0, 0) when it is unknown and
-  // every tracking slot is taken. kInvalidArgument for negative arguments or a bad group.
+  // every tracking slot is taken. kInvalidArgument for negative arguments, kOutOfRange for a bad
+  // group.
   Result<KVRequirement> Query(SeqId uid, int64_t max_new_tokens, int32_t max_new_blocks,
                               int group = 0) const;
 
@@ -169,7 +181,11 @@ class StateManager {
   // Schedules one forward, all or nothing: creates unknown sequences, reserves the blocks each
   // needs to hold seen + length tokens in every cache group, and sets in_flight = length. When
   // CanSchedule is not kSuccess: kResourceExhausted naming the limit (kInvalidArgument for bad
-  // arguments), `*result` set to it when given, and nothing changed.
+  // arguments), `*result` set to it when given, and nothing changed. kResourceExhausted covers
+  // every limit, the permanent ones (SequenceTokenLimitExceeded, BatchSequenceLimitExceeded)
+  // included: `*result` says which, and whether shrinking the request can help. Scheduling a
+  // sequence that still has tokens in flight replaces them, as DeepSpeed's pre_forward does:
+  // blocks reserved for them stay in its table and serve the new tokens.
   Status Schedule(std::span<const SeqId> uids, std::span<const int64_t> lengths,
                   SchedulingResult* result = nullptr);
 
@@ -196,6 +212,7 @@ class StateManager {
   // One layer's cache, as BlockedKVCache::GetCache.
   Result<TensorView> GetCache(int64_t cache_id, int group = 0) const;
   const BlockedKVCache& kv_cache() const { return *cache_; }
+  // By cache group; REQUIRES: 0 <= group < num_groups().
   const BlockPool& pool(int group = 0) const { return pools_[group]; }
   // The block table array of `group`: [max_tracked_sequences, max_blocks_per_allocation_group].
   const BlockId* block_tables(int group = 0) const { return tables_[group].data(); }
@@ -203,9 +220,9 @@ class StateManager {
   const StateManagerConfig& config() const { return config_; }
   int num_groups() const { return static_cast<int>(pools_.size()); }
   int32_t n_tracked_sequences() const;
-  std::vector<int32_t> free_blocks() const;  // one entry per cache group
-  int32_t kv_block_size(int group = 0) const;
-  int32_t max_blocks_per_sequence(int group = 0) const;
+  std::vector<int32_t> free_blocks() const;              // one entry per cache group
+  int32_t kv_block_size(int group = 0) const;            // REQUIRES: a valid group
+  int32_t max_blocks_per_sequence(int group = 0) const;  // REQUIRES: a valid group
 
   // No block is referenced more than its count says, reference counts equal table occurrences,
   // free + referenced = total, tables hold kNoBlock past each sequence's blocks, slots match.
@@ -246,7 +263,7 @@ class StateManager {
   std::vector<BlockPool> pools_;                    // one per cache group
   std::vector<std::vector<BlockId>> tables_;        // per group [max_tracked, max_blocks]
   BlockedAllocator slots_;                          // tracking slots
-  std::vector<Sequence> sequences_;                 // [max_tracked_sequences], indexed by slot
+  std::unique_ptr<Sequence[]> sequences_;           // [max_tracked_sequences], indexed by slot
   std::vector<Sequence::GroupState> group_states_;  // [max_tracked_sequences, num_groups]
   std::unique_ptr<internal::UidMap> by_uid_;        // uid -> slot
   std::vector<internal::BlockSize> block_sizes_;    // per group

@@ -6,6 +6,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -370,6 +372,21 @@ TEST(BlockedAllocatorTest, MovedAllocatorKeepsItsState) {
   EXPECT_EQ(b.num_blocks(), 4);
   EXPECT_OK(b.CheckInvariants());
   EXPECT_THAT(AllocateOrDie(b, 1), ElementsAre(3));
+}
+
+}  // namespace
+}  // namespace blockkv
+
+namespace blockkv {
+namespace {
+
+TEST(BlockedAllocatorHugeRequest, FailsWithoutSizingAVector) {
+  auto allocator = BlockedAllocator::Create(16);
+  ASSERT_TRUE(allocator.ok());
+  // 2^31 - 1 ids would be an 8 GiB vector: the check must come first.
+  const auto ids = allocator->Allocate(std::numeric_limits<int32_t>::max());
+  EXPECT_EQ(ids.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(allocator->free_blocks(), 16);
 }
 
 }  // namespace

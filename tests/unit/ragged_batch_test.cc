@@ -697,3 +697,50 @@ TEST(RaggedBatchMirrorTest, CopyFailureIsReturnedAndLeavesTheBatchUnfinalized) {
 
 }  // namespace
 }  // namespace blockkv
+
+namespace blockkv {
+namespace {
+
+TEST(RaggedBatchOwnership, RejectsASequenceOfAnotherManager) {
+  std::unique_ptr<StateManager> mine = MakeManager(Config());
+  std::unique_ptr<StateManager> other = MakeManager(Config());
+  std::unique_ptr<RaggedBatch> batch = MakeBatch(*mine);
+  const Sequence* foreign = Schedule(*other, 1, 4);
+  const std::vector<int64_t> tokens = RandomTokens(4, 1);
+  const Status s = batch->InsertSequence(*foreign, tokens);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("not tracked by this batch's state manager"));
+  EXPECT_EQ(batch->current_sequences(), 0);
+}
+
+TEST(RaggedBatchOwnership, RejectsAFlushedSequence) {
+  std::unique_ptr<StateManager> manager = MakeManager(Config());
+  std::unique_ptr<RaggedBatch> batch = MakeBatch(*manager);
+  const Sequence* seq = Schedule(*manager, 1, 4);
+  ASSERT_OK(manager->FlushSequence(1));
+  const std::vector<int64_t> tokens = RandomTokens(4, 2);
+  EXPECT_EQ(batch->InsertSequence(*seq, tokens).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(RaggedBatchFinalize, FailingAgainChangesNothing) {
+  std::unique_ptr<StateManager> manager = MakeManager(Config());
+  std::unique_ptr<RaggedBatch> batch = MakeBatch(*manager);
+  const Sequence* a = Schedule(*manager, 1, 3);
+  const Sequence* b = Schedule(*manager, 2, 5);
+  ASSERT_OK(batch->InsertSequence(*a, RandomTokens(3, 3)));
+  ASSERT_OK(batch->InsertSequence(*b, RandomTokens(5, 4)));
+  ASSERT_OK(batch->Finalize());
+  const std::vector<int64_t> slots = ReadInt64(batch->slot_mapping());
+  const std::vector<int32_t> descriptors = ReadInt32(batch->inflight_seq_descriptors());
+  // Sequence 2 moves on after the batch was built: finalizing again must fail and leave the
+  // batch as it was, still finalized.
+  const std::vector<SeqId> second = {2};
+  ASSERT_OK(manager->PostForward(second));
+  EXPECT_EQ(batch->Finalize().code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(batch->finalized());
+  EXPECT_EQ(ReadInt64(batch->slot_mapping()), slots);
+  EXPECT_EQ(ReadInt32(batch->inflight_seq_descriptors()), descriptors);
+}
+
+}  // namespace
+}  // namespace blockkv

@@ -448,3 +448,54 @@ TEST(StateManagerFork, AfterPartialFreeSharesOnlyHeldBlocks) {
 
 }  // namespace
 }  // namespace blockkv
+
+namespace blockkv {
+namespace {
+
+// Records the collectives one rank enters; the other rank offers `other_blocks`.
+class RecordingCommunicator final : public Communicator {
+ public:
+  int world_size() const override { return 2; }
+  int rank() const override { return 0; }
+  Result<int64_t> AllReduceMin(int64_t value) override {
+    reduced.push_back(value);
+    return std::min<int64_t>(value, 1 << 20);
+  }
+  Status Barrier() override {
+    ++barriers;
+    return Status::Ok();
+  }
+  std::vector<int64_t> reduced;
+  int barriers = 0;
+};
+
+TEST(StateManagerCreate, ARankWithABadConfigStillEntersTheCollectives) {
+  RecordingCommunicator comm;
+  StateManagerConfig config = Config(8);
+  config.memory_config.mode = AllocationMode::kReserve;
+  config.memory_config.size = 1024;
+  config.offload = true;
+  const auto m = StateManager::Create(config, {SmallModel()}, CpuDevice(1 << 20), &comm);
+  EXPECT_EQ(m.status().code(), StatusCode::kUnimplemented);
+  EXPECT_EQ(comm.barriers, 1);
+  EXPECT_EQ(comm.reduced, (std::vector<int64_t>{0}));  // "I can hold nothing": the others fail
+}
+
+TEST(StateManagerCreate, ValidatesBeforeTheAllocationGroupCheck) {
+  KVCacheConfig zero = SmallModel();
+  zero.num_allocation_groups = 0;
+  const auto m = StateManager::Create(Config(8), {zero}, CpuDevice(1 << 20));
+  EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument) << m.status();
+  EXPECT_NE(m.status().message().find("cache group 0"), std::string::npos) << m.status();
+}
+
+TEST(StateManagerCreate, RefusesBlockTablesLargerThanHostMemory) {
+  StateManagerConfig config = Config(8, /*tracked=*/1 << 20, 1 << 20, 16);
+  const auto m =
+      StateManager::Create(config, {SmallModel(16, /*max_blocks=*/1 << 30)}, CpuDevice(1 << 20));
+  EXPECT_EQ(m.status().code(), StatusCode::kResourceExhausted) << m.status();
+  EXPECT_NE(m.status().message().find("host memory"), std::string::npos) << m.status();
+}
+
+}  // namespace
+}  // namespace blockkv
