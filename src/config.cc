@@ -2,6 +2,7 @@
 
 #include "internal/checked_math.h"
 #include "internal/strings.h"
+#include "internal/validate.h"
 
 namespace blockkv {
 
@@ -18,9 +19,8 @@ const char* AllocationModeName(AllocationMode mode) {
 }
 
 Status KVCacheConfig::Validate() const {
-  auto positive = [](const char* field, int64_t value) -> Status {
-    if (value > 0) return Status::Ok();
-    return InvalidArgumentError(StrCat("KVCacheConfig.", field, " must be > 0, got ", value));
+  auto positive = [](const char* field, int64_t value) {
+    return internal::CheckPositive("KVCacheConfig", field, value);
   };
   BLOCKKV_RETURN_IF_ERROR(positive("block_size", block_size));
   BLOCKKV_RETURN_IF_ERROR(positive("num_allocation_groups", num_allocation_groups));

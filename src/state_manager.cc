@@ -12,6 +12,7 @@
 #include "internal/host_memory.h"
 #include "internal/strings.h"
 #include "internal/uid_map.h"
+#include "internal/validate.h"
 
 namespace blockkv {
 
@@ -19,9 +20,8 @@ using internal::ColdStrCat;
 using internal::StrCat;
 
 Status StateManagerConfig::Validate() const {
-  auto positive = [](const char* field, int64_t value) -> Status {
-    if (value > 0) return Status::Ok();
-    return InvalidArgumentError(StrCat("StateManagerConfig.", field, " must be > 0, got ", value));
+  auto positive = [](const char* field, int64_t value) {
+    return internal::CheckPositive("StateManagerConfig", field, value);
   };
   BLOCKKV_RETURN_IF_ERROR(positive("max_tracked_sequences", max_tracked_sequences));
   BLOCKKV_RETURN_IF_ERROR(positive("max_ragged_batch_size", max_ragged_batch_size));
