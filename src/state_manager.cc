@@ -198,11 +198,6 @@ int32_t StateManager::BlocksNeeded(int64_t seen, int32_t allocated, int64_t new_
 
 const Sequence* StateManager::GetSequence(SeqId uid) const { return Find(uid); }
 
-bool StateManager::Owns(const Sequence& seq) const {
-  const int32_t slot = seq.slot_;
-  return slot >= 0 && slot < config_.max_tracked_sequences && &sequences_[slot] == &seq &&
-         slots_.IsUsed(slot);
-}
 
 int32_t StateManager::kv_block_size(int group) const { return cache_->config(group).block_size; }
 

@@ -157,8 +157,11 @@ class StateManager {
   // nullptr when `uid` is not tracked.
   const Sequence* GetSequence(SeqId uid) const;
   // True when `seq` is one of this manager's tracked sequences (not a sequence of another
-  // manager, nor a flushed one).
-  bool Owns(const Sequence& seq) const;
+  // manager, nor a flushed one: flushing sets its slot to -1).
+  bool Owns(const Sequence& seq) const {
+    const int32_t slot = seq.slot_;
+    return slot >= 0 && slot < config_.max_tracked_sequences && &sequences_[slot] == &seq;
+  }
   // Drops the sequence's references to its blocks (blocks nobody else holds are freed) and its
   // slot. kNotFound for an unknown uid (DeepSpeed only warns).
   Status FlushSequence(SeqId uid);
