@@ -26,6 +26,7 @@
 #include <type_traits>
 
 #include "internal/block_size.h"
+#include "internal/host_memory.h"
 #include "internal/strings.h"
 
 namespace blockkv {
@@ -172,6 +173,15 @@ Status RaggedBatch::Impl::InitGroup(const StateManager& manager, int g, int64_t 
     return InvalidArgumentError(StrCat("cache group ", g, ": max_ragged_sequence_count ", max_seqs,
                                        " x ", group.max_blocks,
                                        " blocks per sequence does not fit the int32 CSR offsets"));
+  }
+  // The dense table and the CSR indices dominate; refuse what host memory cannot hold instead
+  // of throwing bad_alloc.
+  const int64_t table_bytes = 2 * table_size * int64_t{sizeof(BlockId)};
+  if (const int64_t available = internal::ReadHostMemory().available; table_bytes > available) {
+    return ResourceExhaustedError(StrCat("cache group ", g, ": the batch's block tables for ",
+                                         max_seqs, " sequences x ", group.max_blocks,
+                                         " blocks need ", table_bytes, " bytes of host memory, ",
+                                         available, " available"));
   }
   Device* m = mirror.get();
   BLOCKKV_RETURN_IF_ERROR(group.block_tables.Init(table_size, kNoBlock, m));

@@ -198,7 +198,6 @@ int32_t StateManager::BlocksNeeded(int64_t seen, int32_t allocated, int64_t new_
 
 const Sequence* StateManager::GetSequence(SeqId uid) const { return Find(uid); }
 
-
 int32_t StateManager::kv_block_size(int group) const { return cache_->config(group).block_size; }
 
 int32_t StateManager::max_blocks_per_sequence(int group) const {
