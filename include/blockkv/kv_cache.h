@@ -75,7 +75,9 @@ class BlockedKVCache {
 
   // Copies the contents of block src[i] to block dst[i] in every layer of `group` (a fork's
   // private copy of a shared tail). Spans of equal length, valid ids, no id in both, and no
-  // repeated destination; kInvalidArgument / kOutOfRange otherwise, nothing copied.
+  // repeated destination; kInvalidArgument / kOutOfRange otherwise, nothing copied. The
+  // overlap check is quadratic: meant for a few blocks at a time. A device error part-way
+  // (kInternal) can leave some destinations copied; their contents are then unspecified.
   Status CopyBlocks(std::span<const BlockId> src, std::span<const BlockId> dst, int group = 0);
 
   // Layer `cache_id` of `group`: [num_blocks, block_size, 2, num_kv_heads, head_size],
