@@ -236,30 +236,17 @@ void BM_DecodeStep(benchmark::State& state) {
                          benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
 }
 
-BENCHMARK_TEMPLATE(BM_DecodeStep, Engine)
-    ->Name("decode_step/blockkv")
-    ->Arg(256)
-    ->Arg(1024)
-    ->Arg(4096)
-    ->Unit(benchmark::kMicrosecond)
-    ->Repetitions(5)
-    ->ReportAggregatesOnly(true);
+// N = 256, 1,024, 4,096 sequences; medians of 5 repetitions.
+void DecodeStepArgs(benchmark::internal::Benchmark* b) {
+  b->Arg(256)->Arg(1024)->Arg(4096);
+  b->Unit(benchmark::kMicrosecond)->Repetitions(5)->ReportAggregatesOnly(true);
+}
+
+BENCHMARK_TEMPLATE(BM_DecodeStep, Engine)->Name("decode_step/blockkv")->Apply(DecodeStepArgs);
 BENCHMARK_TEMPLATE(BM_DecodeStep, ManagerOnly)
     ->Name("decode_step/blockkv_manager_only")
-    ->Arg(256)
-    ->Arg(1024)
-    ->Arg(4096)
-    ->Unit(benchmark::kMicrosecond)
-    ->Repetitions(5)
-    ->ReportAggregatesOnly(true);
-BENCHMARK_TEMPLATE(BM_DecodeStep, Baseline)
-    ->Name("decode_step/baseline")
-    ->Arg(256)
-    ->Arg(1024)
-    ->Arg(4096)
-    ->Unit(benchmark::kMicrosecond)
-    ->Repetitions(5)
-    ->ReportAggregatesOnly(true);
+    ->Apply(DecodeStepArgs);
+BENCHMARK_TEMPLATE(BM_DecodeStep, Baseline)->Name("decode_step/baseline")->Apply(DecodeStepArgs);
 
 }  // namespace
 

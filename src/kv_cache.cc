@@ -70,6 +70,11 @@ Result<KVCachePlan> PlanKVCache(std::span<const KVCacheConfig> configs, const Me
 
 namespace {
 
+// Bytes of one block of one layer of a group.
+int64_t LayerBlockBytes(const KVCacheConfig& c) {
+  return c.elements_per_layer_block() * static_cast<int64_t>(ElementSize(c.cache_dtype));
+}
+
 // Plans on this rank, then agrees on one num_blocks with every other rank of `comm`. Every rank
 // enters both collectives whatever its local outcome, so none waits for a rank that gave up.
 Result<KVCachePlan> PlanAcrossRanks(std::span<const KVCacheConfig> configs,
@@ -210,7 +215,7 @@ Status BlockedKVCache::CopyBlocks(std::span<const BlockId> src, std::span<const 
     }
   }
   const KVCacheConfig& c = groups_[group].config;
-  const int64_t block_bytes = *c.bytes_per_block() / c.num_caches();  // one block, one layer
+  const int64_t block_bytes = LayerBlockBytes(c);
   const int64_t layer_bytes = block_bytes * plan_.num_blocks;
   auto* base = static_cast<char*>(groups_[group].storage.data());
   for (int64_t layer = 0; layer < c.num_caches(); ++layer) {
@@ -239,7 +244,7 @@ Result<TensorView> BlockedKVCache::GetCache(int64_t cache_id, int group) const {
     return OutOfRangeError(StrCat("cache_id ", cache_id, " does not exist: cache group ", group,
                                   " has ", c.num_caches(), " caches (layers)"));
   }
-  const int64_t layer_bytes = plan_.num_blocks * *c.bytes_per_block() / c.num_caches();
+  const int64_t layer_bytes = plan_.num_blocks * LayerBlockBytes(c);
   char* base = static_cast<char*>(groups_[group].storage.data()) + cache_id * layer_bytes;
   return ContiguousView(base, c.cache_dtype, device_->kind(), device_->ordinal(),
                         {plan_.num_blocks, c.block_size, 2, c.num_kv_heads(), c.head_size()});

@@ -221,7 +221,7 @@ Status StateManager::CheckGroupArg(int group) const {
 int64_t StateManager::RemainingBlockCapacity(SeqId uid, int group) const {
   const Sequence* seq = Find(uid);
   if (seq == nullptr || group < 0 || group >= num_groups()) return 0;
-  return seq->seen_tokens() % kv_block_size(group);
+  return block_sizes_[group].Offset(seq->seen_tokens());
 }
 
 // ---- sequences --------------------------------------------------------------------------------
@@ -304,7 +304,8 @@ Status StateManager::FreeLeadingBlocks(SeqId uid, int32_t num_blocks, int group)
     return NotFoundError(StrCat("FreeLeadingBlocks: sequence ", uid, " is not tracked"));
   }
   Sequence::GroupState& state = seq->groups_[group];
-  const int64_t full = std::min<int64_t>(seq->seen_tokens_ / kv_block_size(group), state.allocated);
+  const int64_t full =
+      std::min<int64_t>(block_sizes_[group].Index(seq->seen_tokens_), state.allocated);
   if (state.released + int64_t{num_blocks} > full) {
     return OutOfRangeError(StrCat("sequence ", uid, " can release at most ", full - state.released,
                                   " more blocks of group ", group, " (", full,
@@ -497,8 +498,8 @@ Status StateManager::Fork(SeqId parent, SeqId child) {
     }
   };
   for (int g = 0; g < num_groups(); ++g) {
-    if (seen % kv_block_size(g) == 0) continue;
-    const BlockId source = from->groups_[g].row[seen / kv_block_size(g)];
+    if (block_sizes_[g].Offset(seen) == 0) continue;
+    const BlockId source = from->groups_[g].row[block_sizes_[g].Index(seen)];
     Status s = pools_[g].Take(1, std::span(&tails[g], 1));
     if (s.ok()) s = cache_->CopyBlocks(std::span(&source, 1), std::span(&tails[g], 1), g);
     if (!s.ok()) {
@@ -512,7 +513,7 @@ Status StateManager::Fork(SeqId parent, SeqId child) {
   for (int g = 0; g < num_groups(); ++g) {
     const Sequence::GroupState& src = from->groups_[g];
     Sequence::GroupState& dst = to->groups_[g];
-    const auto full = static_cast<int32_t>(seen / kv_block_size(g));
+    const auto full = static_cast<int32_t>(block_sizes_[g].Index(seen));
     const std::span<const BlockId> shared(src.row + src.released,
                                           static_cast<size_t>(full - src.released));
     const Status added = pools_[g].AddRef(shared);
