@@ -2,6 +2,10 @@
 # downloaded at build time.
 find_package(Threads REQUIRED)
 
+# Highway (libhwy-dev): SIMD for the CPU kernels, with runtime dispatch. Debian ships its CMake
+# config (hwy::hwy).
+find_package(hwy CONFIG REQUIRED)
+
 # CUDA: AUTO builds it when the toolkit is found, ON fails at configure time without it.
 set(BLOCKKV_HAVE_CUDA OFF)
 if(NOT BLOCKKV_CUDA STREQUAL "OFF")

@@ -9,6 +9,7 @@
 #include "blockkv/cuda_device.h"      // IWYU pragma: export
 #include "blockkv/device.h"           // IWYU pragma: export
 #include "blockkv/dtype.h"            // IWYU pragma: export
+#include "blockkv/kernels.h"          // IWYU pragma: export
 #include "blockkv/kv_cache.h"         // IWYU pragma: export
 #include "blockkv/log.h"              // IWYU pragma: export
 #include "blockkv/ragged_batch.h"     // IWYU pragma: export

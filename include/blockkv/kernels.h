@@ -1,0 +1,87 @@
+// Kernels over the blocked KV cache: AppendKV writes one step's keys and values into their slots
+// (DeepSpeed's linear_blocked_kv_copy / kv_rotary_embeddings, vLLM's reshape_and_cache), and
+// PagedAttention attends each query token over its sequence's cached keys (DeepSpeed's
+// blocked_flash, vLLM's paged attention), for a ragged batch that mixes prefill and decode.
+//
+//   auto layer = manager->GetCache(/*cache_id=*/l);        // [N, block_size, 2, Hkv, D]
+//   Status s = AppendKV(*layer, k, v, *batch, {.rotary = {.enabled = true}, .q = &q});
+//   s = PagedAttention(q, *layer, *batch, out);            // causal, scale 1/sqrt(D)
+//
+// Both run on the CPU (Highway SIMD, chosen at run time, and threads over (sequence, KV head,
+// query chunk) work items) or, in a CUDA build, on the GPU that holds the tensors; the batch's
+// host arrays serve the CPU, its device mirror the GPU. Every argument is checked before any
+// memory is touched: a failed call writes nothing.
+//
+// What is supported (anything else is kInvalidArgument naming the value):
+//   activations (q, k, v, out)  fp32, fp16 or bf16, all the same dtype, [T, heads, D], last
+//                               stride 1; T = batch.current_tokens() or padded_tokens() (rows of
+//                               padding are neither read nor written)
+//   cache                       the activations' dtype, or fp8 e4m3 (stored = value / kv_scale,
+//                               saturating at ±448, rounded to nearest even)
+//   head size D                 64, 80, 96, 128, 256
+//   heads                       Hq % Hkv == 0 (grouped-query attention)
+// Arithmetic is fp32 (rotary angles in fp64). Attention uses an online softmax over tiles of
+// keys, never a [T, context] matrix, and has no limit on blocks per sequence.
+#pragma once
+
+#include <cstdint>
+
+#include "blockkv/ragged_batch.h"
+#include "blockkv/status.h"
+#include "blockkv/tensor.h"
+
+struct CUstream_st;  // cudaStream_t is CUstream_st* (see cuda_device.h)
+
+namespace blockkv {
+
+// Rotary position embedding, rotate-half form (GPT-NeoX, Hugging Face Llama): for i < r / 2,
+// with r = rotary_dim and angle = pos · theta^(−2i / r),
+//   x'[i]         = x[i] · cos(angle) − x[i + r/2] · sin(angle)
+//   x'[i + r/2]   = x[i + r/2] · cos(angle) + x[i] · sin(angle)
+// and x[r..D) unchanged.
+struct RotaryOptions {
+  bool enabled = false;
+  int32_t rotary_dim = 0;  // 0: head_size; else even and <= head_size (partial rotary)
+  double theta = 10000.0;  // > 0
+};
+
+struct AppendKVOptions {
+  int group = 0;                  // cache group: which of the batch's block tables
+  RotaryOptions rotary;           // applied to K, and to *q when given
+  const TensorView* q = nullptr;  // [T, Hq, D], rotated in place when rotary.enabled
+  float kv_scale = 1.0f;          // fp8 e4m3 caches: stored = value / kv_scale (> 0)
+  int num_threads = 0;            // CPU: 0 = hardware concurrency
+  CUstream_st* stream = nullptr;  // CUDA: stream to launch on; nullptr = legacy default stream
+};
+
+// Writes token j of batch sequence i (position seen_tokens_i + j) to block
+// table[pos / block_size], offset pos % block_size of `layer_cache`: K to plane 0, V to plane 1.
+//   layer_cache: [num_blocks, block_size, 2, Hkv, D], one layer of the batch's cache group
+//                (BlockedKVCache::GetCache); its block size must be the group's
+//   k, v:        [T, Hkv, D]
+// kFailedPrecondition when the batch is not finalized or a slot's block was released
+// (FreeLeadingBlocks); kUnavailable for CUDA tensors in a build without CUDA.
+Status AppendKV(const TensorView& layer_cache, const TensorView& k, const TensorView& v,
+                const RaggedBatch& batch, const AppendKVOptions& options = {});
+
+struct AttentionOptions {
+  float scale = 0.0f;          // softmax scale; 0: 1 / sqrt(head_size)
+  bool causal = true;          // query at position p sees keys [0, p]; false: all seen + new keys
+  int64_t sliding_window = 0;  // 0: none; W > 0: query at p sees keys (p − W, p] (causal only)
+  int group = 0;               // cache group
+  float kv_scale = 1.0f;       // fp8 caches: value = stored · kv_scale (> 0)
+  int num_threads = 0;         // CPU: 0 = hardware concurrency
+  CUstream_st* stream = nullptr;  // CUDA: stream to launch on; nullptr = legacy default stream
+};
+
+// out[t, h] = softmax(scale · q[t, h] · Kᵀ) · V over the keys query token t sees, read from its
+// sequence's blocks (head h reads KV head h / (Hq / Hkv)). REQUIRES: the step's keys and values
+// were appended (AppendKV) before.
+//   q, out:      [T, Hq, D]; out is written for every real token, padded rows untouched
+//   layer_cache: [num_blocks, block_size, 2, Hkv, D]
+// kFailedPrecondition when the batch is not finalized or a block a query needs was released
+// (FreeLeadingBlocks outside the window); kUnavailable for CUDA tensors without CUDA.
+Status PagedAttention(const TensorView& q, const TensorView& layer_cache, const RaggedBatch& batch,
+                      const TensorView& out, const AttentionOptions& options = {});
+
+}  // namespace blockkv

@@ -1,0 +1,26 @@
+// The backends behind kernels.h. src/kernels.cc checks every argument and builds the views; the
+// backends trust them.
+#pragma once
+
+#include "blockkv/status.h"
+#include "internal/paged_view.h"
+
+struct CUstream_st;
+
+namespace blockkv::internal {
+
+// Host memory. q is null unless rotary.enabled and a q was given.
+void AppendKVCpu(const PagedKV& cache, const Activations& k, const Activations& v,
+                 const Activations* q, const RotaryParams& rotary, int num_threads);
+void PagedAttentionCpu(const PagedKV& cache, const Activations& q, const Activations& out,
+                       const AttentionParams& params);
+
+// Device memory of CUDA device `device` (defined only when BLOCKKV_HAVE_CUDA). kInternal
+// carries CUDA's error text for a failed launch.
+Status AppendKVCuda(const PagedKV& cache, const Activations& k, const Activations& v,
+                    const Activations* q, const RotaryParams& rotary, int device,
+                    CUstream_st* stream);
+Status PagedAttentionCuda(const PagedKV& cache, const Activations& q, const Activations& out,
+                          const AttentionParams& params, int device, CUstream_st* stream);
+
+}  // namespace blockkv::internal

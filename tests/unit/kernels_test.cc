@@ -1,0 +1,238 @@
+// AppendKV and PagedAttention on the CPU against a dense double-precision reference
+// (tests/unit/kernels_reference.h): DeepSpeed's kernel-test shapes, GQA ratios, every head size
+// and dtype, mixed prefill + decode, contexts past 256 blocks, sliding windows over released
+// blocks, rotary (full and partial), padded batches, the fp8 codec, and every error path.
+// Inputs are random with a fresh seed per run, printed on failure; outputs are poisoned (NaN)
+// first so full coverage is checked.
+#include "blockkv/kernels.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "unit/kernels_reference.h"
+#include "unit/test_util.h"
+
+// Cases are designated initializers that name only what differs from the defaults.
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
+
+namespace blockkv {
+namespace {
+
+using ::blockkv_test::BatchSetup;
+using ::blockkv_test::HostTensor;
+using ::blockkv_test::KernelBatch;
+using ::blockkv_test::SeqSpec;
+using ::testing::HasSubstr;
+
+uint32_t FreshSeed() { return std::random_device{}(); }
+
+std::string Describe(const std::vector<SeqSpec>& seqs) {
+  std::ostringstream os;
+  for (const SeqSpec& s : seqs) os << "(" << s.n << "," << s.history << ")";
+  return os.str();
+}
+
+struct AttentionCase {
+  BatchSetup setup;
+  std::vector<SeqSpec> seqs;
+  int64_t q_heads = 16;
+  DType act = DType::kFloat16;
+  AttentionOptions options;
+  RotaryOptions rotary;
+};
+
+// Appends random K/V for the batch's new tokens, runs attention into a poisoned out, and checks
+// it against the reference.
+void RunAttention(const AttentionCase& c) {
+  const uint32_t seed = FreshSeed();
+  std::ostringstream trace;
+  trace << "seed " << seed << " seqs " << Describe(c.seqs) << " D " << c.setup.head_size << " Hq "
+        << c.q_heads << " Hkv " << c.setup.num_kv_heads << " act " << DTypeName(c.act)
+        << " fp8 cache " << (c.setup.cache_dtype == DType::kFloat8E4M3);
+  SCOPED_TRACE(trace.str());
+  BatchSetup setup = c.setup;
+  if (setup.cache_dtype != DType::kFloat8E4M3) setup.cache_dtype = c.act;
+  KernelBatch kb(setup, c.seqs, seed);
+  const int64_t rows = kb.rows();
+  HostTensor q(c.act, rows, c.q_heads, c.setup.head_size);
+  HostTensor k(c.act, rows, c.setup.num_kv_heads, c.setup.head_size);
+  HostTensor v(c.act, rows, c.setup.num_kv_heads, c.setup.head_size);
+  HostTensor out(c.act, rows, c.q_heads, c.setup.head_size);
+  q.Fill(kb.rng());
+  k.Fill(kb.rng());
+  v.Fill(kb.rng());
+  out.Poison();
+  AppendKVOptions append{.rotary = c.rotary, .q = &q.view, .kv_scale = c.options.kv_scale};
+  ASSERT_OK(AppendKV(kb.cache(), k.view, v.view, kb.batch(), append));
+  ASSERT_OK(PagedAttention(q.view, kb.cache(), kb.batch(), out.view, c.options));
+  const std::vector<double> ref = blockkv_test::ReferenceAttention(kb, q, c.options);
+  EXPECT_LE(blockkv_test::RelativeError(out, ref, kb.tokens()),
+            blockkv_test::Tolerance(c.act, c.setup.cache_dtype));
+}
+
+const std::vector<SeqSpec> kSingleBlock[] = {{{1, 0}}, {{17, 0}}, {{33, 8}}, {{63, 1}}};
+const std::vector<SeqSpec> kSeveralBlocks[] = {{{128, 0}}, {{177, 0}}, {{169, 8}}, {{117, 88}}};
+const std::vector<SeqSpec> kSeveralSequences = {{128, 0}, {177, 0}, {169, 8}, {117, 88},
+                                                {1, 293}, {1, 733}, {1, 33}};
+
+TEST(PagedAttention, DeepSpeedSingleBlockShapesEveryHeadSize) {
+  for (int64_t d : {64, 80, 96, 128, 256}) {
+    for (const auto& seqs : kSingleBlock) {
+      RunAttention({.setup = {.num_kv_heads = 2, .head_size = d}, .seqs = seqs, .q_heads = 2});
+    }
+  }
+}
+
+TEST(PagedAttention, DeepSpeedSeveralBlockShapes) {
+  for (const auto& seqs : kSeveralBlocks) {
+    RunAttention({.setup = {.num_kv_heads = 2, .head_size = 64}, .seqs = seqs, .q_heads = 4});
+  }
+}
+
+TEST(PagedAttention, DeepSpeedSeveralSequencesMixPrefillAndDecode) {
+  RunAttention({.setup = {.num_kv_heads = 2, .head_size = 128},
+                .seqs = kSeveralSequences,
+                .q_heads = 2,
+                .act = DType::kBFloat16});
+}
+
+TEST(PagedAttention, GroupedQueryAttentionRatios) {
+  for (auto [hq, hkv] : {std::pair<int64_t, int64_t>{32, 8}, {64, 16}, {40, 8}}) {
+    RunAttention({.setup = {.block_size = 16, .num_kv_heads = hkv, .head_size = 128},
+                  .seqs = {{1, 100}, {9, 30}, {1, 7}},
+                  .q_heads = hq});
+  }
+}
+
+TEST(PagedAttention, EveryDTypeAndCacheDType) {
+  const std::vector<SeqSpec> seqs = {{1, 70}, {20, 5}, {1, 0}};
+  for (DType act : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (DType cache : {act, DType::kFloat8E4M3}) {
+      for (int64_t d : {80, 128}) {
+        AttentionCase c{
+            .setup = {.block_size = 16, .num_kv_heads = 2, .head_size = d, .cache_dtype = cache},
+            .seqs = seqs,
+            .q_heads = 4,
+            .act = act};
+        if (cache == DType::kFloat8E4M3) c.options.kv_scale = 0.01f;
+        RunAttention(c);
+      }
+    }
+  }
+}
+
+TEST(PagedAttention, ContextsLongerThan256Blocks) {
+  // 2,100 tokens of history in blocks of 8: 263 blocks (DeepSpeed's kernel stops at 256).
+  RunAttention({.setup = {.block_size = 8,
+                          .num_kv_heads = 1,
+                          .head_size = 64,
+                          .cache_dtype = DType::kFloat32},
+                .seqs = {{1, 2100}, {3, 2050}},
+                .q_heads = 2,
+                .act = DType::kFloat32});
+}
+
+TEST(PagedAttention, NonCausalSeesEveryKeyOfTheSequence) {
+  AttentionCase c{.setup = {.block_size = 16,
+                            .num_kv_heads = 2,
+                            .head_size = 64,
+                            .cache_dtype = DType::kFloat32},
+                  .seqs = {{20, 10}, {5, 0}},
+                  .q_heads = 2,
+                  .act = DType::kFloat32};
+  c.options.causal = false;
+  c.options.scale = 0.5f;
+  RunAttention(c);
+}
+
+TEST(PagedAttention, SlidingWindow) {
+  for (int64_t window : {1, 17, 64, 1000}) {
+    AttentionCase c{.setup = {.block_size = 16,
+                              .num_kv_heads = 2,
+                              .head_size = 96,
+                              .cache_dtype = DType::kFloat32},
+                    .seqs = {{40, 90}, {1, 300}, {3, 0}},
+                    .q_heads = 4,
+                    .act = DType::kFloat32};
+    c.options.sliding_window = window;
+    RunAttention(c);
+  }
+}
+
+TEST(PagedAttention, SlidingWindowReadsNoReleasedBlock) {
+  const uint32_t seed = FreshSeed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const BatchSetup setup{
+      .block_size = 16, .num_kv_heads = 1, .head_size = 64, .cache_dtype = DType::kFloat32};
+  KernelBatch kb(setup, {{1, 300}}, seed);
+  // Window 100 at position 300 needs keys from 201: blocks 0..11 (tokens < 192) can go.
+  ASSERT_OK(kb.manager().FreeLeadingBlocks(0, 12));
+  kb.Rebuild();
+  HostTensor q(DType::kFloat32, kb.rows(), 1, 64);
+  HostTensor out(DType::kFloat32, kb.rows(), 1, 64);
+  q.Fill(kb.rng());
+  out.Poison();
+  AttentionOptions options{.sliding_window = 100};
+  ASSERT_OK(PagedAttention(q.view, kb.cache(), kb.batch(), out.view, options));
+  EXPECT_LE(blockkv_test::RelativeError(out, blockkv_test::ReferenceAttention(kb, q, options), 1),
+            1e-5);
+  options.sliding_window = 120;  // needs keys from 181: block 11 was released
+  const Status status = PagedAttention(q.view, kb.cache(), kb.batch(), out.view, options);
+  EXPECT_EQ(status.code(), StatusCode::kFailedPrecondition);
+  EXPECT_THAT(status.message(), HasSubstr("block 11"));
+  EXPECT_CODE(PagedAttention(q.view, kb.cache(), kb.batch(), out.view, {}),
+              StatusCode::kFailedPrecondition);
+}
+
+TEST(PagedAttention, PaddedBatchLeavesPaddedRowsUntouched) {
+  AttentionCase c{.setup = {.block_size = 16, .num_kv_heads = 2, .head_size = 64, .padding = true},
+                  .seqs = {{5, 3}, {1, 40}},
+                  .q_heads = 2};
+  RunAttention(c);  // 6 real rows of 64; RelativeError checks the 58 others are still NaN
+}
+
+TEST(PagedAttention, RotaryFullAndPartialThroughAppendKV) {
+  for (auto [d, rd] : {std::pair<int64_t, int32_t>{64, 0}, {80, 64}, {96, 64}, {128, 32}}) {
+    AttentionCase c{.setup = {.block_size = 16,
+                              .num_kv_heads = 2,
+                              .head_size = d,
+                              .cache_dtype = DType::kFloat32},
+                    .seqs = {{17, 15}, {1, 63}},
+                    .q_heads = 4,
+                    .act = DType::kFloat32,
+                    .rotary = {.enabled = true, .rotary_dim = rd}};
+    RunAttention(c);
+  }
+}
+
+TEST(PagedAttention, ThreadCountsAgree) {
+  for (int threads : {1, 3}) {
+    AttentionCase c{.setup = {.block_size = 16,
+                              .num_kv_heads = 4,
+                              .head_size = 64,
+                              .cache_dtype = DType::kFloat32},
+                    .seqs = {{64, 100}, {1, 500}, {1, 20}},
+                    .q_heads = 8,
+                    .act = DType::kFloat32};
+    c.options.num_threads = threads;
+    RunAttention(c);
+  }
+}
+
+TEST(PagedAttention, EmptyBatchIsOk) {
+  KernelBatch kb({.num_kv_heads = 2}, {}, 1);
+  HostTensor q(DType::kFloat16, 0, 2, 64);
+  EXPECT_OK(PagedAttention(q.view, kb.cache(), kb.batch(), q.view));
+  EXPECT_OK(AppendKV(kb.cache(), q.view, q.view, kb.batch()));
+}
+
+}  // namespace
+}  // namespace blockkv
