@@ -6,6 +6,12 @@ find_package(Threads REQUIRED)
 # config (hwy::hwy).
 find_package(hwy CONFIG REQUIRED)
 
+# XXH3 block keys for the prefix cache: Debian's libxxhash-dev, used header-only.
+find_path(BLOCKKV_XXHASH_INCLUDE_DIR xxhash.h)
+if(NOT BLOCKKV_XXHASH_INCLUDE_DIR)
+  message(FATAL_ERROR "xxhash.h not found: apt-get install libxxhash-dev (scripts/deps.sh does)")
+endif()
+
 # CUDA: AUTO builds it when the toolkit is found, ON fails at configure time without it.
 set(BLOCKKV_HAVE_CUDA OFF)
 if(NOT BLOCKKV_CUDA STREQUAL "OFF")

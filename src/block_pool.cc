@@ -1,5 +1,8 @@
 #include "blockkv/block_pool.h"
 
+#include <algorithm>
+#include <bit>
+
 #include "internal/check.h"
 #include "internal/strings.h"
 
@@ -10,6 +13,12 @@ using internal::StrCat;
 BlockPool::BlockPool(BlockedKVCache* cache, int group)
     : cache_(cache), group_(group), refs_(static_cast<size_t>(cache->num_blocks()), 0) {
   BLOCKKV_CHECK(group >= 0 && group < cache->num_groups(), "BlockPool: group out of range");
+  cached_.assign(refs_.size(), 0);
+  priority_.assign(refs_.size(), 0);
+  prev_.assign(refs_.size(), kNoBlock);
+  next_.assign(refs_.size(), kNoBlock);
+  heads_.fill(kNoBlock);
+  tails_.fill(kNoBlock);
 }
 
 Status BlockPool::CheckId(BlockId block) const {
@@ -20,8 +29,65 @@ Status BlockPool::CheckId(BlockId block) const {
   return Status::Ok();
 }
 
+int32_t BlockPool::free_blocks() const {
+  return cache_->allocator(group_).free_blocks() + evictable_;
+}
+
+// ---- eviction lists ---------------------------------------------------------------------------
+
+void BlockPool::PushEvictable(BlockId block) {
+  const int p = priority_[block];
+  prev_[block] = tails_[p];
+  next_[block] = kNoBlock;
+  if (tails_[p] == kNoBlock) {
+    heads_[p] = block;
+    nonempty_[p / 64] |= uint64_t{1} << (p % 64);
+  } else {
+    next_[tails_[p]] = block;
+  }
+  tails_[p] = block;
+  ++evictable_;
+}
+
+void BlockPool::RemoveEvictable(BlockId block) {
+  const int p = priority_[block];
+  const BlockId before = prev_[block];
+  const BlockId after = next_[block];
+  (before == kNoBlock ? heads_[p] : next_[before]) = after;
+  (after == kNoBlock ? tails_[p] : prev_[after]) = before;
+  if (heads_[p] == kNoBlock) nonempty_[p / 64] &= ~(uint64_t{1} << (p % 64));
+  prev_[block] = next_[block] = kNoBlock;
+  --evictable_;
+}
+
+BlockId BlockPool::PopEvictable() {
+  const int p =
+      nonempty_[0] != 0 ? std::countr_zero(nonempty_[0]) : 64 + std::countr_zero(nonempty_[1]);
+  const BlockId block = heads_[p];
+  RemoveEvictable(block);
+  return block;
+}
+
+// ---- references -------------------------------------------------------------------------------
+
 Status BlockPool::Take(int32_t n, std::span<BlockId> out) {
-  BLOCKKV_RETURN_IF_ERROR(cache_->Reserve(n, out, group_));
+  if (n < 0 || out.size() < static_cast<size_t>(n)) {
+    return InvalidArgumentError(
+        StrCat("cannot take ", n, " blocks into a span of ", out.size(), " ids"));
+  }
+  const int32_t unused = cache_->allocator(group_).free_blocks();
+  const int32_t fresh = std::min(n, unused);
+  if (n - fresh > evictable_) {
+    return ResourceExhaustedError(StrCat("cannot take ", n, " blocks of cache group ", group_, ": ",
+                                         unused, " free and ", evictable_, " evictable"));
+  }
+  BLOCKKV_RETURN_IF_ERROR(cache_->Reserve(fresh, out.first(static_cast<size_t>(fresh)), group_));
+  for (int32_t i = fresh; i < n; ++i) {
+    const BlockId block = PopEvictable();
+    cached_[block] = 0;
+    if (listener_ != nullptr) listener_->OnEvict(group_, block);
+    out[i] = block;
+  }
   for (int32_t i = 0; i < n; ++i) {
     BLOCKKV_CHECK(refs_[out[i]] == 0, "BlockPool::Take: a fresh block already has references");
     refs_[out[i]] = 1;
@@ -32,12 +98,14 @@ Status BlockPool::Take(int32_t n, std::span<BlockId> out) {
 Status BlockPool::AddRef(std::span<const BlockId> blocks) {
   for (const BlockId block : blocks) {
     BLOCKKV_RETURN_IF_ERROR(CheckId(block));
-    if (refs_[block] == 0) {
+    if (refs_[block] == 0 && cached_[block] == 0) {
       return FailedPreconditionError(
           StrCat("cannot share block ", block, " of cache group ", group_, ": it is free"));
     }
   }
-  for (const BlockId block : blocks) ++refs_[block];
+  for (const BlockId block : blocks) {
+    if (refs_[block]++ == 0) RemoveEvictable(block);
+  }
   return Status::Ok();
 }
 
@@ -58,15 +126,40 @@ Status BlockPool::Release(std::span<const BlockId> blocks) {
   scratch_.clear();
   for (const BlockId block : blocks) {
     // A block listed twice reaches 0 once; the second sighting finds it already queued.
-    if (refs_[block] == 0) {
-      refs_[block] = -1;  // transient: queued for the allocator
+    if (refs_[block] != 0) continue;
+    refs_[block] = -1;  // transient: handled
+    if (cached_[block] != 0) {
+      PushEvictable(block);
+    } else {
       scratch_.push_back(block);
     }
   }
-  for (const BlockId block : scratch_) refs_[block] = 0;
+  for (const BlockId block : blocks) refs_[block] = std::max(refs_[block], 0);
   const Status freed = cache_->Free(scratch_, group_);
   BLOCKKV_CHECK(freed.ok(), "BlockPool::Release: allocator refused blocks the pool held");
   return Status::Ok();
+}
+
+// ---- cached marks -----------------------------------------------------------------------------
+
+void BlockPool::MarkCached(BlockId block, int32_t priority) {
+  BLOCKKV_CHECK(block >= 0 && block < num_blocks() && refs_[block] > 0,
+                "BlockPool::MarkCached: the block is not held");
+  BLOCKKV_CHECK(priority >= kMinRetentionPriority && priority <= kMaxRetentionPriority,
+                "BlockPool::MarkCached: priority out of range");
+  const auto p = static_cast<uint8_t>(priority);
+  priority_[block] = cached_[block] != 0 ? std::max(priority_[block], p) : p;
+  cached_[block] = 1;
+}
+
+void BlockPool::Uncache(BlockId block) {
+  BLOCKKV_CHECK(block >= 0 && block < num_blocks() && cached_[block] != 0,
+                "BlockPool::Uncache: the block is not cached");
+  cached_[block] = 0;
+  if (refs_[block] != 0) return;
+  RemoveEvictable(block);
+  const Status freed = cache_->Free(std::span<const BlockId>(&block, 1), group_);
+  BLOCKKV_CHECK(freed.ok(), "BlockPool::Uncache: allocator refused an evictable block");
 }
 
 int32_t BlockPool::ref_count(BlockId block) const {
@@ -74,17 +167,41 @@ int32_t BlockPool::ref_count(BlockId block) const {
   return refs_[block];
 }
 
-int32_t BlockPool::free_blocks() const { return cache_->allocator(group_).free_blocks(); }
-
 Status BlockPool::CheckInvariants() const {
   const BlockedAllocator& allocator = cache_->allocator(group_);
   BLOCKKV_RETURN_IF_ERROR(allocator.CheckInvariants());
   for (BlockId block = 0; block < num_blocks(); ++block) {
     if (refs_[block] < 0) return InternalError(StrCat("block ", block, " has a negative count"));
-    if ((refs_[block] > 0) != allocator.IsUsed(block)) {
-      return InternalError(StrCat("block ", block, " has ", refs_[block], " references but is ",
+    const bool held = refs_[block] > 0 || cached_[block] != 0;
+    if (held != allocator.IsUsed(block)) {
+      return InternalError(StrCat("block ", block, " has ", refs_[block], " references",
+                                  cached_[block] != 0 ? " and is cached" : "", " but is ",
                                   allocator.IsUsed(block) ? "used" : "free", " in the allocator"));
     }
+  }
+  // Walk every list: each evictable block exactly once, in its own priority's list.
+  std::vector<uint8_t> seen(refs_.size(), 0);
+  int32_t listed = 0;
+  for (int p = 0; p < kPriorities; ++p) {
+    const bool marked = ((nonempty_[p / 64] >> (p % 64)) & 1) != 0;
+    if (marked != (heads_[p] != kNoBlock)) {
+      return InternalError(StrCat("eviction list ", p, " and its mask bit disagree"));
+    }
+    BlockId before = kNoBlock;
+    for (BlockId b = heads_[p]; b != kNoBlock; before = b, b = next_[b]) {
+      if (seen[b] != 0 || !is_evictable(b) || priority_[b] != p || prev_[b] != before) {
+        return InternalError(StrCat("block ", b, " is misplaced in eviction list ", p));
+      }
+      seen[b] = 1;
+      ++listed;
+    }
+    if (tails_[p] != before) return InternalError(StrCat("eviction list ", p, " has a bad tail"));
+  }
+  int32_t evictable = 0;
+  for (BlockId block = 0; block < num_blocks(); ++block) evictable += is_evictable(block) ? 1 : 0;
+  if (listed != evictable_ || evictable != evictable_) {
+    return InternalError(StrCat(evictable_, " evictable blocks counted, ", listed, " listed, ",
+                                evictable, " found"));
   }
   return Status::Ok();
 }

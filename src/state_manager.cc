@@ -13,6 +13,7 @@
 #include "internal/strings.h"
 #include "internal/uid_map.h"
 #include "internal/validate.h"
+#include "state_manager_keys.h"
 
 namespace blockkv {
 
@@ -172,6 +173,7 @@ StateManager::StateManager(StateManagerConfig config, std::unique_ptr<BlockedKVC
   }
   scratch_.resize(static_cast<size_t>(num_groups));
   slot_marks_.assign(tracked, 0);
+  if (config_.prefix_cache.enabled) EnablePrefixCache();
 }
 
 StateManager::~StateManager() = default;
@@ -204,7 +206,11 @@ int32_t StateManager::max_blocks_per_sequence(int group) const {
   return cache_->config(group).max_blocks_per_allocation_group;
 }
 
-std::vector<int32_t> StateManager::free_blocks() const { return cache_->free_blocks(); }
+std::vector<int32_t> StateManager::free_blocks() const {
+  std::vector<int32_t> free;
+  for (const BlockPool& pool : pools_) free.push_back(pool.free_blocks());
+  return free;
+}
 
 Result<TensorView> StateManager::GetCache(int64_t cache_id, int group) const {
   return cache_->GetCache(cache_id, group);
@@ -236,6 +242,7 @@ Sequence* StateManager::CreateInSlot(SeqId uid) {
   seq.seen_tokens_ = 0;
   seq.in_flight_tokens_ = 0;
   seq.table_version_ = ++last_table_version_;
+  seq.cached_prefix_tokens_ = 0;
   for (int g = 0; g < num_groups(); ++g) seq.groups_[g].allocated = seq.groups_[g].released = 0;
   by_uid_->Insert(uid, slot);
   return &seq;
@@ -254,8 +261,14 @@ Result<Sequence*> StateManager::GetOrCreateSequence(SeqId uid) {
 void StateManager::ReleaseSequenceBlocks(Sequence& seq) {
   for (int g = 0; g < num_groups(); ++g) {
     Sequence::GroupState& state = seq.groups_[g];
-    const std::span<const BlockId> held(state.row + state.released,
-                                        static_cast<size_t>(state.allocated - state.released));
+    std::span<const BlockId> held(state.row + state.released,
+                                  static_cast<size_t>(state.allocated - state.released));
+    if (prefix_ != nullptr) {
+      // Last block first: deeper blocks of a prefix become the least recently used, so eviction
+      // takes a chain from its end and its shorter prefixes stay usable.
+      tail_scratch_.assign(held.rbegin(), held.rend());
+      held = tail_scratch_;
+    }
     const Status released = pools_[g].Release(held);
     BLOCKKV_CHECK(released.ok(), "a sequence held a block without a reference");
     std::fill(state.row, state.row + state.allocated, kNoBlock);
@@ -269,12 +282,13 @@ Status StateManager::FlushSequence(SeqId uid) {
     return NotFoundError(StrCat("cannot flush sequence ", uid, ": it is not tracked"));
   }
   ReleaseSequenceBlocks(*seq);
+  ResetKeys(seq->slot_);
   const BlockId slot = seq->slot_;
   const Status freed = slots_.Free(std::span<const BlockId>(&slot, 1));
   BLOCKKV_CHECK(freed.ok(), "a tracked sequence's slot was free");
   by_uid_->Erase(uid);
   seq->slot_ = -1;
-  seq->seen_tokens_ = seq->in_flight_tokens_ = 0;
+  seq->seen_tokens_ = seq->in_flight_tokens_ = seq->cached_prefix_tokens_ = 0;
   return Status::Ok();
 }
 
@@ -290,6 +304,7 @@ Status StateManager::PostForward(std::span<const SeqId> uids) {
     Sequence& seq = sequences_[slot];
     seq.seen_tokens_ += seq.in_flight_tokens_;
     seq.in_flight_tokens_ = 0;
+    if (prefix_ != nullptr) PublishFullBlocks(seq);
   }
   return Status::Ok();
 }
@@ -351,21 +366,35 @@ SchedulingResult StateManager::Check(std::span<const SeqId> uids, std::span<cons
   std::vector<int64_t>& free = free_scratch_;
   free.assign(static_cast<size_t>(num_groups()), 0);
   for (int g = 0; g < num_groups(); ++g) free[g] = pools_[g].free_blocks();
+  if (prefix_ != nullptr) {
+    hit_index_.assign(uids.size(), -1);
+    hits_.clear();
+    hit_blocks_.clear();
+    hit_keys_.clear();
+  }
   int64_t tracked = n_tracked_sequences();
   int64_t tokens = 0;
   for (size_t i = 0; i < uids.size(); ++i) {
     const Sequence* seq = Scheduled(i);
-    const int64_t seen = seq ? seq->seen_tokens_ : 0;
+    int64_t seen = seq ? seq->seen_tokens_ : 0;
+    int64_t length = lengths[i];
+    const PrefixHit* hit = prefix_ != nullptr ? LookupPrefix(i, seq, length) : nullptr;
+    if (hit != nullptr) {
+      seen = hit->tokens;
+      length = hit->in_flight;
+    }
     if (seq == nullptr) ++tracked;
-    if (lengths[i] > TokenCapacity(seen)) {
-      *why = ColdStrCat("sequence ", uids[i], " at ", seen, " tokens cannot take ", lengths[i],
+    if (length > TokenCapacity(seen)) {
+      *why = ColdStrCat("sequence ", uids[i], " at ", seen, " tokens cannot take ", length,
                         " more: max_context=", config_.max_context, " and its block tables hold ",
                         seen + TokenCapacity(seen), " tokens");
       return SchedulingResult::kSequenceTokenLimitExceeded;
     }
     for (int g = 0; g < num_groups(); ++g) {
-      const int32_t allocated = seq ? seq->groups_[g].allocated : 0;
-      const int32_t needed = BlocksNeeded(seen, allocated, lengths[i], g);
+      const int32_t allocated = hit != nullptr
+                                    ? static_cast<int32_t>(hit->tokens / kv_block_size(g))
+                                    : (seq ? seq->groups_[g].allocated : 0);
+      const int32_t needed = BlocksNeeded(seen, allocated, length, g);
       need_scratch_[i * static_cast<size_t>(num_groups()) + static_cast<size_t>(g)] = needed;
       if (needed > free[g]) {
         *why = ColdStrCat("sequence ", uids[i], " needs ", needed, " blocks of cache group ", g,
@@ -374,7 +403,7 @@ SchedulingResult StateManager::Check(std::span<const SeqId> uids, std::span<cons
       }
       free[g] -= needed;
     }
-    tokens += lengths[i];
+    tokens += length;
   }
   if (tracked > config_.max_tracked_sequences) {
     *why = ColdStrCat(tracked, " tracked sequences would exceed max_tracked_sequences=",
@@ -403,6 +432,7 @@ Status StateManager::CheckScheduleArgs(std::span<const SeqId> uids,
   // Duplicates: tracked uids by an epoch mark on their slot, new uids by sorting.
   if (++mark_epoch_ == 0) {
     std::fill(slot_marks_.begin(), slot_marks_.end(), 0);
+    for (std::vector<uint32_t>& marks : block_marks_) std::fill(marks.begin(), marks.end(), 0);
     mark_epoch_ = 1;
   }
   std::vector<SeqId>& fresh = uid_scratch_;
@@ -445,6 +475,8 @@ Status StateManager::Schedule(std::span<const SeqId> uids, std::span<const int64
     return ResourceExhaustedError(
         StrCat("cannot schedule the batch: ", SchedulingResultName(verdict), ": ", why));
   }
+  // Prefix hits first: taking new blocks may evict evictable ones, never those being hit.
+  if (prefix_ != nullptr) ShareHitBlocks();
   // Take every group's blocks at once; Check counted them and guaranteed they are there.
   const auto groups = static_cast<size_t>(num_groups());
   for (size_t g = 0; g < groups; ++g) {
@@ -459,6 +491,11 @@ Status StateManager::Schedule(std::span<const SeqId> uids, std::span<const int64
   for (size_t i = 0; i < uids.size(); ++i) {
     Sequence* seq = slot_scratch_[i] == internal::UidMap::kAbsent ? CreateInSlot(uids[i])
                                                                   : &sequences_[slot_scratch_[i]];
+    int64_t length = lengths[i];
+    if (prefix_ != nullptr && hit_index_[i] >= 0) {
+      TakePrefix(i, *seq);
+      length = hits_[static_cast<size_t>(hit_index_[i])].in_flight;
+    }
     for (size_t g = 0; g < groups; ++g) {
       Sequence::GroupState& state = seq->groups_[g];
       const int32_t needed = need_scratch_[i * groups + g];
@@ -467,7 +504,7 @@ Status StateManager::Schedule(std::span<const SeqId> uids, std::span<const int64
       next[g] += static_cast<size_t>(needed);
       state.allocated += needed;
     }
-    seq->in_flight_tokens_ = lengths[i];
+    seq->in_flight_tokens_ = length;
   }
   return Status::Ok();
 }
@@ -523,6 +560,7 @@ Status StateManager::Fork(SeqId parent, SeqId child) {
     dst.allocated = full;
     if (tails[g] != kNoBlock) dst.row[dst.allocated++] = tails[g];
   }
+  ForkKeys(*from, *to);
   return Status::Ok();
 }
 
@@ -581,6 +619,7 @@ Status StateManager::CheckInvariants() const {
     Status sequences;
     by_uid_->ForEach([&](SeqId, int32_t slot) {
       if (sequences.ok()) sequences = CheckSequence(sequences_[slot], &owners, g);
+      if (sequences.ok() && g == 0) sequences = CheckKeys(sequences_[slot]);
     });
     BLOCKKV_RETURN_IF_ERROR(sequences);
     for (BlockId block = 0; block < pools_[g].num_blocks(); ++block) {
@@ -590,6 +629,7 @@ Status StateManager::CheckInvariants() const {
       }
     }
   }
+  if (prefix_ != nullptr) BLOCKKV_RETURN_IF_ERROR(prefix_->CheckInvariants());
   // Rows of free slots are empty.
   for (int32_t slot = 0; slot < config_.max_tracked_sequences; ++slot) {
     if (slots_.IsUsed(slot)) continue;

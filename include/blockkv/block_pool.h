@@ -1,21 +1,36 @@
-// BlockPool: shared ownership of one cache group's blocks, above its BlockedAllocator.
+// BlockPool: shared ownership of one cache group's blocks, above its BlockedAllocator, and the
+// eviction order of the blocks the prefix cache keeps.
 //
 // The allocator knows only free and used ids. The pool adds a reference count per block: every
-// owner (a sequence's block table, a fork, later the prefix cache and offload) holds one
-// reference, and a block returns to the allocator when its last reference is dropped. Blocks that
-// are shared are full and immutable; a sequence writes only into blocks it alone owns.
+// owner (a sequence's block table, a fork, a prefix-cache hit) holds one reference, and a block
+// returns to the allocator when its last reference is dropped — unless it is *cached*: a cached
+// block whose count falls to 0 keeps its contents and becomes *evictable*. Evictable blocks count
+// as free: Take hands out allocator-free blocks first and then evicts the least valuable
+// evictable ones (lowest retention priority first, least recently used within a priority),
+// telling the EvictionListener so that the prefix cache drops their keys. Blocks that are shared
+// are full and immutable; a sequence writes only into blocks it alone owns.
 //
 //   BlockPool pool(&cache, /*group=*/0);
 //   std::array<BlockId, 4> ids;
 //   Status s = pool.Take(4, ids);      // 4 fresh blocks, each with 1 reference
 //   pool.AddRef(ids);                  // a fork shares them: 2 references each
 //   s = pool.Release(ids);             // 1 reference each; still used
-//   s = pool.Release(ids);             // 0: back to the allocator
+//   pool.MarkCached(ids[0], 35);       // the prefix cache keeps block ids[0]
+//   s = pool.Release(ids);             // 0: ids[0] evictable, the others back to the allocator
+//   s = pool.AddRef(std::span(ids).first(1));  // a prefix hit revives ids[0]
 //
-// Implementation notes: one int32 reference count per block id (a flat array, no node per
-// block); a block is used in the allocator exactly when its count is > 0. Not thread-safe.
+// Implementation notes: flat arrays by block id, no node per block:
+//   refs_     int32 [num_blocks]  references; a block is used in the allocator when refs > 0 or
+//                                 it is cached
+//   cached_   uint8 [num_blocks]  1 when the prefix cache holds the block's key
+//   priority_ uint8 [num_blocks]  retention priority 0..100 of a cached block
+//   prev_/next_ int32 [num_blocks] intrusive doubly linked lists of evictable blocks, one per
+//                                 priority (heads_/tails_ [101]), oldest at the head
+// so touch (a hit on an evictable block), insert and evict are O(1); the lowest non-empty
+// priority is found with a 128-bit mask. Not thread-safe.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -26,8 +41,19 @@
 
 namespace blockkv {
 
+inline constexpr int32_t kMinRetentionPriority = 0;
+inline constexpr int32_t kMaxRetentionPriority = 100;
+inline constexpr int32_t kDefaultRetentionPriority = 35;  // TensorRT-LLM's default
+
 class BlockPool {
  public:
+  // Told when an evictable block is taken for reuse, before its new owner gets it.
+  class EvictionListener {
+   public:
+    virtual ~EvictionListener() = default;
+    virtual void OnEvict(int group, BlockId block) = 0;
+  };
+
   // REQUIRES: `cache` outlives the pool and nothing else reserves or frees blocks of `group`.
   BlockPool(BlockedKVCache* cache, int group);
 
@@ -36,33 +62,67 @@ class BlockPool {
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
 
-  // `n` fresh blocks into out[0, n), each with one reference. kResourceExhausted when fewer than
-  // `n` are free (nothing taken); kInvalidArgument for n < 0 or out.size() < n.
+  // `n` fresh blocks into out[0, n), each with one reference: allocator-free blocks first, then
+  // evicted ones (their listener is told and their cached mark dropped). kResourceExhausted when
+  // fewer than `n` are free or evictable (nothing taken); kInvalidArgument for n < 0 or
+  // out.size() < n.
   Status Take(int32_t n, std::span<BlockId> out);
 
-  // One more reference to each block. kFailedPrecondition (nothing changed) if any block has no
-  // reference now: only a held block can be shared. kOutOfRange for an invalid id.
+  // One more reference to each block. A cached block with no reference (evictable) leaves the
+  // eviction order: a prefix-cache hit. kFailedPrecondition (nothing changed) if any block is
+  // neither referenced nor cached: only a held or cached block can be shared. kOutOfRange for an
+  // invalid id.
   Status AddRef(std::span<const BlockId> blocks);
 
-  // Drops one reference to each block; blocks reaching 0 go back to the allocator. A block may
-  // appear several times (each drops one reference). kFailedPrecondition (nothing changed) if a
-  // block would drop below 0; kOutOfRange for an invalid id.
+  // Drops one reference to each block; blocks reaching 0 go back to the allocator, or, when
+  // cached, to the most recently used end of their priority's eviction list (in the order
+  // given). A block may appear several times (each drops one reference). kFailedPrecondition
+  // (nothing changed) if a block would drop below 0; kOutOfRange for an invalid id.
   Status Release(std::span<const BlockId> blocks);
 
-  int32_t ref_count(BlockId block) const;  // 0 for a free block; REQUIRES: valid id
+  // Marks a referenced block as cached with retention `priority` (raised to it if already
+  // cached with a lower one). REQUIRES: ref_count(block) > 0, priority in [0, 100].
+  void MarkCached(BlockId block, int32_t priority);
+  // Drops the cached mark (the prefix cache forgot the key); an evictable block goes back to the
+  // allocator. The listener is not told. REQUIRES: is_cached(block).
+  void Uncache(BlockId block);
+
+  int32_t ref_count(BlockId block) const;  // 0 for a free or evictable block; REQUIRES: valid id
+  bool is_cached(BlockId block) const { return cached_[block] != 0; }  // REQUIRES: valid id
+  bool is_evictable(BlockId block) const { return cached_[block] != 0 && refs_[block] == 0; }
+  int32_t priority(BlockId block) const { return priority_[block]; }  // REQUIRES: cached
+  // Blocks Take can hand out: allocator-free + evictable.
   int32_t free_blocks() const;
+  int32_t evictable_blocks() const { return evictable_; }
   int32_t num_blocks() const { return static_cast<int32_t>(refs_.size()); }
   int group() const { return group_; }
+  void set_eviction_listener(EvictionListener* listener) { listener_ = listener; }
 
-  // Every block with references is used in the allocator and every free one has none.
+  // Every block with references or a cached mark is used in the allocator and every free one
+  // has neither; the eviction lists hold exactly the evictable blocks, each once, in its
+  // priority's list.
   Status CheckInvariants() const;
 
  private:
+  static constexpr int kPriorities = kMaxRetentionPriority + 1;
+
   Status CheckId(BlockId block) const;
+  void PushEvictable(BlockId block);
+  void RemoveEvictable(BlockId block);
+  BlockId PopEvictable();  // the lowest priority's least recently used; REQUIRES: evictable_ > 0
 
   BlockedKVCache* cache_;
   int group_;
-  std::vector<int32_t> refs_;     // [num_blocks]
+  EvictionListener* listener_ = nullptr;
+  std::vector<int32_t> refs_;      // [num_blocks]
+  std::vector<uint8_t> cached_;    // [num_blocks]
+  std::vector<uint8_t> priority_;  // [num_blocks]
+  std::vector<BlockId> prev_;      // [num_blocks] eviction list links, kNoBlock at the ends
+  std::vector<BlockId> next_;      // [num_blocks]
+  std::array<BlockId, kPriorities> heads_{};  // least recently used evictable block, per priority
+  std::array<BlockId, kPriorities> tails_{};  // most recently used
+  std::array<uint64_t, 2> nonempty_{};        // bit p: list p is not empty
+  int32_t evictable_ = 0;
   std::vector<BlockId> scratch_;  // blocks reaching 0 in one Release
 };
 

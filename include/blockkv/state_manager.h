@@ -38,6 +38,7 @@
 #include "blockkv/config.h"
 #include "blockkv/device.h"
 #include "blockkv/kv_cache.h"
+#include "blockkv/prefix_cache.h"
 #include "blockkv/status.h"
 
 namespace blockkv {
@@ -55,10 +56,17 @@ struct StateManagerConfig {
   int64_t max_context = 8192;               // tokens one sequence may hold (enforced)
   MemoryConfig memory_config;
   bool offload = false;
+  PrefixCacheConfig prefix_cache{};  // off by default, as in DeepSpeed
 
   // Every count > 0, max_ragged_sequence_count <= max_tracked_sequences and
   // <= max_ragged_batch_size, a valid memory_config. kInvalidArgument names the field.
   Status Validate() const;
+};
+
+// How a sequence's blocks are keyed and kept in the prefix cache (AddSequence).
+struct SequenceOptions {
+  BlockKeyExtras keys{};                         // namespace, adapter, per-block bytes
+  int32_t priority = kDefaultRetentionPriority;  // 0..100: lower is evicted first
 };
 
 // DeepSpeed's SchedulingResult, same values.
@@ -115,6 +123,8 @@ class Sequence {
   // unique within the manager. Between two equal values the tables only grew, so a consumer
   // that copied a prefix of a table may copy just what was appended.
   uint64_t table_version() const { return table_version_; }
+  // Tokens taken from the prefix cache when the sequence was first scheduled (0 without a hit).
+  int64_t cached_prefix_tokens() const { return cached_prefix_tokens_; }
   // The table row of `group`, entries [0, cur_allocated_blocks(group)).
   std::span<const BlockId> block_table(int group = 0) const {
     return {groups_[group].row, static_cast<size_t>(groups_[group].allocated)};
@@ -134,6 +144,7 @@ class Sequence {
   int64_t seen_tokens_ = 0;
   int64_t in_flight_tokens_ = 0;
   uint64_t table_version_ = 0;
+  int64_t cached_prefix_tokens_ = 0;
   GroupState* groups_ = nullptr;  // [num_groups] in the manager's flat group_states_
 };
 
@@ -154,6 +165,19 @@ class StateManager {
   // The sequence `uid`, created (seen 0, no blocks) if unknown. kResourceExhausted when every
   // tracking slot is taken.
   Result<Sequence*> GetOrCreateSequence(SeqId uid);
+  // A new sequence whose first tokens are `prompt`: with prefix caching on, its first Schedule
+  // takes the longest cached prefix of whole blocks (never the last prompt token, whose logits
+  // the engine needs), and its blocks are published as they fill. Without prefix caching it is
+  // GetOrCreateSequence for a new uid. kAlreadyExists (tracked uid), kInvalidArgument (a
+  // negative token id, a priority outside [0, 100], more tokens than max_context),
+  // kResourceExhausted (no tracking slot); nothing changes on failure.
+  Result<Sequence*> AddSequence(SeqId uid, std::span<const TokenId> prompt,
+                                const SequenceOptions& options = {});
+  // Tokens the engine sampled for `uid`, appended to its known tokens so that the blocks they
+  // fill can be published too (call before scheduling them). A no-op without prefix caching.
+  // kNotFound (unknown uid), kFailedPrecondition (not added with AddSequence), kInvalidArgument
+  // (a negative id); nothing changes on failure.
+  Status AppendTokens(SeqId uid, std::span<const TokenId> tokens);
   // nullptr when `uid` is not tracked.
   const Sequence* GetSequence(SeqId uid) const;
   // True when `seq` is one of this manager's tracked sequences (not a sequence of another
@@ -212,6 +236,13 @@ class StateManager {
   // get_remaining_block_capacity, same meaning). 0 for an unknown uid.
   int64_t RemainingBlockCapacity(SeqId uid, int group = 0) const;
 
+  // Prefix cache (nullptr / empty / 0 when StateManagerConfig.prefix_cache.enabled is false).
+  const PrefixCache* prefix_cache() const { return prefix_.get(); }
+  // Events queued since the last drain, for cache-aware routers.
+  CacheEventBatch DrainCacheEvents();
+  // Drops every cached block no sequence references; returns how many.
+  int64_t ResetPrefixCache();
+
   // One layer's cache, as BlockedKVCache::GetCache.
   Result<TensorView> GetCache(int64_t cache_id, int group = 0) const;
   const BlockedKVCache& kv_cache() const { return *cache_; }
@@ -223,7 +254,8 @@ class StateManager {
   const StateManagerConfig& config() const { return config_; }
   int num_groups() const { return static_cast<int>(pools_.size()); }
   int32_t n_tracked_sequences() const;
-  std::vector<int32_t> free_blocks() const;              // one entry per cache group
+  // Per cache group: blocks a Schedule can take (free + evictable cached blocks).
+  std::vector<int32_t> free_blocks() const;
   int32_t kv_block_size(int group = 0) const;            // REQUIRES: a valid group
   int32_t max_blocks_per_sequence(int group = 0) const;  // REQUIRES: a valid group
 
@@ -261,6 +293,31 @@ class StateManager {
   Sequence* CreateInSlot(SeqId uid);  // REQUIRES: a free slot
   void ReleaseSequenceBlocks(Sequence& seq);
 
+  // ---- prefix caching (state_manager_prefix.cc) ----
+  struct SequenceKeys;  // a sequence's known tokens and key state, by slot
+  // The prefix a first Schedule of the i-th uid takes, decided by Check.
+  struct PrefixHit {
+    int64_t tokens = 0;     // cached tokens taken (new seen_tokens)
+    int64_t in_flight = 0;  // tokens then scheduled
+    size_t first = 0;       // its blocks: hit_blocks_[first + g·blocks(g)...] per group
+  };
+  // When the i-th uid of the call is a sequence's first schedule with a prompt to look up, its
+  // hit (valid until the next lookup), with the evictable blocks it revives marked and taken
+  // off free_scratch_; else nullptr.
+  const PrefixHit* LookupPrefix(size_t i, const Sequence* seq, int64_t length) const;
+  void EnablePrefixCache();  // from the constructor
+  // One reference to every block of this call's hits, before Schedule takes new blocks (which
+  // may evict evictable ones).
+  void ShareHitBlocks();
+  // Puts the hit of the i-th uid (shared already) in the sequence's tables and moves it to the
+  // hit's end.
+  void TakePrefix(size_t i, Sequence& seq);
+  // Publishes the blocks of `seq` that are full of known, computed tokens.
+  void PublishFullBlocks(Sequence& seq);
+  void ResetKeys(int32_t slot);
+  void ForkKeys(const Sequence& from, const Sequence& to);
+  Status CheckKeys(const Sequence& seq) const;
+
   StateManagerConfig config_;
   std::unique_ptr<BlockedKVCache> cache_;
   std::vector<BlockPool> pools_;                    // one per cache group
@@ -270,7 +327,9 @@ class StateManager {
   std::vector<Sequence::GroupState> group_states_;  // [max_tracked_sequences, num_groups]
   std::unique_ptr<internal::UidMap> by_uid_;        // uid -> slot
   std::vector<internal::BlockSize> block_sizes_;    // per group
-  int64_t token_limit_ = 0;  // min(max_context, every table's token capacity)
+  int64_t token_limit_ = 0;               // min(max_context, every table's token capacity)
+  std::unique_ptr<PrefixCache> prefix_;   // when enabled
+  std::unique_ptr<SequenceKeys[]> keys_;  // [max_tracked_sequences] when prefix_ is set
 
   // Scratch reused across calls so a step allocates nothing once warm.
   std::vector<std::vector<BlockId>> scratch_;  // per group: blocks taken in one Schedule
@@ -282,6 +341,13 @@ class StateManager {
   mutable std::vector<int32_t> need_scratch_;  // [uids, groups]: new blocks Check counted
   mutable std::vector<uint32_t> slot_marks_;   // [max_tracked]: == mark_epoch_ when seen
   mutable uint32_t mark_epoch_ = 0;
+  mutable std::vector<int32_t> hit_index_;  // per uid of the call: index in hits_, or -1
+  mutable std::vector<PrefixHit> hits_;
+  mutable std::vector<BlockId> hit_blocks_;
+  mutable std::vector<BlockHash> hit_keys_;                 // [hits, groups]: last matched key
+  mutable std::vector<std::vector<uint32_t>> block_marks_;  // per group [num_blocks]: epoch
+  mutable std::vector<int32_t> matched_scratch_;            // per group: blocks one lookup matched
+  mutable std::vector<BlockId> rematch_scratch_;
   uint64_t last_table_version_ = 0;
 };
 

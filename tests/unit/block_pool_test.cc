@@ -262,6 +262,91 @@ TEST_F(BlockPoolTest, ReleasedBlockIsTakenAgainWithOneReference) {
   EXPECT_OK(pool_.CheckInvariants());
 }
 
+// ---- cached blocks and eviction ----------------------------------------------------------------
+
+// Records the blocks the pool evicts, in order.
+struct EvictionLog : BlockPool::EvictionListener {
+  void OnEvict(int group, BlockId block) override {
+    EXPECT_EQ(group, 0);
+    evicted.push_back(block);
+  }
+  std::vector<BlockId> evicted;
+};
+
+TEST_F(BlockPoolTest, CachedBlockStaysUsedAndEvictableAtZero) {
+  const std::vector<BlockId> ids = Take(2);
+  pool_.MarkCached(ids[0], kDefaultRetentionPriority);
+  ASSERT_OK(pool_.Release(ids));
+  EXPECT_TRUE(pool_.is_evictable(ids[0]));
+  EXPECT_FALSE(pool_.is_cached(ids[1]));
+  EXPECT_TRUE(cache_->allocator(0).IsUsed(ids[0]));
+  EXPECT_EQ(pool_.evictable_blocks(), 1);
+  EXPECT_EQ(pool_.free_blocks(), kNumBlocks) << "evictable blocks count as free";
+  EXPECT_OK(pool_.CheckInvariants());
+}
+
+TEST_F(BlockPoolTest, AddRefRevivesAnEvictableBlock) {
+  const std::vector<BlockId> ids = Take(1);
+  pool_.MarkCached(ids[0], 10);
+  ASSERT_OK(pool_.Release(ids));
+  ASSERT_OK(pool_.AddRef(ids));
+  EXPECT_EQ(pool_.ref_count(ids[0]), 1);
+  EXPECT_EQ(pool_.evictable_blocks(), 0);
+  EXPECT_EQ(pool_.free_blocks(), kNumBlocks - 1);
+  EXPECT_OK(pool_.CheckInvariants());
+}
+
+TEST_F(BlockPoolTest, TakeEvictsLowestPriorityThenLeastRecentlyUsed) {
+  EvictionLog log;
+  pool_.set_eviction_listener(&log);
+  std::vector<BlockId> ids = Take(kNumBlocks);
+  // Priorities: blocks 0..3 at 50, 4..5 at 20, 6..7 uncached.
+  for (int i = 0; i < 6; ++i) pool_.MarkCached(ids[i], i < 4 ? 50 : 20);
+  // Released in the order 2, 0, 5, 3, 4, 1, 6, 7: within a priority, oldest release first.
+  for (BlockId b : {2, 0, 5, 3, 4, 1, 6, 7}) ASSERT_OK(pool_.Release(std::vector<BlockId>{b}));
+  EXPECT_EQ(pool_.evictable_blocks(), 6);
+  std::vector<BlockId> got(kNumBlocks, kNoBlock);
+  ASSERT_OK(pool_.Take(kNumBlocks, got));
+  // The allocator's 2 free blocks first (7 then 6, its stack), then evictions.
+  EXPECT_EQ(log.evicted, (std::vector<BlockId>{5, 4, 2, 0, 3, 1}));
+  EXPECT_EQ(pool_.evictable_blocks(), 0);
+  for (BlockId b : got) EXPECT_FALSE(pool_.is_cached(b));
+  EXPECT_OK(pool_.CheckInvariants());
+  pool_.set_eviction_listener(nullptr);
+}
+
+TEST_F(BlockPoolTest, TakeBeyondFreePlusEvictableChangesNothing) {
+  std::vector<BlockId> ids = Take(kNumBlocks);
+  pool_.MarkCached(ids[0], 0);
+  ASSERT_OK(pool_.Release(std::span(ids).first(1)));
+  std::vector<BlockId> out(2, kNoBlock);
+  EXPECT_CODE(pool_.Take(2, out), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(pool_.is_evictable(ids[0]));
+  EXPECT_OK(pool_.CheckInvariants());
+}
+
+TEST_F(BlockPoolTest, UncacheReturnsAnEvictableBlockToTheAllocator) {
+  std::vector<BlockId> ids = Take(2);
+  pool_.MarkCached(ids[0], 0);
+  pool_.MarkCached(ids[1], 0);
+  ASSERT_OK(pool_.Release(std::span(ids).first(1)));
+  pool_.Uncache(ids[0]);  // evictable: freed
+  pool_.Uncache(ids[1]);  // held: only the mark goes
+  EXPECT_FALSE(cache_->allocator(0).IsUsed(ids[0]));
+  EXPECT_EQ(pool_.ref_count(ids[1]), 1);
+  ASSERT_OK(pool_.Release(std::span(ids).subspan(1)));
+  ExpectCounts({});
+}
+
+TEST_F(BlockPoolTest, MarkCachedKeepsTheHigherPriority) {
+  std::vector<BlockId> ids = Take(1);
+  pool_.MarkCached(ids[0], 60);
+  pool_.MarkCached(ids[0], 30);
+  EXPECT_EQ(pool_.priority(ids[0]), 60);
+  pool_.MarkCached(ids[0], 90);
+  EXPECT_EQ(pool_.priority(ids[0]), 90);
+}
+
 TEST(BlockPoolGroupsTest, PoolsOfTwoGroupsCountIndependently) {
   std::unique_ptr<BlockedKVCache> cache = MakeCache({SmallGroup(16), SmallGroup(32)}, kNumBlocks);
   ASSERT_NE(cache, nullptr);

@@ -1,0 +1,184 @@
+// Prefix caching: sequences that start with the same tokens share the KV blocks of that prefix
+// (vLLM's automatic prefix caching, SGLang's RadixAttention, TensorRT-LLM's block reuse).
+//
+// Every full block of a sequence's known tokens has a key: a chained 128-bit hash
+//   hash(block i) = H(seed; hash(block i−1) or nothing, adapter id, token ids,
+//                     namespace (block 0 only), opaque per-block bytes)
+// with H = XXH3-128 over a fixed little-endian encoding (so equal for a given seed in every
+// process, rank and run; LMCache's most reported bug is a per-process seed). The namespace mixed
+// into block 0 isolates tenants as vLLM's cache_salt does: two namespaces never share a block.
+// The hash only finds candidates: a hit also compares the block's token ids, namespace, adapter
+// and extra bytes exactly, and that its parent is the block matched just before (by a publish
+// id unique for the life of the cache), so a hash collision never hands out another prompt's KV.
+//
+// The StateManager owns one PrefixCache when StateManagerConfig.prefix_cache.enabled; an engine
+// uses it through the manager:
+//   auto mgr = StateManager::Create({.prefix_cache = {.enabled = true}}, {llama}, CpuDevice());
+//   mgr->AddSequence(uid, prompt, {.ns = "tenant-a", .priority = 50});
+//   mgr->Schedule({uid}, {prompt.size()});   // shares the cached prefix, schedules the rest
+//   seq->seen_tokens()                        // = tokens taken from the cache
+//   ... forward over prompt[seen, seen + in_flight) ...
+//   mgr->PostForward({uid});                  // blocks that became full are published
+//   for (const CacheEvent& e : mgr->DrainCacheEvents().events) router.Apply(e);
+//
+// Eviction lives in BlockPool (LRU within a retention priority); this class holds the keys:
+// per cache group an index hash → cached blocks (duplicates allowed: two sequences computing the
+// same prefix at once each publish their block), and per block its key and token ids in flat
+// arrays. Not thread-safe.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <variant>
+#include <vector>
+
+#include "blockkv/block_pool.h"
+#include "blockkv/status.h"
+
+namespace blockkv {
+namespace internal {
+class UidMap;
+}  // namespace internal
+
+using TokenId = int32_t;
+
+struct BlockHash {
+  uint64_t lo = 0;
+  uint64_t hi = 0;
+  friend bool operator==(const BlockHash&, const BlockHash&) = default;
+};
+std::string ToString(const BlockHash& hash);  // 32 hex digits, hi then lo
+
+// H above: any function of (bytes, seed). Tests inject colliding ones.
+using BlockHashFunction = BlockHash (*)(std::span<const std::byte> bytes, uint64_t seed);
+BlockHash Xxh3BlockHash(std::span<const std::byte> bytes, uint64_t seed);
+
+// What, besides token ids, a request's blocks are keyed by.
+struct BlockKeyExtras {
+  std::string ns{};        // tenant namespace ("" = the shared default), block 0 only
+  int64_t adapter_id = 0;  // LoRA adapter (0 = none), every block
+  // Opaque bytes per block index (e.g. the hashes of the images a block's tokens stand for);
+  // blocks past the end have none.
+  std::vector<std::string> block_bytes{};
+};
+
+// The key of one full block: `parent` is the previous block's key (nullptr for block 0).
+BlockHash HashBlock(const BlockHash* parent, std::span<const TokenId> tokens,
+                    const BlockKeyExtras& extras, size_t block_index, uint64_t seed,
+                    BlockHashFunction hash = Xxh3BlockHash);
+
+struct PrefixCacheConfig {
+  bool enabled = false;
+  uint64_t hash_seed = 0;
+  size_t max_events = 65536;                  // events kept until drained; 0 = no events
+  BlockHashFunction hash_function = nullptr;  // nullptr = Xxh3BlockHash
+};
+
+// Events for cache-aware routers (vLLM's KV events).
+struct BlockStored {
+  BlockHash hash;
+  bool has_parent = false;
+  BlockHash parent;  // valid when has_parent
+  std::vector<TokenId> tokens{};
+  std::string ns{};
+  int64_t adapter_id = 0;
+  int group = 0;
+};
+struct BlockRemoved {  // the last cached copy of `hash` in `group` is gone
+  BlockHash hash;
+  int group = 0;
+};
+struct AllCleared {};  // nothing is cached any more
+using CacheEvent = std::variant<BlockStored, BlockRemoved, AllCleared>;
+struct CacheEventBatch {
+  std::vector<CacheEvent> events;  // oldest first
+  uint64_t dropped = 0;            // events lost to overflow since the last drain (the oldest)
+};
+
+struct PrefixCacheStats {
+  int64_t lookups = 0;         // prompts looked up (first schedule of a sequence with a prompt)
+  int64_t queried_tokens = 0;  // prompt tokens those lookups could have hit
+  int64_t hit_tokens = 0;      // tokens taken from the cache
+  int64_t evictions = 0;       // cached blocks taken for reuse (counted for the block's namespace)
+};
+
+class PrefixCache : public BlockPool::EvictionListener {
+ public:
+  // REQUIRES: `pools` (one per cache group) outlive the cache; the cache registers itself as
+  // their eviction listener.
+  PrefixCache(PrefixCacheConfig config, std::span<BlockPool> pools,
+              std::vector<int32_t> block_sizes);
+  ~PrefixCache() override;
+  PrefixCache(const PrefixCache&) = delete;
+  PrefixCache& operator=(const PrefixCache&) = delete;
+
+  const PrefixCacheConfig& config() const { return config_; }
+  int32_t block_size(int group) const { return block_sizes_[group]; }
+
+  // The key of block `index` of a sequence whose previous block's key is `parent`.
+  BlockHash Hash(const BlockHash* parent, std::span<const TokenId> block_tokens,
+                 const BlockKeyExtras& extras, size_t index) const;
+
+  // The namespace's id, interned on first use.
+  int32_t InternNamespace(std::string_view ns);
+
+  // Walks the full blocks of `tokens` (at most `max_blocks`) from block 0, keying each from the
+  // previous one, and stops at the first that is not cached: returns how many matched, their ids
+  // in out[0, n), and the last matched block's key in *last_key (untouched when n = 0).
+  // REQUIRES: out.size() >= max_blocks.
+  int32_t Match(int group, std::span<const TokenId> tokens, int32_t ns_id,
+                const BlockKeyExtras& extras, int32_t max_blocks, std::span<BlockId> out,
+                BlockHash* last_key) const;
+
+  // Publishes `block`, block `index` of a sequence, under `hash`: the block becomes cached at
+  // `priority` and the BlockStored event is queued. `parent` is the sequence's block index−1 of
+  // this group (kNoBlock for index 0), which must be cached. REQUIRES: `block` is held and not
+  // cached.
+  void Publish(int group, BlockId block, BlockId parent, const BlockHash& hash,
+               std::span<const TokenId> block_tokens, int32_t ns_id, const BlockKeyExtras& extras,
+               size_t index, int32_t priority);
+
+  // Forgets every cached block no one references (they go back to the allocators); returns
+  // how many. Queues BlockRemoved for each hash whose last copy went, and AllCleared when nothing
+  // is cached any more.
+  int64_t Reset();
+
+  CacheEventBatch DrainEvents();
+  // Stats of one namespace ("" = the default), or of all of them together.
+  PrefixCacheStats stats(std::string_view ns) const;
+  PrefixCacheStats total_stats() const;
+  void RecordLookup(int32_t ns_id, int64_t queried_tokens, int64_t hit_tokens);
+
+  int64_t cached_blocks(int group) const;
+
+  // Every indexed block is cached in its pool and every cached block indexed once, its hash in
+  // the index under it, its parent cached and published before it.
+  Status CheckInvariants() const;
+
+  void OnEvict(int group, BlockId block) override;
+
+ private:
+  struct Group;
+  void Forget(int group, BlockId block);  // drops the key; events
+  void Emit(CacheEvent event);
+
+  PrefixCacheConfig config_;
+  std::span<BlockPool> pools_;
+  std::vector<int32_t> block_sizes_;
+  std::vector<std::unique_ptr<Group>> groups_;
+  std::unordered_map<std::string, int32_t> ns_ids_;
+  std::vector<std::string> ns_names_;
+  std::vector<PrefixCacheStats> ns_stats_;
+  std::deque<CacheEvent> events_;
+  uint64_t dropped_events_ = 0;
+  uint64_t last_publish_id_ = 0;
+  mutable std::vector<std::byte> scratch_;  // the bytes one Hash encodes
+};
+
+}  // namespace blockkv

@@ -1,0 +1,27 @@
+// StateManager::SequenceKeys, shared by state_manager.cc (which owns the array) and
+// state_manager_prefix.cc (which uses it).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "blockkv/state_manager.h"
+
+namespace blockkv {
+
+// What the manager knows of a sequence's tokens, by tracking slot.
+struct StateManager::SequenceKeys {
+  struct Group {
+    int32_t published = 0;  // leading blocks cached (hit or published by this sequence)
+    BlockHash last_key;     // key of block published − 1
+  };
+  bool registered = false;  // added with AddSequence: tokens are known
+  bool looked_up = false;   // its first Schedule happened
+  int32_t ns_id = 0;
+  int32_t priority = kDefaultRetentionPriority;
+  std::vector<TokenId> tokens;  // prompt + appended tokens, from position 0
+  BlockKeyExtras extras;
+  std::vector<Group> groups;  // [num_groups]
+};
+
+}  // namespace blockkv
