@@ -184,6 +184,8 @@ void StateManager::TakePrefix(size_t i, Sequence& seq) {
     const auto count = static_cast<int32_t>(hit.tokens / kv_block_size(static_cast<int>(g)));
     Sequence::GroupState& state = seq.groups_[g];
     std::copy_n(hit_blocks_.begin() + static_cast<std::ptrdiff_t>(at), count, state.row);
+    // A block is kept as long as its most valuable user wants it kept.
+    for (int32_t b = 0; b < count; ++b) pools_[g].MarkCached(state.row[b], keys.priority);
     state.allocated = count;
     keys.groups[g].published = count;
     if (count > 0)

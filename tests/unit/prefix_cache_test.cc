@@ -257,6 +257,15 @@ TEST_F(PrefixCacheTest, LowerPriorityIsEvictedFirst) {
   EXPECT_EQ(Prefill(4, Tokens(9, 0)), 8) << "A survived";
 }
 
+TEST_F(PrefixCacheTest, AHitRaisesABlocksPriorityToTheHittingRequests) {
+  Make(8);
+  Prefill(1, Tokens(9), {.priority = 10});
+  const std::vector<BlockId> a = Table(1);
+  EXPECT_EQ(Prefill(2, Tokens(9), {.priority = 90}), 8);
+  EXPECT_EQ(mgr_->pool().priority(a[0]), 90);
+  EXPECT_EQ(mgr_->pool().priority(a[1]), 90);
+}
+
 TEST_F(PrefixCacheTest, HitBlocksAreNeverEvictedToServeTheirOwnRequest) {
   Make(3);
   Prefill(1, Tokens(8));
