@@ -34,24 +34,29 @@
 namespace blockkv::internal::cpu {
 
 inline constexpr int32_t kTile = 32;     // key positions per softmax step
-inline constexpr int32_t kMaxRows = 64;  // query rows (tokens × heads of a group) per work item
+inline constexpr int32_t kMaxRows = 64;  // query rows (tokens × query heads) per work item
 
+// Query tokens [q_begin, q_end) of sequence `seq` for KV heads [kv_begin, kv_end) and their
+// query heads. Row r of its scratch: token q_begin + r / (heads · G), KV head kv_begin +
+// (r / G) % heads, query head (kv_begin + that) · G + r % G.
 struct WorkItem {
   int32_t seq = 0;
-  int32_t kv_head = 0;
-  int32_t q_begin = 0;  // query tokens [q_begin, q_end) of the sequence
+  int32_t kv_begin = 0;
+  int32_t kv_end = 0;
+  int32_t q_begin = 0;
   int32_t q_end = 0;
 };
 
 // One thread's buffers, sized once per call.
 struct Scratch {
-  std::vector<float> q;       // [rows, D] queries times the softmax scale
-  std::vector<float> acc;     // [rows, D] unnormalized outputs
-  std::vector<float> m;       // [rows] running maxima
-  std::vector<float> l;       // [rows] running sums
-  std::vector<float> scores;  // [rows, kTile] scores, then probabilities
-  std::vector<float> k;       // [kTile, D]
-  std::vector<float> v;       // [kTile, D]
+  std::vector<float> q;        // [rows, D] queries times the softmax scale
+  std::vector<float> acc;      // [rows, D] unnormalized outputs
+  std::vector<float> m;        // [rows] running maxima
+  std::vector<float> l;        // [rows] running sums
+  std::vector<float> scores;   // [rows, kTile] scores, then probabilities
+  std::vector<float> k;        // [kTile, D]
+  std::vector<float> v;        // [kTile, D]
+  std::vector<int64_t> slots;  // [kTile] cache offsets of the tile's positions (plane 0, head 0)
 
   void Resize(int32_t rows, int32_t d) {
     const auto rd = static_cast<size_t>(rows) * static_cast<size_t>(d);
@@ -63,6 +68,7 @@ struct Scratch {
     scores.resize(static_cast<size_t>(rows) * kTile);
     k.resize(td);
     v.resize(td);
+    slots.resize(kTile);
   }
 };
 
@@ -147,6 +153,7 @@ inline void ParallelFor(int64_t n_items, int threads, int64_t work,
 #define HWY_TARGET_INCLUDE "kernels_cpu.cc"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 // foreach_target.h must come first.
+#include <hwy/cache_control.h>
 #include <hwy/contrib/math/math-inl.h>
 #include <hwy/highway.h>
 
@@ -175,14 +182,40 @@ void RowToFloat(const PagedKV& c, const void* src, float* dst) {
   }
 }
 
-// Gathers key positions [k0, k0 + count) of (seq, head) into s.k / s.v as floats.
-void GatherTile(const PagedKV& c, const WorkItem& item, int64_t k0, int32_t count, Scratch& s) {
-  const int32_t* blocks = c.kv_indices + c.kv_indptr[item.seq];
+// s.slots[j] = cache offset of key position k0 + j of sequence `seq` (plane 0, head 0).
+void TileSlots(const PagedKV& c, int32_t seq, int64_t k0, int32_t count, Scratch& s) {
+  const int32_t* blocks = c.kv_indices + c.kv_indptr[seq];
+  int64_t block = k0 / c.block_size;
+  int64_t offset = k0 % c.block_size;
+  for (int32_t j = 0; j < count; ++j) {
+    s.slots[static_cast<size_t>(j)] = c.Offset(blocks[block], offset, 0, 0);
+    if (++offset == c.block_size) {
+      offset = 0;
+      ++block;
+    }
+  }
+}
+
+// Asks for the K and V rows of heads [h0, h1) at the tile's slots to be brought into cache.
+void PrefetchTile(const PagedKV& c, const Scratch& s, int32_t count, int32_t h0, int32_t h1) {
+  const auto elem = static_cast<int64_t>(ElementSize(c.dtype));
+  const int64_t bytes = int64_t{h1 - h0} * c.head_stride * elem;
+  for (int32_t j = 0; j < count; ++j) {
+    const int64_t at = s.slots[static_cast<size_t>(j)] + h0 * c.head_stride;
+    const uint8_t* k = ElementPtr(c.data, at, c.dtype);
+    const uint8_t* v = ElementPtr(c.data, at + c.plane_stride, c.dtype);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      hwy::Prefetch(k + b);
+      hwy::Prefetch(v + b);
+    }
+  }
+}
+
+// Converts the K / V rows of `head` at the tile's slots into s.k / s.v.
+void GatherTile(const PagedKV& c, int32_t head, int32_t count, Scratch& s) {
   const int32_t d = c.head_size;
   for (int32_t j = 0; j < count; ++j) {
-    const int64_t pos = k0 + j;
-    const int64_t block = blocks[pos / c.block_size];
-    const int64_t at = c.Offset(block, pos % c.block_size, 0, item.kv_head);
+    const int64_t at = s.slots[static_cast<size_t>(j)] + head * c.head_stride;
     RowToFloat(c, ElementPtr(c.data, at, c.dtype), s.k.data() + int64_t{j} * d);
     RowToFloat(c, ElementPtr(c.data, at + c.plane_stride, c.dtype), s.v.data() + int64_t{j} * d);
   }
@@ -288,14 +321,16 @@ KeyRange VisibleKeys(const AttentionParams& p, int64_t pos, int64_t total) {
   return {lo, pos + 1};
 }
 
-// Loads the item's queries (times the scale) and clears its accumulators.
+// Loads the item's queries (times the scale) and clears its accumulators. Rows per token are
+// the item's query heads, q heads [kv_begin · g, kv_end · g).
 void LoadQueries(const Activations& q, const AttentionParams& p, const WorkItem& item,
                  int32_t start, int32_t g, int32_t d, Scratch& s) {
+  const int32_t heads = (item.kv_end - item.kv_begin) * g;
   for (int32_t t = item.q_begin; t < item.q_end; ++t) {
-    for (int32_t h = 0; h < g; ++h) {
-      const int64_t row = int64_t{t - item.q_begin} * g + h;
+    for (int32_t h = 0; h < heads; ++h) {
+      const int64_t row = int64_t{t - item.q_begin} * heads + h;
       const int64_t at =
-          int64_t{start + t} * q.token_stride + (int64_t{item.kv_head} * g + h) * q.head_stride;
+          int64_t{start + t} * q.token_stride + (int64_t{item.kv_begin} * g + h) * q.head_stride;
       float* dst = s.q.data() + row * d;
       ToFloat(ElementPtr(q.data, at, q.dtype), q.dtype, d, 1.0f, dst);
       for (int32_t i = 0; i < d; ++i) dst[i] *= p.scale;
@@ -303,8 +338,29 @@ void LoadQueries(const Activations& q, const AttentionParams& p, const WorkItem&
       s.l[static_cast<size_t>(row)] = 0.0f;
     }
   }
-  const auto rows = static_cast<size_t>(item.q_end - item.q_begin) * static_cast<size_t>(g);
+  const auto rows = static_cast<size_t>(item.q_end - item.q_begin) * static_cast<size_t>(heads);
   std::fill_n(s.acc.begin(), rows * static_cast<size_t>(d), 0.0f);
+}
+
+// One tile for one KV head: every (token, query head of the group) row that sees keys in it.
+void AttendTile(const AttentionParams& p, const WorkItem& item, int64_t seen, int64_t total,
+                int64_t k0, int32_t count, int32_t kv, int32_t g, int32_t d, Scratch& s) {
+  const int32_t heads = (item.kv_end - item.kv_begin) * g;
+  for (int32_t t = item.q_begin; t < item.q_end; ++t) {
+    const KeyRange keys = VisibleKeys(p, seen + t, total);
+    const auto j0 = static_cast<int32_t>(std::clamp<int64_t>(keys.lo - k0, 0, count));
+    const auto j1 = static_cast<int32_t>(std::clamp<int64_t>(keys.hi - k0, 0, count));
+    if (j0 >= j1) continue;
+    for (int32_t h = 0; h < g; ++h) {
+      const int64_t row = int64_t{t - item.q_begin} * heads + int64_t{kv - item.kv_begin} * g + h;
+      float* sc = s.scores.data() + row * kTile;
+      std::fill_n(sc, kTile, -std::numeric_limits<float>::infinity());
+      Scores(s.q.data() + row * d, s.k.data(), d, j0, j1, sc);
+      float* acc = s.acc.data() + row * d;
+      SoftmaxStep(d, j0, j1, sc, acc, s.m[static_cast<size_t>(row)], s.l[static_cast<size_t>(row)]);
+      AccumulateV(sc, s.v.data(), d, j0, j1, acc);
+    }
+  }
 }
 
 void AttendItem(const PagedKV& c, const Activations& q, const Activations& out,
@@ -320,32 +376,22 @@ void AttendItem(const PagedKV& c, const Activations& q, const Activations& out,
   const KeyRange last = VisibleKeys(p, seen + item.q_end - 1, total);
   for (int64_t k0 = first.lo; k0 < last.hi; k0 += kTile) {
     const auto count = static_cast<int32_t>(std::min<int64_t>(kTile, last.hi - k0));
-    GatherTile(c, item, k0, count, s);
-    for (int32_t t = item.q_begin; t < item.q_end; ++t) {
-      const KeyRange keys = VisibleKeys(p, seen + t, total);
-      const auto j0 = static_cast<int32_t>(std::clamp<int64_t>(keys.lo - k0, 0, count));
-      const auto j1 = static_cast<int32_t>(std::clamp<int64_t>(keys.hi - k0, 0, count));
-      if (j0 >= j1) continue;
-      for (int32_t h = 0; h < g; ++h) {
-        const int64_t row = int64_t{t - item.q_begin} * g + h;
-        float* sc = s.scores.data() + row * kTile;
-        std::fill_n(sc, kTile, -std::numeric_limits<float>::infinity());
-        Scores(s.q.data() + row * d, s.k.data(), d, j0, j1, sc);
-        float* acc = s.acc.data() + row * d;
-        SoftmaxStep(d, j0, j1, sc, acc, s.m[static_cast<size_t>(row)],
-                    s.l[static_cast<size_t>(row)]);
-        AccumulateV(sc, s.v.data(), d, j0, j1, acc);
-      }
+    TileSlots(c, item.seq, k0, count, s);
+    PrefetchTile(c, s, count, item.kv_begin, item.kv_end);
+    for (int32_t kv = item.kv_begin; kv < item.kv_end; ++kv) {
+      GatherTile(c, kv, count, s);
+      AttendTile(p, item, seen, total, k0, count, kv, g, d, s);
     }
   }
+  const int32_t heads = (item.kv_end - item.kv_begin) * g;
   for (int32_t t = item.q_begin; t < item.q_end; ++t) {
-    for (int32_t h = 0; h < g; ++h) {
-      const int64_t row = int64_t{t - item.q_begin} * g + h;
+    for (int32_t h = 0; h < heads; ++h) {
+      const int64_t row = int64_t{t - item.q_begin} * heads + h;
       float* acc = s.acc.data() + row * d;
       const float inv = 1.0f / s.l[static_cast<size_t>(row)];
       for (int32_t i = 0; i < d; ++i) acc[i] *= inv;
-      const int64_t at =
-          int64_t{start + t} * out.token_stride + (int64_t{item.kv_head} * g + h) * out.head_stride;
+      const int64_t at = int64_t{start + t} * out.token_stride +
+                         (int64_t{item.kv_begin} * g + h) * out.head_stride;
       FromFloat(acc, d, out.dtype, 1.0f, const_cast<uint8_t*>(ElementPtr(out.data, at, out.dtype)));
     }
   }
@@ -360,19 +406,45 @@ namespace cpu {
 
 HWY_EXPORT(AttendItem);
 
-// The work items of a batch: per sequence and KV head, chunks of query tokens.
-std::vector<WorkItem> MakeWorkItems(const PagedKV& c, int32_t group_size, int64_t* work) {
-  const int32_t chunk = std::max(1, kMaxRows / group_size);
-  std::vector<WorkItem> items;
+// The work items of a batch. A sequence with few new tokens (decode) takes all KV heads in one
+// item, so each key position's rows of every head are read together, in order; one with many
+// (prefill) takes one KV head per item and chunks of up to kMaxRows / G tokens. When that gives
+// fewer than two items per thread, head ranges are split further. *max_rows: the most rows of
+// any item; *work: a rough element count.
+std::vector<WorkItem> MakeWorkItems(const PagedKV& c, int32_t g, int threads, int32_t* max_rows,
+                                    int64_t* work) {
+  const int32_t hkv = c.num_kv_heads;
+  std::vector<int32_t> heads_per_item(static_cast<size_t>(c.num_seqs));
+  int64_t count = 0;
   *work = 0;
   for (int32_t i = 0; i < c.num_seqs; ++i) {
-    const int32_t* desc = c.descriptors + int64_t{i} * 4;
-    const int32_t n = desc[1];
-    *work += int64_t{n} * (desc[2] + n) * group_size * c.num_kv_heads * c.head_size;
+    const int32_t n = c.descriptors[int64_t{i} * 4 + 1];
+    *work += int64_t{n} * (c.descriptors[int64_t{i} * 4 + 2] + n) * g * hkv * c.head_size;
+    const int32_t hpi = std::clamp(kMaxRows / std::max(1, g * n), 1, hkv);
+    heads_per_item[static_cast<size_t>(i)] = hpi;
+    count += int64_t{(hkv + hpi - 1) / hpi} *
+             ((n + std::max(1, kMaxRows / g) - 1) / std::max(1, kMaxRows / g));
+  }
+  for (int32_t& hpi : heads_per_item) {  // more items for the threads, when there are few
+    if (count < 2 * int64_t{threads} && hpi > 1)
+      hpi = std::max(1, hpi * static_cast<int32_t>(count) / (2 * threads));
+  }
+  std::vector<WorkItem> items;
+  *max_rows = 1;
+  for (int32_t i = 0; i < c.num_seqs; ++i) {
+    const int32_t n = c.descriptors[int64_t{i} * 4 + 1];
+    const int32_t hpi = heads_per_item[static_cast<size_t>(i)];
+    const int32_t chunk = std::max(1, kMaxRows / (g * hpi));
     for (int32_t begin = 0; begin < n; begin += chunk) {
-      for (int32_t h = 0; h < c.num_kv_heads; ++h) {
-        items.push_back(WorkItem{
-            .seq = i, .kv_head = h, .q_begin = begin, .q_end = std::min(n, begin + chunk)});
+      for (int32_t h = 0; h < hkv; h += hpi) {
+        const WorkItem item{.seq = i,
+                            .kv_begin = h,
+                            .kv_end = std::min(hkv, h + hpi),
+                            .q_begin = begin,
+                            .q_end = std::min(n, begin + chunk)};
+        *max_rows =
+            std::max(*max_rows, (item.q_end - item.q_begin) * (item.kv_end - item.kv_begin) * g);
+        items.push_back(item);
       }
     }
   }
@@ -462,8 +534,9 @@ void PagedAttentionCpu(const PagedKV& cache, const Activations& q, const Activat
                        const AttentionParams& params) {
   const int32_t group_size = q.num_heads / cache.num_kv_heads;
   int64_t work = 0;
-  const std::vector<cpu::WorkItem> items = cpu::MakeWorkItems(cache, group_size, &work);
-  const int32_t rows = std::max(1, cpu::kMaxRows / group_size) * group_size;
+  int32_t rows = 0;
+  const std::vector<cpu::WorkItem> items =
+      cpu::MakeWorkItems(cache, group_size, params.num_threads, &rows, &work);
   std::vector<cpu::Scratch> scratch(static_cast<size_t>(std::max(1, params.num_threads)));
   cpu::ParallelFor(std::ssize(items), params.num_threads, work, [&](int64_t index, int thread) {
     cpu::Scratch& s = scratch[static_cast<size_t>(thread)];
