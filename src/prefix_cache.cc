@@ -108,7 +108,7 @@ struct PrefixCache::Group {
 
   internal::UidMap index;              // hash.lo → first block of the bucket
   std::vector<BlockHash> hash;         // [num_blocks]
-  std::vector<BlockHash> parent_hash;  // [num_blocks] for events; unused for block 0
+  std::vector<BlockHash> parent_hash;  // [num_blocks] key it was chained from (window anchor)
   std::vector<BlockId> next;           // [num_blocks] bucket links, kNoBlock at the ends
   std::vector<BlockId> prev;           // [num_blocks]
   std::vector<uint64_t> publish_id;    // [num_blocks] unique per publish; 0 = not indexed
@@ -183,48 +183,81 @@ int32_t PrefixCache::Match(int group, std::span<const TokenId> tokens, int32_t n
   return static_cast<int32_t>(i);
 }
 
-void PrefixCache::Publish(int group, BlockId block, BlockId parent, const BlockHash& hash,
-                          std::span<const TokenId> block_tokens, int32_t ns_id,
-                          const BlockKeyExtras& extras, size_t index, int32_t priority) {
+void PrefixCache::MatchWindow(int group, std::span<const TokenId> tokens, int32_t ns_id,
+                              const BlockKeyExtras& extras, int32_t max_blocks,
+                              std::span<BlockId> out, std::span<BlockHash> keys) const {
+  const Group& g = *groups_[group];
+  const auto bs = static_cast<size_t>(block_sizes_[group]);
+  const auto limit = std::min(static_cast<size_t>(max_blocks), tokens.size() / bs);
+  for (size_t i = 0; i < limit; ++i) {
+    const std::span<const TokenId> want = tokens.subspan(i * bs, bs);
+    keys[i] = Hash(i == 0 ? nullptr : &keys[i - 1], want, extras, i);
+    const uint64_t parent = i == 0 || out[i - 1] == kNoBlock ? 0 : g.publish_id[out[i - 1]];
+    const bool anchored = i > 0 && out[i - 1] == kNoBlock;
+    const int32_t head = g.index.Find(static_cast<int64_t>(keys[i].lo));
+    out[i] = kNoBlock;
+    for (BlockId b = head == internal::UidMap::kAbsent ? kNoBlock : head;
+         b != kNoBlock && out[i] == kNoBlock; b = g.next[b]) {
+      const bool chained = anchored ? g.parent_id[b] != 0 && g.parent_hash[b] == keys[i - 1]
+                                    : g.parent_id[b] == parent;
+      const bool same =
+          g.hash[b] == keys[i] && chained && g.adapter[b] == extras.adapter_id &&
+          (i > 0 || g.ns[b] == ns_id) &&
+          std::equal(want.begin(), want.end(), g.Tokens(b, block_sizes_[group]).begin()) &&
+          g.bytes[b] == BlockBytes(extras, i);
+      if (same) out[i] = b;
+    }
+  }
+}
+
+PrefixCache::Published PrefixCache::Publish(int group, BlockId block, const Published* parent,
+                                            const BlockHash& key,
+                                            std::span<const TokenId> block_tokens, int32_t ns_id,
+                                            const BlockKeyExtras& extras, size_t index,
+                                            int32_t priority) {
   Group& g = *groups_[group];
   const int32_t bs = block_sizes_[group];
   BLOCKKV_CHECK(g.publish_id[block] == 0 && !pools_[group].is_cached(block),
                 "PrefixCache::Publish: the block is cached already");
   BLOCKKV_CHECK(block_tokens.size() == static_cast<size_t>(bs),
                 "PrefixCache::Publish: a block is published full");
-  BLOCKKV_CHECK(parent == kNoBlock || g.publish_id[parent] != 0,
-                "PrefixCache::Publish: the parent is not cached");
+  BLOCKKV_CHECK(parent == nullptr || parent->id != 0, "PrefixCache::Publish: a parent without id");
   pools_[group].MarkCached(block, priority);
-  g.hash[block] = hash;
+  g.hash[block] = key;
   g.publish_id[block] = ++last_publish_id_;
-  g.parent_id[block] = parent == kNoBlock ? 0 : g.publish_id[parent];
-  if (parent != kNoBlock) g.parent_hash[block] = g.hash[parent];
+  g.parent_id[block] = parent == nullptr ? 0 : parent->id;
+  g.parent_hash[block] = parent == nullptr ? BlockHash{} : parent->key;
   g.ns[block] = ns_id;
   g.adapter[block] = extras.adapter_id;
   g.bytes[block] = BlockBytes(extras, index);
   std::copy(block_tokens.begin(), block_tokens.end(),
             g.tokens.begin() + static_cast<std::ptrdiff_t>(block) * bs);
   // Newest first in its bucket.
-  const auto key = static_cast<int64_t>(hash.lo);
-  const int32_t head = g.index.Find(key);
+  const auto bucket = static_cast<int64_t>(key.lo);
+  const int32_t head = g.index.Find(bucket);
   g.prev[block] = kNoBlock;
   g.next[block] = head == internal::UidMap::kAbsent ? kNoBlock : head;
   if (head != internal::UidMap::kAbsent) {
     g.prev[head] = block;
-    g.index.Erase(key);
+    g.index.Erase(bucket);
   }
-  g.index.Insert(key, block);
+  g.index.Insert(bucket, block);
   ++g.cached;
   if (config_.max_events > 0) {
-    const std::span<const TokenId> stored = g.Tokens(block, bs);
-    Emit(BlockStored{.hash = hash,
-                     .has_parent = parent != kNoBlock,
-                     .parent = parent != kNoBlock ? g.parent_hash[block] : BlockHash{},
-                     .tokens = std::vector<TokenId>(stored.begin(), stored.end()),
+    Emit(BlockStored{.hash = key,
+                     .has_parent = parent != nullptr,
+                     .parent = g.parent_hash[block],
+                     .tokens = std::vector<TokenId>(block_tokens.begin(), block_tokens.end()),
                      .ns = ns_names_[static_cast<size_t>(ns_id)],
                      .adapter_id = extras.adapter_id,
                      .group = group});
   }
+  return {g.publish_id[block], key};
+}
+
+PrefixCache::Published PrefixCache::published(int group, BlockId block) const {
+  const Group& g = *groups_[group];
+  return {g.publish_id[block], g.hash[block]};
 }
 
 void PrefixCache::Forget(int group, BlockId block) {

@@ -102,6 +102,17 @@ Status CheckManagerConfig(const StateManagerConfig& config,
         "StateManagerConfig.offload: the host offload tier is not implemented yet; use "
         "offload=false");
   }
+  const std::vector<int64_t>& windows = config.prefix_cache.sliding_windows;
+  if (windows.size() > kv_configs.size()) {
+    return InvalidArgumentError(StrCat("prefix_cache.sliding_windows has ", windows.size(),
+                                       " entries for ", kv_configs.size(), " cache groups"));
+  }
+  for (size_t g = 0; g < windows.size(); ++g) {
+    if (windows[g] < 0) {
+      return InvalidArgumentError(StrCat("prefix_cache.sliding_windows[", g, "] is ", windows[g],
+                                         "; a window is >= 0 tokens (0: full attention)"));
+    }
+  }
   for (size_t g = 0; g < kv_configs.size(); ++g) {
     if (Status s = kv_configs[g].Validate(); !s.ok()) {
       return {s.code(), StrCat("cache group ", g, ": ", s.message())};
@@ -370,7 +381,7 @@ SchedulingResult StateManager::Check(std::span<const SeqId> uids, std::span<cons
     hit_index_.assign(uids.size(), -1);
     hits_.clear();
     hit_blocks_.clear();
-    hit_keys_.clear();
+    hit_starts_.clear();
   }
   int64_t tracked = n_tracked_sequences();
   int64_t tokens = 0;

@@ -11,9 +11,10 @@ namespace blockkv {
 
 // What the manager knows of a sequence's tokens, by tracking slot.
 struct StateManager::SequenceKeys {
+  using Published = PrefixCache::Published;
   struct Group {
     int32_t published = 0;  // leading blocks cached (hit or published by this sequence)
-    BlockHash last_key;     // key of block published − 1
+    Published last;         // the publish of block published − 1
   };
   bool registered = false;  // added with AddSequence: tokens are known
   bool looked_up = false;   // its first Schedule happened

@@ -1,6 +1,7 @@
 // The StateManager's prefix caching: registering prompts, looking up a first Schedule's cached
 // prefix, publishing blocks as they fill. The rest of the manager is in state_manager.cc.
 #include <algorithm>
+#include <numeric>
 #include <string>
 
 #include "blockkv/state_manager.h"
@@ -35,7 +36,9 @@ void StateManager::EnablePrefixCache() {
   }
   for (int g = 0; g < num_groups(); ++g) {
     block_marks_.emplace_back(static_cast<size_t>(pools_[g].num_blocks()), 0);
+    hit_step_ = std::lcm(hit_step_, int64_t{kv_block_size(g)});
   }
+  match_blocks_.resize(static_cast<size_t>(num_groups()));
 }
 
 Result<Sequence*> StateManager::AddSequence(SeqId uid, std::span<const TokenId> prompt,
@@ -99,6 +102,18 @@ void StateManager::ForkKeys(const Sequence& from, const Sequence& to) {
 
 // ---- scheduling -------------------------------------------------------------------------------
 
+int64_t StateManager::SlidingWindow(int group) const {
+  const std::vector<int64_t>& windows = config_.prefix_cache.sliding_windows;
+  return static_cast<size_t>(group) < windows.size() ? windows[static_cast<size_t>(group)] : 0;
+}
+
+int32_t StateManager::WindowStart(int group, int32_t blocks) const {
+  const int64_t window = SlidingWindow(group);
+  const int64_t end = int64_t{blocks} * kv_block_size(group);
+  if (window <= 0 || end <= window) return 0;
+  return static_cast<int32_t>((end - window) / kv_block_size(group));
+}
+
 const StateManager::PrefixHit* StateManager::LookupPrefix(size_t i, const Sequence* seq,
                                                           int64_t length) const {
   if (seq == nullptr || seq->seen_tokens_ != 0) return nullptr;
@@ -110,87 +125,76 @@ const StateManager::PrefixHit* StateManager::LookupPrefix(size_t i, const Sequen
   // The last known token is always recomputed: the engine needs its logits.
   const auto known = static_cast<int64_t>(keys.tokens.size());
   const int64_t cap = known > 0 ? known - 1 : 0;
-  const auto groups = static_cast<size_t>(num_groups());
-  const size_t first = hit_blocks_.size();
-  const size_t key_at = hits_.size() * groups;
-  hit_keys_.resize(key_at + groups);
-  // Each group's longest match, then the longest prefix every group holds in whole blocks.
-  int64_t tokens = cap;
-  std::vector<int32_t>& matched = matched_scratch_;
-  matched.assign(groups, 0);
-  for (size_t g = 0; g < groups; ++g) {
-    const int32_t bs = kv_block_size(static_cast<int>(g));
-    const auto most = static_cast<int32_t>(cap / bs);
-    const size_t at = hit_blocks_.size();
-    hit_blocks_.resize(at + static_cast<size_t>(most));
-    matched[g] = prefix_->Match(static_cast<int>(g), keys.tokens, keys.ns_id, keys.extras, most,
-                                std::span(hit_blocks_).subspan(at), &hit_keys_[key_at + g]);
-    hit_blocks_.resize(at + static_cast<size_t>(matched[g]));
-    tokens = std::min(tokens, int64_t{matched[g]} * bs);
-  }
-  for (bool stable = false; !stable;) {  // a multiple of every block size
-    stable = true;
-    for (size_t g = 0; g < groups; ++g) {
-      const int32_t bs = kv_block_size(static_cast<int>(g));
-      if (tokens % bs != 0) {
-        tokens -= tokens % bs;
-        stable = false;
-      }
+  // Each group's matches: a full-attention group's leading run bounds the hit; a windowed
+  // group's matches are checked per candidate below.
+  int64_t most = cap;
+  for (int g = 0; g < num_groups(); ++g) {
+    std::vector<BlockId>& blocks = match_blocks_[static_cast<size_t>(g)];
+    const auto limit = static_cast<int32_t>(cap / kv_block_size(g));
+    blocks.assign(static_cast<size_t>(limit), kNoBlock);
+    if (SlidingWindow(g) > 0) {
+      match_keys_.resize(static_cast<size_t>(limit));
+      prefix_->MatchWindow(g, keys.tokens, keys.ns_id, keys.extras, limit, blocks, match_keys_);
+    } else {
+      BlockHash last;
+      const int32_t run =
+          prefix_->Match(g, keys.tokens, keys.ns_id, keys.extras, limit, blocks, &last);
+      most = std::min(most, int64_t{run} * kv_block_size(g));
     }
   }
-  // Keep each group's first tokens/bs blocks, re-keying a group that matched more.
-  size_t read = first;
-  size_t write = first;
-  for (size_t g = 0; g < groups; ++g) {
-    const auto keep = static_cast<int32_t>(tokens / kv_block_size(static_cast<int>(g)));
-    std::copy_n(hit_blocks_.begin() + static_cast<std::ptrdiff_t>(read), keep,
-                hit_blocks_.begin() + static_cast<std::ptrdiff_t>(write));
-    if (keep < matched[g] && keep > 0) {
-      std::vector<BlockId>& again = rematch_scratch_;
-      again.resize(static_cast<size_t>(keep));
-      prefix_->Match(static_cast<int>(g), keys.tokens, keys.ns_id, keys.extras, keep, again,
-                     &hit_keys_[key_at + g]);
+  // The longest prefix, in whole blocks of every group, that every windowed group holds.
+  int64_t tokens = most - most % hit_step_;
+  for (; tokens > 0; tokens -= hit_step_) {
+    bool held = true;
+    for (int g = 0; g < num_groups() && held; ++g) {
+      if (SlidingWindow(g) <= 0) continue;
+      const auto n = static_cast<int32_t>(tokens / kv_block_size(g));
+      const std::vector<BlockId>& blocks = match_blocks_[static_cast<size_t>(g)];
+      held = std::all_of(blocks.begin() + WindowStart(g, n), blocks.begin() + n,
+                         [](BlockId b) { return b != kNoBlock; });
     }
-    read += static_cast<size_t>(matched[g]);
-    write += static_cast<size_t>(keep);
+    if (held) break;
   }
-  hit_blocks_.resize(write);
-  // Evictable blocks this hit revives are no longer free for the rest of the batch.
-  for (size_t g = 0, at = first; g < groups; ++g) {
-    const auto keep = static_cast<size_t>(tokens / kv_block_size(static_cast<int>(g)));
-    for (size_t b = 0; b < keep; ++b) {
-      const BlockId block = hit_blocks_[at + b];
+  // Record the hit's blocks; the evictable ones it revives are no longer free for the batch.
+  hit_index_[i] = static_cast<int32_t>(hits_.size());
+  hits_.push_back({.tokens = tokens,
+                   .in_flight = tokens > 0 ? std::min(length, known - tokens) : length,
+                   .first = hit_blocks_.size()});
+  for (int g = 0; g < num_groups(); ++g) {
+    const auto n = static_cast<int32_t>(tokens / kv_block_size(g));
+    const int32_t start = WindowStart(g, n);
+    hit_starts_.push_back(start);
+    for (int32_t b = start; b < n; ++b) {
+      const BlockId block = match_blocks_[static_cast<size_t>(g)][static_cast<size_t>(b)];
+      hit_blocks_.push_back(block);
       if (pools_[g].is_evictable(block) && block_marks_[g][block] != mark_epoch_) {
         block_marks_[g][block] = mark_epoch_;
         --free_scratch_[g];
       }
     }
-    at += keep;
   }
-  hit_index_[i] = static_cast<int32_t>(hits_.size());
-  hits_.push_back({.tokens = tokens,
-                   .in_flight = tokens > 0 ? std::min(length, known - tokens) : length,
-                   .first = first});
   return &hits_.back();
 }
 
 void StateManager::TakePrefix(size_t i, Sequence& seq) {
   SequenceKeys& keys = keys_[seq.slot_];
   keys.looked_up = true;
-  const PrefixHit& hit = hits_[static_cast<size_t>(hit_index_[i])];
-  const auto groups = static_cast<size_t>(num_groups());
-  size_t at = hit.first;
-  for (size_t g = 0; g < groups; ++g) {
-    const auto count = static_cast<int32_t>(hit.tokens / kv_block_size(static_cast<int>(g)));
+  const auto index = static_cast<size_t>(hit_index_[i]);
+  const PrefixHit& hit = hits_[index];
+  const BlockId* blocks = hit_blocks_.data() + hit.first;
+  for (int g = 0; g < num_groups(); ++g) {
+    const auto n = static_cast<int32_t>(hit.tokens / kv_block_size(g));
+    const int32_t start = hit_starts_[index * static_cast<size_t>(num_groups()) + g];
     Sequence::GroupState& state = seq.groups_[g];
-    std::copy_n(hit_blocks_.begin() + static_cast<std::ptrdiff_t>(at), count, state.row);
+    std::copy_n(blocks, n - start, state.row + start);
+    blocks += n - start;
+    state.released = start;
+    state.allocated = n;
     // A block is kept as long as its most valuable user wants it kept.
-    for (int32_t b = 0; b < count; ++b) pools_[g].MarkCached(state.row[b], keys.priority);
-    state.allocated = count;
-    keys.groups[g].published = count;
-    if (count > 0)
-      keys.groups[g].last_key = hit_keys_[static_cast<size_t>(hit_index_[i]) * groups + g];
-    at += static_cast<size_t>(count);
+    for (int32_t b = start; b < n; ++b) pools_[g].MarkCached(state.row[b], keys.priority);
+    SequenceKeys::Group& published = keys.groups[static_cast<size_t>(g)];
+    published.published = n;
+    if (n > 0) published.last = prefix_->published(g, state.row[n - 1]);
   }
   seq.seen_tokens_ = hit.tokens;
   seq.cached_prefix_tokens_ = hit.tokens;
@@ -198,14 +202,15 @@ void StateManager::TakePrefix(size_t i, Sequence& seq) {
 }
 
 void StateManager::ShareHitBlocks() {
-  const auto groups = static_cast<size_t>(num_groups());
-  for (const PrefixHit& hit : hits_) {
-    size_t at = hit.first;
-    for (size_t g = 0; g < groups; ++g) {
-      const auto count = static_cast<size_t>(hit.tokens / kv_block_size(static_cast<int>(g)));
-      const Status shared = pools_[g].AddRef(std::span(hit_blocks_).subspan(at, count));
+  for (size_t h = 0; h < hits_.size(); ++h) {
+    size_t at = hits_[h].first;
+    for (int g = 0; g < num_groups(); ++g) {
+      const auto n = static_cast<size_t>(hits_[h].tokens / kv_block_size(g));
+      const auto start =
+          static_cast<size_t>(hit_starts_[h * static_cast<size_t>(num_groups()) + g]);
+      const Status shared = pools_[g].AddRef(std::span(hit_blocks_).subspan(at, n - start));
       BLOCKKV_CHECK(shared.ok(), "Schedule: a prefix hit found a block that is not cached");
-      at += count;
+      at += n - start;
     }
   }
 }
@@ -222,23 +227,20 @@ void StateManager::PublishFullBlocks(Sequence& seq) {
     for (const int64_t full = known / bs; state.published < full; ++state.published) {
       const int32_t index = state.published;
       const BlockId block = row[index];
-      const BlockId parent = index == 0 ? kNoBlock : row[index - 1];
-      // A released block (sliding window) breaks the chain: nothing after it can be keyed.
-      if (block == kNoBlock ||
-          (index > 0 && (parent == kNoBlock || !pools_[g].is_cached(parent)))) {
-        break;
-      }
+      // Released before it could be keyed (its tokens came late): nothing after it can be.
+      if (block == kNoBlock) break;
       const std::span<const TokenId> tokens =
           std::span(keys.tokens)
               .subspan(static_cast<size_t>(index) * static_cast<size_t>(bs),
                        static_cast<size_t>(bs));
-      const BlockHash key = prefix_->Hash(index == 0 ? nullptr : &state.last_key, tokens,
-                                          keys.extras, static_cast<size_t>(index));
-      if (!pools_[g].is_cached(block)) {  // a fork may have published a block both hold
-        prefix_->Publish(g, block, parent, key, tokens, keys.ns_id, keys.extras,
-                         static_cast<size_t>(index), keys.priority);
-      }
-      state.last_key = key;
+      const SequenceKeys::Published* parent = index == 0 ? nullptr : &state.last;
+      const BlockHash key = prefix_->Hash(parent ? &parent->key : nullptr, tokens, keys.extras,
+                                          static_cast<size_t>(index));
+      // A fork's sibling may have published a block both hold: chain on from its publish.
+      state.last = pools_[g].is_cached(block)
+                       ? prefix_->published(g, block)
+                       : prefix_->Publish(g, block, parent, key, tokens, keys.ns_id, keys.extras,
+                                          static_cast<size_t>(index), keys.priority);
     }
   }
 }

@@ -76,6 +76,9 @@ BlockHash HashBlock(const BlockHash* parent, std::span<const TokenId> tokens,
 struct PrefixCacheConfig {
   bool enabled = false;
   uint64_t hash_seed = 0;
+  // Attention window in tokens per cache group (0, or a group past the end: full attention).
+  // A hit in a windowed group needs only the blocks holding the window's tokens before it.
+  std::vector<int64_t> sliding_windows{};
   size_t max_events = 65536;                  // events kept until drained; 0 = no events
   BlockHashFunction hash_function = nullptr;  // nullptr = Xxh3BlockHash
 };
@@ -136,13 +139,30 @@ class PrefixCache : public BlockPool::EvictionListener {
                 const BlockKeyExtras& extras, int32_t max_blocks, std::span<BlockId> out,
                 BlockHash* last_key) const;
 
-  // Publishes `block`, block `index` of a sequence, under `hash`: the block becomes cached at
-  // `priority` and the BlockStored event is queued. `parent` is the sequence's block index−1 of
-  // this group (kNoBlock for index 0), which must be cached. REQUIRES: `block` is held and not
-  // cached.
-  void Publish(int group, BlockId block, BlockId parent, const BlockHash& hash,
-               std::span<const TokenId> block_tokens, int32_t ns_id, const BlockKeyExtras& extras,
-               size_t index, int32_t priority);
+  // For a windowed group: the same walk over every full block (at most `max_blocks`), not
+  // stopping at a miss. out[i] is the cached block matching block i or kNoBlock, keys[i] block
+  // i's key. Block i matches when its parent is the publish matched at i − 1, or, when block
+  // i − 1 matched nothing (its copy was evicted or released out of the window), when the key
+  // its publisher chained it from equals keys[i − 1]: there, and only there, exactness rests on
+  // the 128-bit hash. REQUIRES: out.size() and keys.size() >= max_blocks.
+  void MatchWindow(int group, std::span<const TokenId> tokens, int32_t ns_id,
+                   const BlockKeyExtras& extras, int32_t max_blocks, std::span<BlockId> out,
+                   std::span<BlockHash> keys) const;
+
+  // A publish's identity: unique for the life of the cache (0 = none), and its key.
+  struct Published {
+    uint64_t id = 0;
+    BlockHash key;
+  };
+  // Publishes `block`, block `index` of a sequence, under `key`, chained from `parent` (the
+  // publish of the sequence's block index − 1; nullptr for index 0): the block becomes cached
+  // at `priority` and the BlockStored event is queued. Returns the new publish. REQUIRES:
+  // `block` is held and not cached, parent->id != 0.
+  Published Publish(int group, BlockId block, const Published* parent, const BlockHash& key,
+                    std::span<const TokenId> block_tokens, int32_t ns_id,
+                    const BlockKeyExtras& extras, size_t index, int32_t priority);
+  // The publish `block` holds (id 0 when it is not cached).
+  Published published(int group, BlockId block) const;
 
   // Forgets every cached block no one references (they go back to the allocators); returns
   // how many. Queues BlockRemoved for each hash whose last copy went, and AllCleared when nothing

@@ -299,8 +299,12 @@ class StateManager {
   struct PrefixHit {
     int64_t tokens = 0;     // cached tokens taken (new seen_tokens)
     int64_t in_flight = 0;  // tokens then scheduled
-    size_t first = 0;       // its blocks: hit_blocks_[first + g·blocks(g)...] per group
+    size_t first = 0;       // its blocks in hit_blocks_, group after group; group g's are
+                            // table entries [hit_starts_[hit·groups + g], tokens / bs(g))
   };
+  int64_t SlidingWindow(int group) const;  // 0: full attention
+  // The first block a windowed group needs for a hit of `blocks` blocks (0 without a window).
+  int32_t WindowStart(int group, int32_t blocks) const;
   // When the i-th uid of the call is a sequence's first schedule with a prompt to look up, its
   // hit (valid until the next lookup), with the evictable blocks it revives marked and taken
   // off free_scratch_; else nullptr.
@@ -328,6 +332,7 @@ class StateManager {
   std::unique_ptr<internal::UidMap> by_uid_;        // uid -> slot
   std::vector<internal::BlockSize> block_sizes_;    // per group
   int64_t token_limit_ = 0;               // min(max_context, every table's token capacity)
+  int64_t hit_step_ = 1;                  // a prefix hit is a multiple of every group's block size
   std::unique_ptr<PrefixCache> prefix_;   // when enabled
   std::unique_ptr<SequenceKeys[]> keys_;  // [max_tracked_sequences] when prefix_ is set
 
@@ -344,10 +349,10 @@ class StateManager {
   mutable std::vector<int32_t> hit_index_;  // per uid of the call: index in hits_, or -1
   mutable std::vector<PrefixHit> hits_;
   mutable std::vector<BlockId> hit_blocks_;
-  mutable std::vector<BlockHash> hit_keys_;                 // [hits, groups]: last matched key
+  mutable std::vector<int32_t> hit_starts_;                 // [hits, groups]
+  mutable std::vector<std::vector<BlockId>> match_blocks_;  // per group: one lookup's matches
+  mutable std::vector<BlockHash> match_keys_;
   mutable std::vector<std::vector<uint32_t>> block_marks_;  // per group [num_blocks]: epoch
-  mutable std::vector<int32_t> matched_scratch_;            // per group: blocks one lookup matched
-  mutable std::vector<BlockId> rematch_scratch_;
   uint64_t last_table_version_ = 0;
 };
 

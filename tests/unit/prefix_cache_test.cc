@@ -316,6 +316,43 @@ TEST_F(PrefixCacheTest, SeveralGroupsHitTheLongestPrefixAllHold) {
   EXPECT_NE(Table(2, 0)[2], Table(1, 0)[2]);
 }
 
+TEST_F(PrefixCacheTest, SlidingWindowGroupNeedsOnlyTheBlocksInsideItsWindow) {
+  // Group 0 full attention, group 1 a window of 8 tokens; 8 blocks each.
+  Make(8, {.enabled = true, .sliding_windows = {0, 8}}, {Model(4), Model(4)});
+  Prefill(1, Tokens(20));
+  ASSERT_OK(mgr_->FreeLeadingBlocks(1, 3, /*group=*/1));  // out of the window: evictable
+  Flush(1);
+  // 16 new tokens take 4 blocks a group: 3 free and 1 evicted — group 0's last block (4),
+  // group 1's oldest released one (0).
+  Prefill(2, Tokens(16, 900));
+  Flush(2);
+  EXPECT_EQ(Prefill(3, Tokens(21)), 16);
+  const Sequence& seq = *mgr_->GetSequence(3);
+  EXPECT_EQ(seq.released_blocks(1), 2) << "group 1 holds only blocks 2 and 3 of the hit";
+  EXPECT_EQ(seq.released_blocks(0), 0);
+  EXPECT_EQ(Table(3, 1)[0], kNoBlock);
+  EXPECT_NE(Table(3, 1)[2], kNoBlock);
+}
+
+TEST_F(PrefixCacheTest, WithoutAWindowAnEvictedLeadingBlockEndsTheHit) {
+  Make(8, {.enabled = true}, {Model(4), Model(4)});
+  Prefill(1, Tokens(20));
+  ASSERT_OK(mgr_->FreeLeadingBlocks(1, 3, /*group=*/1));
+  Flush(1);
+  Prefill(2, Tokens(16, 900));
+  Flush(2);
+  EXPECT_EQ(Prefill(3, Tokens(21)), 0);
+}
+
+TEST(PrefixCacheConfigTest, BadSlidingWindowsAreRejected) {
+  for (const std::vector<int64_t>& windows :
+       {std::vector<int64_t>{-1}, std::vector<int64_t>{0, 0}}) {
+    auto m = StateManager::Create(Config(8, {.enabled = true, .sliding_windows = windows}),
+                                  {Model()}, CpuDevice(1 << 20));
+    EXPECT_CODE(m, StatusCode::kInvalidArgument);
+  }
+}
+
 // ---- events, reset, fork ----------------------------------------------------------------------
 
 TEST_F(PrefixCacheTest, EventsTellRoutersWhatIsStoredAndRemoved) {
