@@ -1,8 +1,9 @@
 // engine_loop: the bookkeeping of a continuous-batching engine through StateManager and
-// RaggedBatch — chunked prefill under a token budget, decode, parallel sampling by Fork, a
-// sliding window released with FreeLeadingBlocks, all-or-nothing admission when the cache is
-// full, and flushing — with no model arithmetic. Prints one line per 16 steps and a summary;
-// exits 1 if any blockkv call fails or a block is left held at the end.
+// RaggedBatch — prefix caching of shared system prompts, chunked prefill under a token budget,
+// decode, parallel sampling by Fork, a sliding window released with FreeLeadingBlocks,
+// all-or-nothing admission when the cache is full, and flushing — with no model arithmetic.
+// Prints one line per 16 steps and a summary; exits 1 if any blockkv call fails or a block is
+// left held at the end.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -18,11 +19,14 @@ using blockkv::SeqId;
 
 struct Request {
   SeqId uid = 0;
-  int64_t prompt = 0;  // prompt tokens
-  int64_t output = 0;  // tokens to generate
+  std::vector<blockkv::TokenId> tokens;  // the prompt, then the generated tokens
+  int64_t prompt = 0;                    // prompt tokens
+  int64_t output = 0;                    // tokens to generate
   int64_t prefilled = 0;
   int64_t generated = 0;
 };
+
+constexpr int64_t kWindow = 256;  // sliding-window attention, in tokens
 
 bool Ok(const blockkv::Status& status, const char* what) {
   if (!status.ok()) std::fprintf(stderr, "engine_loop: %s: %s\n", what, status.ToString().c_str());
@@ -44,6 +48,10 @@ int main() {
   config.max_context = 4096;
   config.memory_config.mode = blockkv::AllocationMode::kAllocate;
   config.memory_config.size = 300;  // 300 blocks of 16 tokens: small enough to fill up
+  // Requests share four system prompts: their blocks are computed once and shared. The window
+  // below releases old blocks, so a hit needs only the blocks inside it.
+  config.prefix_cache.enabled = true;
+  config.prefix_cache.sliding_windows = {kWindow};
   auto created = blockkv::StateManager::Create(config, {llama}, blockkv::CpuDevice(1LL << 30));
   if (!Ok(created.status(), "StateManager::Create")) return 1;
   blockkv::StateManager& manager = **created;
@@ -52,14 +60,25 @@ int main() {
   blockkv::RaggedBatch& batch = **batch_or;
 
   std::mt19937_64 rng(7);
+  std::uniform_int_distribution<blockkv::TokenId> vocab(0, 32000);
+  std::vector<std::vector<blockkv::TokenId>> system_prompts(4);
+  for (auto& p : system_prompts) {
+    p.resize(std::uniform_int_distribution<size_t>(100, 400)(rng));
+    for (auto& t : p) t = vocab(rng);
+  }
   std::deque<Request> waiting;
   for (SeqId uid = 0; uid < 40; ++uid) {
-    waiting.push_back({uid, std::uniform_int_distribution<int64_t>(50, 700)(rng),
-                       std::uniform_int_distribution<int64_t>(16, 96)(rng)});
+    Request r{.uid = uid, .tokens = system_prompts[uid % 4]};
+    r.tokens.resize(r.tokens.size() + std::uniform_int_distribution<size_t>(20, 300)(rng));
+    for (size_t i = system_prompts[uid % 4].size(); i < r.tokens.size(); ++i)
+      r.tokens[i] = vocab(rng);
+    r.prompt = std::ssize(r.tokens);
+    r.output = std::uniform_int_distribution<int64_t>(16, 96)(rng);
+    waiting.push_back(std::move(r));
   }
   std::vector<Request> running;
   int64_t steps = 0, tokens = 0, refused = 0, forks = 0, released = 0, peak_used = 0;
-  const std::vector<int64_t> token_ids(512, 1);  // a real engine passes the sampled ids
+  std::vector<int64_t> ids;
 
   while (!waiting.empty() || !running.empty()) {
     // Decode every running sequence that finished its prompt; chunk the prompts of the rest and
@@ -78,6 +97,10 @@ int main() {
     while (!waiting.empty() && budget > 0 &&
            std::ssize(running) < config.max_ragged_sequence_count &&
            manager.free_blocks()[0] > 64) {
+      // Known by its prompt, so that its first Schedule takes the cached prefix.
+      if (!Ok(manager.AddSequence(waiting.front().uid, waiting.front().tokens).status(), "Add")) {
+        return 1;
+      }
       uids.push_back(waiting.front().uid);
       lengths.push_back(std::min(waiting.front().prompt, budget));
       budget -= lengths.back();
@@ -98,17 +121,21 @@ int main() {
       lengths.pop_back();
       auto it = std::find_if(running.begin(), running.end(),
                              [&](const Request& r) { return r.uid == last; });
-      if (it->prefilled == 0 && manager.GetSequence(last) == nullptr) {  // not started: requeue
+      if (it->prefilled == 0) {  // not started: forget it and requeue
+        if (!Ok(manager.FlushSequence(last), "FlushSequence")) return 1;
         waiting.push_front(*it);
         running.erase(it);
       }
     }
     batch.Clear();
     for (size_t i = 0; i < uids.size(); ++i) {
-      const std::span<const int64_t> ids(token_ids.data(), static_cast<size_t>(lengths[i]));
-      if (!Ok(batch.InsertSequence(*manager.GetSequence(uids[i]), ids), "InsertSequence")) {
-        return 1;
-      }
+      // A first schedule may have started after a cached prefix: the sequence says what runs.
+      const blockkv::Sequence& seq = *manager.GetSequence(uids[i]);
+      const Request& r = *std::find_if(running.begin(), running.end(),
+                                       [&](const Request& q) { return q.uid == uids[i]; });
+      const auto from = r.tokens.begin() + seq.seen_tokens();
+      ids.assign(from, from + seq.in_flight_tokens());
+      if (!Ok(batch.InsertSequence(seq, ids), "InsertSequence")) return 1;
     }
     if (!Ok(batch.Finalize(/*padding=*/true), "Finalize")) return 1;
     // ... the model's forward reads batch.slot_mapping(), batch.kv_indptr(), ... here ...
@@ -121,13 +148,14 @@ int main() {
     for (size_t i = 0; i < uids.size(); ++i) {
       auto r = std::find_if(running.begin(), running.end(),
                             [&](const Request& q) { return q.uid == uids[i]; });
+      const blockkv::Sequence* seq = manager.GetSequence(r->uid);
       if (r->prefilled < r->prompt) {
-        r->prefilled += lengths[i];
+        r->prefilled = seq->seen_tokens();
         // Parallel sampling: request 3 asks for two more samples of its prompt.
         if (r->uid == 3 && r->prefilled == r->prompt) {
           for (SeqId child : {1003, 2003}) {
             if (!Ok(manager.Fork(3, child), "Fork")) return 1;
-            running.push_back({child, r->prompt, r->output, r->prompt, 0});
+            running.push_back({child, r->tokens, r->prompt, r->output, r->prompt, 0});
             ++forks;
           }
           r = std::find_if(running.begin(), running.end(),
@@ -136,9 +164,14 @@ int main() {
       } else {
         ++r->generated;
       }
+      // The next token, sampled from the logits (here: made up), is known before it runs.
+      if (r->generated < r->output) {
+        r->tokens.push_back(vocab(rng));
+        if (!Ok(manager.AppendTokens(r->uid, std::span(&r->tokens.back(), 1)), "Append")) return 1;
+      }
       // A sliding window of 256 tokens: blocks wholly before it are no longer needed.
-      const blockkv::Sequence* seq = manager.GetSequence(r->uid);
-      const int64_t window_start = seq->seen_tokens() - 256;
+      seq = manager.GetSequence(r->uid);
+      const int64_t window_start = seq->seen_tokens() - kWindow;
       const int64_t droppable = window_start / llama.block_size - seq->released_blocks();
       if (droppable > 0) {
         if (!Ok(manager.FreeLeadingBlocks(r->uid, static_cast<int32_t>(droppable)), "Free")) {
@@ -163,6 +196,14 @@ int main() {
           manager.free_blocks()[0], manager.pool().num_blocks());
     }
   }
+  const blockkv::PrefixCacheStats hits = manager.prefix_cache()->total_stats();
+  std::printf(
+      "prefix cache: %lld of %lld prompt tokens taken from the cache (%.0f%%), %lld "
+      "cached blocks evicted\n",
+      static_cast<long long>(hits.hit_tokens), static_cast<long long>(hits.queried_tokens),
+      100.0 * static_cast<double>(hits.hit_tokens) /
+          static_cast<double>(std::max<int64_t>(hits.queried_tokens, 1)),
+      static_cast<long long>(hits.evictions));
   const bool clean = manager.CheckInvariants().ok() &&
                      manager.free_blocks()[0] == manager.pool().num_blocks() &&
                      manager.n_tracked_sequences() == 0;
