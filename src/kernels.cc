@@ -138,6 +138,7 @@ Result<PagedKV> MakePagedKV(const TensorView& cache, const RaggedBatch& batch, i
                             float kv_scale) {
   const bool on_device = cache.device == DeviceKind::kCuda;
   BLOCKKV_ASSIGN_OR_RETURN(TensorView descriptors, batch.inflight_seq_descriptors(on_device));
+  BLOCKKV_ASSIGN_OR_RETURN(TensorView tokens_to_seq, batch.tokens_to_seq(on_device));
   BLOCKKV_ASSIGN_OR_RETURN(TensorView indptr, batch.kv_indptr(group, on_device));
   BLOCKKV_ASSIGN_OR_RETURN(TensorView indices, batch.kv_indices(group, on_device));
   return PagedKV{.data = cache.data,
@@ -152,6 +153,7 @@ Result<PagedKV> MakePagedKV(const TensorView& cache, const RaggedBatch& batch, i
                  .dtype = cache.dtype,
                  .kv_scale = cache.dtype == DType::kFloat8E4M3 ? kv_scale : 1.0f,
                  .descriptors = static_cast<const int32_t*>(descriptors.data),
+                 .tokens_to_seq = static_cast<const int32_t*>(tokens_to_seq.data),
                  .kv_indptr = static_cast<const int32_t*>(indptr.data),
                  .kv_indices = static_cast<const int32_t*>(indices.data),
                  .num_seqs = batch.current_sequences(),
@@ -294,9 +296,11 @@ Status PagedAttention(const TensorView& q, const TensorView& layer_cache, const 
                                        " must be 0 or > 0 with causal attention"));
   }
   if (options.scale != 0.0f) BLOCKKV_RETURN_IF_ERROR(CheckScale("scale", options.scale));
+  int64_t max_context = 0;  // the most keys any sequence holds, for the CUDA split
   for (int32_t i = 0; i < host.num_seqs; ++i) {
     const int32_t* desc = host.descriptors + int64_t{i} * 4;
     const int64_t end = int64_t{desc[2]} + desc[1];
+    max_context = std::max(max_context, end);
     // The first query (position seen) sees keys from seen − W + 1 with a window.
     const int64_t first =
         options.sliding_window > 0 ? std::max<int64_t>(0, desc[2] - options.sliding_window + 1) : 0;
@@ -315,7 +319,7 @@ Status PagedAttention(const TensorView& q, const TensorView& layer_cache, const 
     BLOCKKV_ASSIGN_OR_RETURN(PagedKV device,
                              MakePagedKV(layer_cache, batch, options.group, options.kv_scale));
     return internal::PagedAttentionCuda(device, ActivationsOf(q), ActivationsOf(out), params,
-                                        layer_cache.device_ordinal, options.stream);
+                                        max_context, layer_cache.device_ordinal, options.stream);
   }
 #endif
   internal::PagedAttentionCpu(host, ActivationsOf(q), ActivationsOf(out), params);

@@ -1,8 +1,9 @@
 // Scalar conversions between fp32 and the cache's narrow storage types, bit-exact and portable
 // (no F16C, no compiler _Float16): fp16 (IEEE binary16) and bf16 round to nearest even; fp8 e4m3
 // ("e4m3fn": bias 7, no infinities, ±448 largest, 0x7F / 0xFF NaN) decodes through a 256-entry
-// table and encodes with round-to-nearest-even, saturating at ±448. Shared by the CPU kernels,
-// the tests' reference and (host/device) the CUDA kernels.
+// table and encodes with round-to-nearest-even, saturating at ±448. Shared by the CPU kernels
+// and the tests' reference (the CUDA kernels use CUDA's own conversions, which round the same
+// way).
 #pragma once
 
 #include <array>
@@ -10,34 +11,30 @@
 #include <cmath>
 #include <cstdint>
 
-#include "internal/host_device.h"
-
 namespace blockkv::internal {
 
-BLOCKKV_HOST_DEVICE inline float FloatFromBits(uint32_t bits) {
+inline float FloatFromBits(uint32_t bits) {
   float f;
   __builtin_memcpy(&f, &bits, sizeof f);
   return f;
 }
 
-BLOCKKV_HOST_DEVICE inline uint32_t BitsFromFloat(float f) {
+inline uint32_t BitsFromFloat(float f) {
   uint32_t bits;
   __builtin_memcpy(&bits, &f, sizeof bits);
   return bits;
 }
 
-BLOCKKV_HOST_DEVICE inline float Bf16ToFloat(uint16_t h) {
-  return FloatFromBits(uint32_t{h} << 16);
-}
+inline float Bf16ToFloat(uint16_t h) { return FloatFromBits(uint32_t{h} << 16); }
 
-BLOCKKV_HOST_DEVICE inline uint16_t FloatToBf16(float f) {
+inline uint16_t FloatToBf16(float f) {
   const uint32_t bits = BitsFromFloat(f);
   if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
   const uint32_t rounding = 0x7FFFu + ((bits >> 16) & 1u);  // nearest, ties to even
   return static_cast<uint16_t>((bits + rounding) >> 16);
 }
 
-BLOCKKV_HOST_DEVICE inline float Fp16ToFloat(uint16_t h) {
+inline float Fp16ToFloat(uint16_t h) {
   const uint32_t sign = uint32_t{h & 0x8000u} << 16;
   const uint32_t exponent = (h >> 10) & 0x1Fu;
   const uint32_t mantissa = h & 0x3FFu;
@@ -48,7 +45,7 @@ BLOCKKV_HOST_DEVICE inline float Fp16ToFloat(uint16_t h) {
   return sign != 0 ? -magnitude : magnitude;
 }
 
-BLOCKKV_HOST_DEVICE inline uint16_t FloatToFp16(float f) {
+inline uint16_t FloatToFp16(float f) {
   const uint32_t bits = BitsFromFloat(f);
   const auto sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
   const uint32_t abs = bits & 0x7FFFFFFFu;
@@ -65,7 +62,7 @@ BLOCKKV_HOST_DEVICE inline uint16_t FloatToFp16(float f) {
 }
 
 // fp8 e4m3 → float, computed (the table below is built from it).
-BLOCKKV_HOST_DEVICE constexpr float Fp8E4M3ToFloatSlow(uint8_t b) {
+constexpr float Fp8E4M3ToFloatSlow(uint8_t b) {
   const bool negative = (b & 0x80u) != 0;
   const int exponent = (b >> 3) & 0xF;
   const int mantissa = b & 0x7;
@@ -94,7 +91,7 @@ inline float Fp8E4M3ToFloat(uint8_t b) { return kFp8E4M3Table[b]; }
 inline constexpr float kFp8E4M3Max = 448.0f;
 
 // Round to nearest even, saturating: |f| > 448 (and ±inf) → ±448; NaN → 0x7F.
-BLOCKKV_HOST_DEVICE inline uint8_t FloatToFp8E4M3(float f) {
+inline uint8_t FloatToFp8E4M3(float f) {
   const auto sign = static_cast<uint8_t>((BitsFromFloat(f) >> 24) & 0x80u);
   const float a = __builtin_fabsf(f);
   if (a != a) return 0x7F;

@@ -15,12 +15,15 @@ void AppendKVCpu(const PagedKV& cache, const Activations& k, const Activations& 
 void PagedAttentionCpu(const PagedKV& cache, const Activations& q, const Activations& out,
                        const AttentionParams& params);
 
-// Device memory of CUDA device `device` (defined only when BLOCKKV_HAVE_CUDA). kInternal
-// carries CUDA's error text for a failed launch.
+// Device memory of CUDA device `device` (defined only when BLOCKKV_HAVE_CUDA), launched on
+// `stream` (null: the legacy default stream) and not waited for. kInvalidArgument when a tensor
+// is not aligned for the vector loads (4 elements); kInternal carries CUDA's error text.
 Status AppendKVCuda(const PagedKV& cache, const Activations& k, const Activations& v,
                     const Activations* q, const RotaryParams& rotary, int device,
                     CUstream_st* stream);
+// max_context: the most keys (seen + new tokens) of any sequence in the batch.
 Status PagedAttentionCuda(const PagedKV& cache, const Activations& q, const Activations& out,
-                          const AttentionParams& params, int device, CUstream_st* stream);
+                          const AttentionParams& params, int64_t max_context, int device,
+                          CUstream_st* stream);
 
 }  // namespace blockkv::internal

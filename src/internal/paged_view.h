@@ -33,10 +33,11 @@ struct PagedKV {
   float kv_scale = 1.0f;  // fp8: value = stored · kv_scale; 1 otherwise
 
   // Batch, from RaggedBatch (all on the same side as `data`):
-  const int32_t* descriptors = nullptr;  // [num_seqs, 4]: start_idx, n_tokens, seen_tokens, 0
-  const int32_t* kv_indptr = nullptr;    // [num_seqs + 1]: CSR offsets into kv_indices
-  const int32_t* kv_indices = nullptr;   // [kv_indptr[num_seqs]]: block of each sequence's
-                                         // token-block t / block_size, in order
+  const int32_t* descriptors = nullptr;    // [num_seqs, 4]: start_idx, n_tokens, seen_tokens, 0
+  const int32_t* tokens_to_seq = nullptr;  // [num_tokens]: each token's sequence
+  const int32_t* kv_indptr = nullptr;      // [num_seqs + 1]: CSR offsets into kv_indices
+  const int32_t* kv_indices = nullptr;     // [kv_indptr[num_seqs]]: block of each sequence's
+                                           // token-block t / block_size, in order
   int32_t num_seqs = 0;
   int32_t num_tokens = 0;  // real tokens (T); rows past it are padding
 

@@ -105,11 +105,15 @@ struct BatchSetup {
 
 // A manager whose cache holds exactly the sequences' blocks (plus extra), each sequence given its
 // history (Schedule + PostForward, cache contents random), then the new tokens scheduled and
-// inserted into a finalized batch.
+// inserted into a finalized batch. On a CUDA `device` the cache lives there and host_cache() is a
+// host copy (SyncToHost refreshes it); on the host both are the cache itself.
 class KernelBatch {
  public:
-  KernelBatch(const BatchSetup& setup, const std::vector<SeqSpec>& seqs, uint32_t seed)
+  KernelBatch(const BatchSetup& setup, const std::vector<SeqSpec>& seqs, uint32_t seed,
+              std::shared_ptr<blockkv::Device> device = nullptr)
       : setup_(setup), seqs_(seqs), rng_(seed) {
+    if (device == nullptr) device = blockkv::CpuDevice(1LL << 30);
+    device_ = device;
     int64_t blocks = setup.extra_blocks;
     int64_t tokens = 0;
     int64_t max_blocks = 1;
@@ -132,13 +136,19 @@ class KernelBatch {
                               .cache_shape = {1, setup.num_kv_heads, setup.head_size},
                               .cache_dtype = setup.cache_dtype,
                               .max_blocks_per_allocation_group = static_cast<int32_t>(max_blocks)};
-    auto manager = blockkv::StateManager::Create(config, {kv}, blockkv::CpuDevice(1LL << 30));
+    auto manager = blockkv::StateManager::Create(config, {kv}, device);
     if (!manager.ok()) {
       ADD_FAILURE() << manager.status();
       return;
     }
     manager_ = std::move(*manager);
     cache_ = *manager_->GetCache(0);
+    host_cache_ = cache_;
+    if (cache_.device != blockkv::DeviceKind::kCpu) {
+      host_bytes_.resize(static_cast<size_t>(bytes()));
+      host_cache_.data = host_bytes_.data();
+      host_cache_.device = blockkv::DeviceKind::kCpu;
+    }
     FillCache();
     for (size_t i = 0; i < seqs.size(); ++i) {
       const std::vector<blockkv::SeqId> uid = {static_cast<blockkv::SeqId>(i)};
@@ -172,7 +182,20 @@ class KernelBatch {
   void FillCache() {
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
     const int64_t n = cache_.numel();
-    for (int64_t i = 0; i < n; ++i) Encode(cache_.data, i, cache_.dtype, u(rng_));
+    for (int64_t i = 0; i < n; ++i) Encode(host_cache_.data, i, cache_.dtype, u(rng_));
+    if (host_cache_.data != cache_.data) {
+      EXPECT_TRUE(device_->CopyFromHost(cache_.data, host_cache_.data, bytes()).ok());
+    }
+  }
+
+  // Copies a device cache back into host_cache().
+  void SyncToHost() {
+    if (host_cache_.data == cache_.data) return;
+    EXPECT_TRUE(device_->CopyToHost(host_cache_.data, cache_.data, bytes()).ok());
+  }
+
+  int64_t bytes() const {
+    return cache_.numel() * static_cast<int64_t>(blockkv::ElementSize(cache_.dtype));
   }
 
   const blockkv::Sequence* Seq(size_t i) const {
@@ -200,6 +223,8 @@ class KernelBatch {
   const blockkv::RaggedBatch& batch() const { return *batch_; }
   blockkv::RaggedBatch& mutable_batch() { return *batch_; }
   const blockkv::TensorView& cache() const { return cache_; }
+  const blockkv::TensorView& host_cache() const { return host_cache_; }
+  const std::shared_ptr<blockkv::Device>& device() const { return device_; }
   const std::vector<SeqSpec>& seqs() const { return seqs_; }
   const BatchSetup& setup() const { return setup_; }
 
@@ -207,16 +232,19 @@ class KernelBatch {
   BatchSetup setup_;
   std::vector<SeqSpec> seqs_;
   std::mt19937 rng_;
+  std::shared_ptr<blockkv::Device> device_;
   std::unique_ptr<blockkv::StateManager> manager_;
   std::unique_ptr<blockkv::RaggedBatch> batch_;
   blockkv::TensorView cache_;
+  blockkv::TensorView host_cache_;
+  std::vector<uint8_t> host_bytes_;
 };
 
-// Dense attention in double for every real token of `kb` over K/V read from the cache through
-// each sequence's block table: ref[row, h, :]. Rows of padding stay 0.
+// Dense attention in double for every real token of `kb` over K/V read from the (host copy of
+// the) cache through each sequence's block table: ref[row, h, :]. Rows of padding stay 0.
 inline std::vector<double> ReferenceAttention(const KernelBatch& kb, const HostTensor& q,
                                               const blockkv::AttentionOptions& options) {
-  const blockkv::TensorView& c = kb.cache();
+  const blockkv::TensorView& c = kb.host_cache();
   const int64_t hq = q.view.shape[1];
   const int64_t d = q.view.shape[2];
   const int64_t group = hq / c.shape[3];

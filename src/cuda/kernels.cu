@@ -1,0 +1,463 @@
+// CUDA backend of kernels.h (sm_80, sm_90). src/kernels.cc has checked every argument and built
+// the views over the batch's device mirror; this file launches and returns without waiting.
+//
+// Implementation notes.
+// AppendKV: one thread block per real token; the rotary cos/sin of its position are computed
+//   once (fp64 angle) into shared memory; threads stride over (head, element) for K and V and over
+//   (head, rotation pair) for Q, which is rotated in place (each pair read and written by one
+//   thread, so no thread reads what another writes).
+// PagedAttention (flash-decoding): one thread block of 4 warps per (query token, KV head, group
+//   of up to 8 query heads sharing it, split of the key range). Each warp takes every 4th key of
+//   the split; a lane holds 4-element chunks of the head (1 chunk for D ≤ 128, 2 for 256), loads
+//   the key and value rows with vector loads, reduces q·k across the warp with shuffles and keeps
+//   an online softmax (m, l, acc) per query head in registers. The warps merge through shared
+//   memory. With one split the block writes `out`; with several (long contexts, few blocks for
+//   the GPU) each writes an unnormalized partial to a stream-ordered workspace that a second
+//   kernel merges. No [T, context] matrix, no limit on blocks per sequence.
+// Instantiations: 3 activation dtypes × (same dtype | fp8 cache) × 2 chunk counts for attention,
+//   3 × 2 for AppendKV, 3 for the merge.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda/cuda_util.h"
+#include "internal/kernels_backend.h"
+#include "internal/strings.h"
+
+namespace blockkv::internal {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRows = 8;  // query heads of one KV head's group per thread block
+constexpr int kMaxSplits = 64;
+constexpr int64_t kMinKeysPerSplit = 256;
+
+using Fp8 = __nv_fp8_e4m3;
+
+__device__ __forceinline__ float ToF(float x) { return x; }
+__device__ __forceinline__ float ToF(__half x) { return __half2float(x); }
+__device__ __forceinline__ float ToF(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float ToF(Fp8 x) { return static_cast<float>(x); }
+
+template <class T>
+__device__ __forceinline__ T FromF(float x);
+template <>
+__device__ __forceinline__ float FromF<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half FromF<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ Fp8 FromF<Fp8>(float x) {
+  return Fp8(x);  // round to nearest even, saturating to ±448 (__NV_SATFINITE)
+}
+
+template <class T>
+struct alignas(4 * sizeof(T)) Vec4 {
+  T v[4];
+};
+
+// Four consecutive elements at p (4-element aligned) as floats times `scale`.
+template <class T>
+__device__ __forceinline__ void Load4(const T* p, float scale, float out[4]) {
+  const Vec4<T> x = *reinterpret_cast<const Vec4<T>*>(p);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = ToF(x.v[i]) * scale;
+}
+
+__device__ __forceinline__ float WarpSum(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xFFFFFFFFu, x, offset);
+  return x;
+}
+
+// ---- AppendKV ---------------------------------------------------------------------------------
+
+template <class T>
+__device__ __forceinline__ const T* Row(const Activations& a, int64_t token, int64_t head) {
+  return static_cast<const T*>(a.data) + token * a.token_stride + head * a.head_stride;
+}
+
+template <class T, class C>
+__global__ void __launch_bounds__(kThreads)
+    AppendKernel(PagedKV c, Activations k, Activations v, Activations q, bool rotate_q,
+                 RotaryParams rotary) {
+  __shared__ float cos_s[kMaxHeadSize / 2];
+  __shared__ float sin_s[kMaxHeadSize / 2];
+  const int token = blockIdx.x;
+  const int seq = c.tokens_to_seq[token];
+  const int32_t* desc = c.descriptors + int64_t{seq} * 4;
+  const int64_t pos = int64_t{desc[2]} + (token - desc[0]);
+  const int64_t block = c.kv_indices[c.kv_indptr[seq] + pos / c.block_size];
+  const int64_t slot = c.Offset(block, pos % c.block_size, 0, 0);
+  const int half = rotary.enabled ? rotary.rotary_dim / 2 : 0;
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    double s, co;
+    sincos(static_cast<double>(pos) * pow(rotary.theta, -2.0 * i / rotary.rotary_dim), &s, &co);
+    cos_s[i] = static_cast<float>(co);
+    sin_s[i] = static_cast<float>(s);
+  }
+  __syncthreads();
+  const int d = c.head_size;
+  C* cache = static_cast<C*>(c.data);
+  for (int idx = threadIdx.x; idx < c.num_kv_heads * d; idx += blockDim.x) {
+    const int h = idx / d;
+    const int e = idx % d;
+    const T* kr = Row<T>(k, token, h);
+    float y = ToF(kr[e]);
+    if (e < half) {
+      y = y * cos_s[e] - ToF(kr[e + half]) * sin_s[e];
+    } else if (e < 2 * half) {
+      y = y * cos_s[e - half] + ToF(kr[e - half]) * sin_s[e - half];
+    }
+    const int64_t at = slot + h * c.head_stride + e;
+    cache[at] = FromF<C>(y / c.kv_scale);
+    cache[at + c.plane_stride] = FromF<C>(ToF(Row<T>(v, token, h)[e]) / c.kv_scale);
+  }
+  if (!rotate_q || half == 0) return;
+  for (int idx = threadIdx.x; idx < q.num_heads * half; idx += blockDim.x) {
+    const int h = idx / half;
+    const int i = idx % half;
+    T* qr = static_cast<T*>(q.data) + int64_t{token} * q.token_stride + h * q.head_stride;
+    const float x1 = ToF(qr[i]);
+    const float x2 = ToF(qr[i + half]);
+    qr[i] = FromF<T>(x1 * cos_s[i] - x2 * sin_s[i]);
+    qr[i + half] = FromF<T>(x2 * cos_s[i] + x1 * sin_s[i]);
+  }
+}
+
+// ---- PagedAttention ---------------------------------------------------------------------------
+
+// Output of one (token, head) row of a split: out directly (one split) or the workspace.
+struct Partials {
+  float* acc = nullptr;  // [splits, T, Hq, D] unnormalized, relative to m
+  float* ml = nullptr;   // [splits, T, Hq, 2]: m, l
+  int splits = 1;
+};
+
+template <class T, int NC>
+struct RowState {
+  float q[NC][4];
+  float acc[NC][4];
+  float m;
+  float l;
+};
+
+// The lane's chunks of the K and V rows of `key` (zeros past the head size).
+template <class C, int NC>
+__device__ __forceinline__ void LoadKV(const PagedKV& c, const C* cache, const int32_t* blocks,
+                                       int64_t key, int kv, int lane, float kf[NC][4],
+                                       float vf[NC][4]) {
+  const C* kp = cache + c.Offset(blocks[key / c.block_size], key % c.block_size, 0, kv);
+#pragma unroll
+  for (int i = 0; i < NC; ++i) {
+    const int e = (lane + 32 * i) * 4;
+    if (e < c.head_size) {
+      Load4(kp + e, c.kv_scale, kf[i]);
+      Load4(kp + c.plane_stride + e, c.kv_scale, vf[i]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) kf[i][j] = vf[i][j] = 0.0f;
+    }
+  }
+}
+
+// One key for every row: score (a warp-wide dot product), then the online-softmax update.
+template <class T, int NC>
+__device__ __forceinline__ void Update(RowState<T, NC> (&st)[kRows], int rows,
+                                       const float kf[NC][4], const float vf[NC][4]) {
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    if (r >= rows) break;
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NC; ++i) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) s += st[r].q[i][j] * kf[i][j];
+    }
+    s = WarpSum(s);
+    const float m_new = fmaxf(st[r].m, s);
+    const float alpha = expf(st[r].m - m_new);
+    const float w = expf(s - m_new);
+    st[r].m = m_new;
+    st[r].l = st[r].l * alpha + w;
+#pragma unroll
+    for (int i = 0; i < NC; ++i) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) st[r].acc[i][j] = st[r].acc[i][j] * alpha + w * vf[i][j];
+    }
+  }
+}
+
+template <class T, class C, int NC>
+__global__ void __launch_bounds__(kThreads)
+    AttentionKernel(PagedKV c, Activations q, Activations out, AttentionParams p, Partials part) {
+  __shared__ float merge_acc[kWarps][kRows][NC * 128];
+  __shared__ float merge_ml[kWarps][kRows][2];
+  const int token = blockIdx.x;
+  const int kv = blockIdx.y;
+  const int g = q.num_heads / c.num_kv_heads;
+  const int head0 = kv * g + (blockIdx.z / part.splits) * kRows;  // first query head
+  const int rows = min(kRows, kv * g + g - head0);
+  const int split = blockIdx.z % part.splits;
+  const int seq = c.tokens_to_seq[token];
+  const int32_t* desc = c.descriptors + int64_t{seq} * 4;
+  const int64_t pos = int64_t{desc[2]} + (token - desc[0]);
+  int64_t lo = 0;
+  int64_t hi = int64_t{desc[2]} + desc[1];
+  if (p.causal) {
+    hi = pos + 1;
+    if (p.sliding_window > 0) lo = max(int64_t{0}, pos - p.sliding_window + 1);
+  }
+  const int64_t per = (hi - lo + part.splits - 1) / part.splits;
+  const int64_t k_begin = lo + split * per;
+  const int64_t k_end = min(hi, k_begin + per);
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int d = c.head_size;
+  RowState<T, NC> st[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    st[r].m = -INFINITY;
+    st[r].l = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NC; ++i) {
+      const int e = (lane + 32 * i) * 4;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        st[r].acc[i][j] = 0.0f;
+        st[r].q[i][j] =
+            r < rows && e < d ? ToF(Row<T>(q, token, head0 + r)[e + j]) * p.scale : 0.0f;
+      }
+    }
+  }
+  const int32_t* blocks = c.kv_indices + c.kv_indptr[seq];
+  const C* cache = static_cast<const C*>(c.data);
+  // Two keys per warp per step: both rows' loads are issued before either is used.
+  for (int64_t key = k_begin + warp; key < k_end; key += 2 * kWarps) {
+    const bool second = key + kWarps < k_end;
+    float kf[2][NC][4];
+    float vf[2][NC][4];
+    LoadKV<C, NC>(c, cache, blocks, key, kv, lane, kf[0], vf[0]);
+    if (second) LoadKV<C, NC>(c, cache, blocks, key + kWarps, kv, lane, kf[1], vf[1]);
+    Update<T, NC>(st, rows, kf[0], vf[0]);
+    if (second) Update<T, NC>(st, rows, kf[1], vf[1]);
+  }
+  // Merge the warps.
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+    for (int i = 0; i < NC; ++i) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) merge_acc[warp][r][(lane + 32 * i) * 4 + j] = st[r].acc[i][j];
+    }
+    if (lane == 0) {
+      merge_ml[warp][r][0] = st[r].m;
+      merge_ml[warp][r][1] = st[r].l;
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < rows * d; idx += blockDim.x) {
+    const int r = idx / d;
+    const int e = idx % d;
+    float m = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, merge_ml[w][r][0]);
+    float l = 0.0f;
+    float a = 0.0f;
+    if (m != -INFINITY) {
+      for (int w = 0; w < kWarps; ++w) {
+        const float scale = expf(merge_ml[w][r][0] - m);
+        l += merge_ml[w][r][1] * scale;
+        a += merge_acc[w][r][e] * scale;
+      }
+    }
+    const int head = head0 + r;
+    if (part.splits == 1) {
+      T* o = static_cast<T*>(out.data) + int64_t{token} * out.token_stride + head * out.head_stride;
+      o[e] = FromF<T>(a / l);
+      continue;
+    }
+    const int64_t row = (int64_t{split} * gridDim.x + token) * q.num_heads + head;
+    part.acc[row * d + e] = a;
+    if (e == 0) {
+      part.ml[row * 2] = m;
+      part.ml[row * 2 + 1] = l;
+    }
+  }
+}
+
+// Merges the splits of each (token, head) row into out.
+template <class T>
+__global__ void MergeKernel(Partials part, Activations out, int num_tokens, int d) {
+  const int token = blockIdx.x;
+  const int head = blockIdx.y;
+  const int hq = gridDim.y;
+  float m = -INFINITY;
+  for (int s = 0; s < part.splits; ++s) {
+    m = fmaxf(m, part.ml[((int64_t{s} * num_tokens + token) * hq + head) * 2]);
+  }
+  for (int e = threadIdx.x; e < d; e += blockDim.x) {
+    float l = 0.0f;
+    float a = 0.0f;
+    for (int s = 0; s < part.splits; ++s) {
+      const int64_t row = (int64_t{s} * num_tokens + token) * hq + head;
+      const float ms = part.ml[row * 2];
+      if (ms == -INFINITY) continue;
+      const float scale = expf(ms - m);
+      l += part.ml[row * 2 + 1] * scale;
+      a += part.acc[row * d + e] * scale;
+    }
+    T* o = static_cast<T*>(out.data) + int64_t{token} * out.token_stride + head * out.head_stride;
+    o[e] = FromF<T>(a / l);
+  }
+}
+
+// ---- host side --------------------------------------------------------------------------------
+
+int MultiprocessorCount(int device) {
+  int count = 0;
+  if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    static_cast<void>(cudaGetLastError());
+    return 100;
+  }
+  return count;
+}
+
+// The cache rows are read 4 elements at a time.
+Status CheckAligned(const PagedKV& c) {
+  const auto address = reinterpret_cast<uintptr_t>(c.data);
+  const uintptr_t bytes = 4 * ElementSize(c.dtype);
+  const bool ok = address % bytes == 0 && c.block_stride % 4 == 0 && c.token_stride % 4 == 0 &&
+                  c.plane_stride % 4 == 0 && c.head_stride % 4 == 0;
+  if (ok) return Status::Ok();
+  return InvalidArgumentError(
+      StrCat("layer_cache on CUDA must be aligned to 4 elements (address and strides) for vector "
+             "loads; address ",
+             c.data, ", strides ", c.block_stride, ", ", c.token_stride, ", ", c.plane_stride, ", ",
+             c.head_stride));
+}
+
+template <class T, class C>
+void LaunchAppend(const PagedKV& c, const Activations& k, const Activations& v,
+                  const Activations* q, const RotaryParams& rotary, cudaStream_t stream) {
+  AppendKernel<T, C>
+      <<<c.num_tokens, kThreads, 0, stream>>>(c, k, v, q != nullptr ? *q : k, q != nullptr, rotary);
+}
+
+template <class T, class C, int NC>
+Status LaunchAttention(const PagedKV& c, const Activations& q, const Activations& out,
+                       const AttentionParams& p, int64_t max_context, int device,
+                       cudaStream_t stream) {
+  const int g = q.num_heads / c.num_kv_heads;
+  const int head_groups = (g + kRows - 1) / kRows;
+  const int64_t blocks = int64_t{c.num_tokens} * c.num_kv_heads * head_groups;
+  const int64_t wanted = (4 * int64_t{MultiprocessorCount(device)} + blocks - 1) / blocks;
+  const int64_t by_length = std::max<int64_t>(1, max_context / kMinKeysPerSplit);
+  Partials part;
+  part.splits = static_cast<int>(std::clamp<int64_t>(std::min(wanted, by_length), 1, kMaxSplits));
+  const dim3 grid(static_cast<unsigned>(c.num_tokens), static_cast<unsigned>(c.num_kv_heads),
+                  static_cast<unsigned>(head_groups * part.splits));
+  if (part.splits == 1) {
+    AttentionKernel<T, C, NC><<<grid, kThreads, 0, stream>>>(c, q, out, p, part);
+    return Status::Ok();
+  }
+  const int64_t rows = int64_t{part.splits} * c.num_tokens * q.num_heads;
+  void* workspace = nullptr;
+  const size_t bytes = static_cast<size_t>(rows) * (c.head_size + 2) * sizeof(float);
+  if (cudaError_t e = cudaMallocAsync(&workspace, bytes, stream); e != cudaSuccess) {
+    return CudaError(StrCat("cudaMallocAsync of a ", bytes, "-byte attention workspace"), e);
+  }
+  part.acc = static_cast<float*>(workspace);
+  part.ml = part.acc + rows * c.head_size;
+  AttentionKernel<T, C, NC><<<grid, kThreads, 0, stream>>>(c, q, out, p, part);
+  MergeKernel<T><<<dim3(static_cast<unsigned>(c.num_tokens), static_cast<unsigned>(q.num_heads)),
+                   128, 0, stream>>>(part, out, c.num_tokens, c.head_size);
+  if (cudaError_t e = cudaFreeAsync(workspace, stream); e != cudaSuccess) {
+    return CudaError("cudaFreeAsync of the attention workspace", e);
+  }
+  return Status::Ok();
+}
+
+template <class T>
+Status DispatchAttention(const PagedKV& c, const Activations& q, const Activations& out,
+                         const AttentionParams& p, int64_t max_context, int device,
+                         cudaStream_t stream) {
+  const bool fp8 = c.dtype == DType::kFloat8E4M3;
+  const bool wide = c.head_size > 128;
+  if (fp8) {
+    return wide ? LaunchAttention<T, Fp8, 2>(c, q, out, p, max_context, device, stream)
+                : LaunchAttention<T, Fp8, 1>(c, q, out, p, max_context, device, stream);
+  }
+  return wide ? LaunchAttention<T, T, 2>(c, q, out, p, max_context, device, stream)
+              : LaunchAttention<T, T, 1>(c, q, out, p, max_context, device, stream);
+}
+
+Status DispatchByDType(const PagedKV& c, const Activations& q, const Activations& out,
+                       const AttentionParams& p, int64_t max_context, int device,
+                       cudaStream_t stream) {
+  switch (q.dtype) {
+    case DType::kFloat32:
+      return DispatchAttention<float>(c, q, out, p, max_context, device, stream);
+    case DType::kFloat16:
+      return DispatchAttention<__half>(c, q, out, p, max_context, device, stream);
+    case DType::kBFloat16:
+      return DispatchAttention<__nv_bfloat16>(c, q, out, p, max_context, device, stream);
+    default:
+      return InternalError(StrCat("PagedAttentionCuda: unchecked dtype ", DTypeName(q.dtype)));
+  }
+}
+
+Status LaunchStatus(const char* what) {
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return CudaError(what, e);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status AppendKVCuda(const PagedKV& cache, const Activations& k, const Activations& v,
+                    const Activations* q, const RotaryParams& rotary, int device,
+                    CUstream_st* stream) {
+  ScopedCudaDevice guard(device);
+  BLOCKKV_RETURN_IF_ERROR(guard.status());
+  const bool fp8 = cache.dtype == DType::kFloat8E4M3;
+  switch (k.dtype) {
+    case DType::kFloat32:
+      fp8 ? LaunchAppend<float, Fp8>(cache, k, v, q, rotary, stream)
+          : LaunchAppend<float, float>(cache, k, v, q, rotary, stream);
+      break;
+    case DType::kFloat16:
+      fp8 ? LaunchAppend<__half, Fp8>(cache, k, v, q, rotary, stream)
+          : LaunchAppend<__half, __half>(cache, k, v, q, rotary, stream);
+      break;
+    case DType::kBFloat16:
+      fp8 ? LaunchAppend<__nv_bfloat16, Fp8>(cache, k, v, q, rotary, stream)
+          : LaunchAppend<__nv_bfloat16, __nv_bfloat16>(cache, k, v, q, rotary, stream);
+      break;
+    default:
+      return InternalError(StrCat("AppendKVCuda: unchecked dtype ", DTypeName(k.dtype)));
+  }
+  return LaunchStatus("AppendKV kernel launch");
+}
+
+Status PagedAttentionCuda(const PagedKV& cache, const Activations& q, const Activations& out,
+                          const AttentionParams& params, int64_t max_context, int device,
+                          CUstream_st* stream) {
+  ScopedCudaDevice guard(device);
+  BLOCKKV_RETURN_IF_ERROR(guard.status());
+  BLOCKKV_RETURN_IF_ERROR(CheckAligned(cache));
+  BLOCKKV_RETURN_IF_ERROR(DispatchByDType(cache, q, out, params, max_context, device, stream));
+  return LaunchStatus("PagedAttention kernel launch");
+}
+
+}  // namespace blockkv::internal

@@ -1,0 +1,179 @@
+// AppendKV and PagedAttention on a CUDA GPU against the CPU tests' double-precision reference
+// (tests/unit/kernels_reference.h): the cache, the batch's device mirror and the activations live
+// on the GPU; results are copied back and compared with the same bounds (fp32 1e-5, fp16/bf16
+// 1e-2, fp8 5e-2). DeepSpeed's shapes, GQA ratios, every head size and dtype, fp8, contexts past
+// 256 blocks (which also split the key range), sliding windows, rotary, padded batches. Skips
+// without a GPU.
+#include <cuda_runtime_api.h>
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "blockkv/device.h"
+#include "blockkv/kernels.h"
+#include "cuda_test_util.h"
+#include "unit/kernels_reference.h"
+
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
+
+namespace blockkv {
+namespace {
+
+using ::blockkv_test::BatchSetup;
+using ::blockkv_test::HostTensor;
+using ::blockkv_test::KernelBatch;
+using ::blockkv_test::SeqSpec;
+
+// A device copy of a host tensor.
+struct GpuTensor {
+  DeviceBuffer buffer;
+  TensorView view;
+
+  GpuTensor(Device& gpu, const HostTensor& host) {
+    buffer = *gpu.Allocate(static_cast<int64_t>(host.bytes.size()));
+    EXPECT_TRUE(
+        gpu.CopyFromHost(buffer.data(), host.bytes.data(), static_cast<int64_t>(host.bytes.size()))
+            .ok());
+    view = host.view;
+    view.data = buffer.data();
+    view.device = DeviceKind::kCuda;
+  }
+  void CopyTo(Device& gpu, HostTensor& host) const {
+    EXPECT_TRUE(
+        gpu.CopyToHost(host.bytes.data(), buffer.data(), static_cast<int64_t>(host.bytes.size()))
+            .ok());
+  }
+};
+
+struct GpuCase {
+  BatchSetup setup;
+  std::vector<SeqSpec> seqs;
+  int64_t q_heads = 16;
+  DType act = DType::kFloat16;
+  AttentionOptions options;
+  RotaryOptions rotary;
+};
+
+void RunOnGpu(const GpuCase& c) {
+  Result<std::shared_ptr<Device>> gpu = CudaDevice(0);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  const uint32_t seed = std::random_device{}();
+  std::ostringstream trace;
+  trace << "seed " << seed << " D " << c.setup.head_size << " Hq " << c.q_heads << " Hkv "
+        << c.setup.num_kv_heads << " act " << DTypeName(c.act) << " fp8 "
+        << (c.setup.cache_dtype == DType::kFloat8E4M3);
+  SCOPED_TRACE(trace.str());
+  BatchSetup setup = c.setup;
+  if (setup.cache_dtype != DType::kFloat8E4M3) setup.cache_dtype = c.act;
+  KernelBatch kb(setup, c.seqs, seed, *gpu);
+  const int64_t rows = kb.rows();
+  HostTensor q(c.act, rows, c.q_heads, setup.head_size);
+  HostTensor k(c.act, rows, setup.num_kv_heads, setup.head_size);
+  HostTensor v(c.act, rows, setup.num_kv_heads, setup.head_size);
+  HostTensor out(c.act, rows, c.q_heads, setup.head_size);
+  q.Fill(kb.rng());
+  k.Fill(kb.rng());
+  v.Fill(kb.rng());
+  out.Poison();
+  GpuTensor dq(**gpu, q), dk(**gpu, k), dv(**gpu, v), dout(**gpu, out);
+  AppendKVOptions append{.rotary = c.rotary, .q = &dq.view, .kv_scale = c.options.kv_scale};
+  ASSERT_TRUE(AppendKV(kb.cache(), dk.view, dv.view, kb.batch(), append).ok());
+  const Status status = PagedAttention(dq.view, kb.cache(), kb.batch(), dout.view, c.options);
+  ASSERT_TRUE(status.ok()) << status;
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  dq.CopyTo(**gpu, q);  // rotated on the GPU: the reference uses the rotated q
+  dout.CopyTo(**gpu, out);
+  kb.SyncToHost();
+  // V is stored as given (same dtype: exactly).
+  if (setup.cache_dtype == c.act) {
+    const TensorView& hc = kb.host_cache();
+    const size_t elem = ElementSize(c.act);
+    for (size_t i = 0; i < c.seqs.size(); ++i) {
+      const int64_t row = kb.Row(i, c.seqs[i].n - 1);
+      const int64_t at = kb.CacheIndex(i, c.seqs[i].history + c.seqs[i].n - 1, 1, 0);
+      EXPECT_EQ(std::memcmp(static_cast<const uint8_t*>(hc.data) + at * static_cast<int64_t>(elem),
+                            v.bytes.data() + row * setup.num_kv_heads * setup.head_size * elem,
+                            static_cast<size_t>(setup.head_size) * elem),
+                0)
+          << "sequence " << i << ": V of its last token";
+    }
+  }
+  const std::vector<double> ref = blockkv_test::ReferenceAttention(kb, q, c.options);
+  EXPECT_LE(blockkv_test::RelativeError(out, ref, kb.tokens()),
+            blockkv_test::Tolerance(c.act, setup.cache_dtype));
+}
+
+TEST(CudaKernels, DeepSpeedShapesEveryHeadSize) {
+  BLOCKKV_SKIP_WITHOUT_GPU();
+  for (int64_t d : {64, 80, 96, 128, 256}) {
+    RunOnGpu({.setup = {.num_kv_heads = 2, .head_size = d}, .seqs = {{17, 0}}, .q_heads = 2});
+    RunOnGpu({.setup = {.num_kv_heads = 2, .head_size = d}, .seqs = {{33, 8}}, .q_heads = 4});
+  }
+  RunOnGpu({.setup = {.num_kv_heads = 2, .head_size = 128},
+            .seqs = {{128, 0}, {177, 0}, {169, 8}, {117, 88}, {1, 293}, {1, 733}, {1, 33}},
+            .q_heads = 2,
+            .act = DType::kBFloat16});
+}
+
+TEST(CudaKernels, GroupedQueryAttentionRatios) {
+  BLOCKKV_SKIP_WITHOUT_GPU();
+  for (auto [hq, hkv] : {std::pair<int64_t, int64_t>{32, 8}, {64, 16}, {40, 8}, {64, 4}}) {
+    RunOnGpu({.setup = {.block_size = 16, .num_kv_heads = hkv, .head_size = 128},
+              .seqs = {{1, 100}, {9, 30}, {1, 7}},
+              .q_heads = hq});
+  }
+}
+
+TEST(CudaKernels, EveryDTypeAndFp8) {
+  BLOCKKV_SKIP_WITHOUT_GPU();
+  for (DType act : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (bool fp8 : {false, true}) {
+      GpuCase c{.setup = {.block_size = 16,
+                          .num_kv_heads = 2,
+                          .head_size = 128,
+                          .cache_dtype = fp8 ? DType::kFloat8E4M3 : act},
+                .seqs = {{1, 70}, {20, 5}, {1, 0}},
+                .q_heads = 4,
+                .act = act};
+      if (fp8) c.options.kv_scale = 0.01f;
+      RunOnGpu(c);
+    }
+  }
+}
+
+TEST(CudaKernels, LongContextsSplitTheKeys) {
+  BLOCKKV_SKIP_WITHOUT_GPU();
+  RunOnGpu({.setup = {.block_size = 8, .num_kv_heads = 2, .head_size = 64},
+            .seqs = {{1, 5000}, {2, 2100}},
+            .q_heads = 4,
+            .act = DType::kFloat32});
+}
+
+TEST(CudaKernels, SlidingWindowNonCausalRotaryPadding) {
+  BLOCKKV_SKIP_WITHOUT_GPU();
+  GpuCase window{.setup = {.block_size = 16, .num_kv_heads = 2, .head_size = 96},
+                 .seqs = {{40, 90}, {1, 300}},
+                 .q_heads = 4,
+                 .act = DType::kFloat32};
+  window.options.sliding_window = 17;
+  RunOnGpu(window);
+  GpuCase full = window;
+  full.options = {.causal = false};
+  RunOnGpu(full);
+  RunOnGpu({.setup = {.block_size = 16, .num_kv_heads = 2, .head_size = 80, .padding = true},
+            .seqs = {{17, 15}, {1, 63}},
+            .q_heads = 4,
+            .act = DType::kFloat32,
+            .rotary = {.enabled = true, .rotary_dim = 64}});
+}
+
+}  // namespace
+}  // namespace blockkv
