@@ -24,6 +24,7 @@
 #include <functional>
 #include <limits>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "internal/check.h"
@@ -57,6 +58,7 @@ struct Scratch {
   std::vector<float> k;        // [kTile, D]
   std::vector<float> v;        // [kTile, D]
   std::vector<int64_t> slots;  // [kTile] cache offsets of the tile's positions (plane 0, head 0)
+  std::vector<int64_t> next_slots;  // [kTile] the same for the next tile
 
   void Resize(int32_t rows, int32_t d) {
     const auto rd = static_cast<size_t>(rows) * static_cast<size_t>(d);
@@ -69,6 +71,7 @@ struct Scratch {
     k.resize(td);
     v.resize(td);
     slots.resize(kTile);
+    next_slots.resize(kTile);
   }
 };
 
@@ -182,13 +185,13 @@ void RowToFloat(const PagedKV& c, const void* src, float* dst) {
   }
 }
 
-// s.slots[j] = cache offset of key position k0 + j of sequence `seq` (plane 0, head 0).
-void TileSlots(const PagedKV& c, int32_t seq, int64_t k0, int32_t count, Scratch& s) {
+// slots[j] = cache offset of key position k0 + j of sequence `seq` (plane 0, head 0).
+void TileSlots(const PagedKV& c, int32_t seq, int64_t k0, int32_t count, int64_t* slots) {
   const int32_t* blocks = c.kv_indices + c.kv_indptr[seq];
   int64_t block = k0 / c.block_size;
   int64_t offset = k0 % c.block_size;
   for (int32_t j = 0; j < count; ++j) {
-    s.slots[static_cast<size_t>(j)] = c.Offset(blocks[block], offset, 0, 0);
+    slots[j] = c.Offset(blocks[block], offset, 0, 0);
     if (++offset == c.block_size) {
       offset = 0;
       ++block;
@@ -196,12 +199,12 @@ void TileSlots(const PagedKV& c, int32_t seq, int64_t k0, int32_t count, Scratch
   }
 }
 
-// Asks for the K and V rows of heads [h0, h1) at the tile's slots to be brought into cache.
-void PrefetchTile(const PagedKV& c, const Scratch& s, int32_t count, int32_t h0, int32_t h1) {
+// Asks for the K and V rows of heads [h0, h1) at `slots` to be brought into cache.
+void PrefetchTile(const PagedKV& c, const int64_t* slots, int32_t count, int32_t h0, int32_t h1) {
   const auto elem = static_cast<int64_t>(ElementSize(c.dtype));
   const int64_t bytes = int64_t{h1 - h0} * c.head_stride * elem;
   for (int32_t j = 0; j < count; ++j) {
-    const int64_t at = s.slots[static_cast<size_t>(j)] + h0 * c.head_stride;
+    const int64_t at = slots[j] + h0 * c.head_stride;
     const uint8_t* k = ElementPtr(c.data, at, c.dtype);
     const uint8_t* v = ElementPtr(c.data, at + c.plane_stride, c.dtype);
     for (int64_t b = 0; b < bytes; b += 64) {
@@ -374,14 +377,25 @@ void AttendItem(const PagedKV& c, const Activations& q, const Activations& out,
   LoadQueries(q, p, item, start, g, d, s);
   const KeyRange first = VisibleKeys(p, seen + item.q_begin, total);
   const KeyRange last = VisibleKeys(p, seen + item.q_end - 1, total);
+  // Each tile's rows are prefetched while the tile before it is computed.
+  auto tile_count = [&](int64_t k0) {
+    return static_cast<int32_t>(std::min<int64_t>(kTile, last.hi - k0));
+  };
+  if (first.lo < last.hi) {
+    TileSlots(c, item.seq, first.lo, tile_count(first.lo), s.slots.data());
+    PrefetchTile(c, s.slots.data(), tile_count(first.lo), item.kv_begin, item.kv_end);
+  }
   for (int64_t k0 = first.lo; k0 < last.hi; k0 += kTile) {
-    const auto count = static_cast<int32_t>(std::min<int64_t>(kTile, last.hi - k0));
-    TileSlots(c, item.seq, k0, count, s);
-    PrefetchTile(c, s, count, item.kv_begin, item.kv_end);
+    const int32_t count = tile_count(k0);
+    if (k0 + kTile < last.hi) {
+      TileSlots(c, item.seq, k0 + kTile, tile_count(k0 + kTile), s.next_slots.data());
+      PrefetchTile(c, s.next_slots.data(), tile_count(k0 + kTile), item.kv_begin, item.kv_end);
+    }
     for (int32_t kv = item.kv_begin; kv < item.kv_end; ++kv) {
       GatherTile(c, kv, count, s);
       AttendTile(p, item, seen, total, k0, count, kv, g, d, s);
     }
+    std::swap(s.slots, s.next_slots);
   }
   const int32_t heads = (item.kv_end - item.kv_begin) * g;
   for (int32_t t = item.q_begin; t < item.q_end; ++t) {
