@@ -5,7 +5,7 @@
 //   blockkv:  StateManager::Schedule (duplicate check, limits, KV requirement, all-or-nothing
 //             block reservation) → RaggedBatch Clear / InsertSequence ×N / Finalize (input ids,
 //             token→sequence map, descriptors, dense block tables, CSR, slot mapping) →
-//             PostForward.
+//             PostForward(batch) (no uid lookups).
 //   baseline: per sequence, a block from a bare free-list stack when the token crosses a block
 //             boundary, then the same output arrays written in one pass, no validation at all.
 // Goal (issue 4): ≤ 20 µs per step at N = 1,024 on this machine, and a cost linear in N
@@ -66,8 +66,12 @@ struct Engine {
   std::vector<int64_t> prompts;
   std::vector<int64_t> ones;
   std::vector<int64_t> token;  // one token id per sequence
+  // With prefix caching: every sequence's prompt tokens, and the sampled token appended per step.
+  bool prefix_cache = false;
+  std::vector<std::vector<blockkv::TokenId>> prompt_tokens;
 
-  explicit Engine(int n) : prompts(Prompts(n)) {
+  explicit Engine(int n, bool with_prefix_cache = false)
+      : prompts(Prompts(n)), prefix_cache(with_prefix_cache) {
     blockkv::SetLogLevel(blockkv::LogLevel::kWarning);
     blockkv::KVCacheConfig kv;
     kv.block_size = kBlockSize;
@@ -79,6 +83,7 @@ struct Engine {
     config.max_ragged_batch_size = std::max<int>(n, static_cast<int>(kMaxPrompt));
     config.memory_config.mode = blockkv::AllocationMode::kAllocate;
     config.memory_config.size = PoolBlocks(n);
+    config.prefix_cache.enabled = prefix_cache;
     auto m = blockkv::StateManager::Create(config, {kv}, blockkv::CpuDevice());
     Check(m.status(), "StateManager::Create");
     manager = std::move(*m);
@@ -89,6 +94,13 @@ struct Engine {
     std::iota(uids.begin(), uids.end(), SeqId{1000});
     ones.assign(static_cast<size_t>(n), 1);
     token.assign(1, 7);
+    if (prefix_cache) {
+      std::mt19937 rng(7);
+      for (const int64_t length : prompts) {
+        prompt_tokens.emplace_back(static_cast<size_t>(length));
+        for (auto& t : prompt_tokens.back()) t = static_cast<blockkv::TokenId>(rng() % 32000);
+      }
+    }
     Prefill();
   }
 
@@ -96,6 +108,7 @@ struct Engine {
   void Prefill() {
     for (size_t i = 0; i < uids.size(); ++i) {
       const std::span<const SeqId> uid(&uids[i], 1);
+      if (prefix_cache) Check(manager->AddSequence(uids[i], prompt_tokens[i]).status(), "Add");
       Check(manager->Schedule(uid, std::span<const int64_t>(&prompts[i], 1)), "prefill");
       Check(manager->PostForward(uid), "prefill PostForward");
     }
@@ -108,7 +121,8 @@ struct Engine {
   void Step() {
     Check(manager->Schedule(uids, ones), "Schedule");
     BuildBatch();
-    Check(manager->PostForward(uids), "PostForward");
+    Check(manager->PostForward(*batch), "PostForward");
+    if (prefix_cache) benchmark::DoNotOptimize(manager->DrainCacheEvents());  // a router's feed
   }
 
   void BuildBatch() {
@@ -118,6 +132,14 @@ struct Engine {
     }
     Check(batch->Finalize(/*padding=*/false), "Finalize");
   }
+};
+
+// A step with prefix caching on: PostForward(batch) records each sequence's new token, and
+// every block a step fills is keyed and published (every 16th step per sequence). Prompts come back
+// each round, so their prefills hit, and the pool is kept full of evictable cached blocks. The
+// step drains the cache events, as an engine feeding a router does.
+struct PrefixCached : Engine {
+  explicit PrefixCached(int n) : Engine(n, /*with_prefix_cache=*/true) {}
 };
 
 // The manager's share of a step: Schedule and PostForward, no batch.
@@ -243,6 +265,9 @@ void DecodeStepArgs(benchmark::internal::Benchmark* b) {
 }
 
 BENCHMARK_TEMPLATE(BM_DecodeStep, Engine)->Name("decode_step/blockkv")->Apply(DecodeStepArgs);
+BENCHMARK_TEMPLATE(BM_DecodeStep, PrefixCached)
+    ->Name("decode_step/blockkv_prefix_cache")
+    ->Apply(DecodeStepArgs);
 BENCHMARK_TEMPLATE(BM_DecodeStep, ManagerOnly)
     ->Name("decode_step/blockkv_manager_only")
     ->Apply(DecodeStepArgs);

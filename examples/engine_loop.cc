@@ -128,26 +128,27 @@ int main() {
       }
     }
     batch.Clear();
-    for (size_t i = 0; i < uids.size(); ++i) {
+    for (const SeqId uid : uids) {
       // A first schedule may have started after a cached prefix: the sequence says what runs.
-      const blockkv::Sequence& seq = *manager.GetSequence(uids[i]);
+      const blockkv::Sequence& seq = *manager.GetSequence(uid);
       const Request& r = *std::find_if(running.begin(), running.end(),
-                                       [&](const Request& q) { return q.uid == uids[i]; });
+                                       [&](const Request& q) { return q.uid == uid; });
       const auto from = r.tokens.begin() + seq.seen_tokens();
       ids.assign(from, from + seq.in_flight_tokens());
       if (!Ok(batch.InsertSequence(seq, ids), "InsertSequence")) return 1;
     }
     if (!Ok(batch.Finalize(/*padding=*/true), "Finalize")) return 1;
     // ... the model's forward reads batch.slot_mapping(), batch.kv_indptr(), ... here ...
-    if (!Ok(manager.PostForward(uids), "PostForward")) return 1;
+    // Advances every sequence of the batch, and gives the prefix cache the tokens it ran.
+    if (!Ok(manager.PostForward(batch), "PostForward")) return 1;
     ++steps;
     tokens += batch.current_tokens();
     peak_used =
         std::max<int64_t>(peak_used, manager.pool().num_blocks() - manager.free_blocks()[0]);
 
-    for (size_t i = 0; i < uids.size(); ++i) {
+    for (const SeqId uid : uids) {
       auto r = std::find_if(running.begin(), running.end(),
-                            [&](const Request& q) { return q.uid == uids[i]; });
+                            [&](const Request& q) { return q.uid == uid; });
       const blockkv::Sequence* seq = manager.GetSequence(r->uid);
       if (r->prefilled < r->prompt) {
         r->prefilled = seq->seen_tokens();
@@ -164,11 +165,8 @@ int main() {
       } else {
         ++r->generated;
       }
-      // The next token, sampled from the logits (here: made up), is known before it runs.
-      if (r->generated < r->output) {
-        r->tokens.push_back(vocab(rng));
-        if (!Ok(manager.AppendTokens(r->uid, std::span(&r->tokens.back(), 1)), "Append")) return 1;
-      }
+      // The next token, sampled from the logits (here: made up).
+      if (r->generated < r->output) r->tokens.push_back(vocab(rng));
       // A sliding window of 256 tokens: blocks wholly before it are no longer needed.
       seq = manager.GetSequence(r->uid);
       const int64_t window_start = seq->seen_tokens() - kWindow;

@@ -122,7 +122,7 @@ struct PrefixCache::Group {
 
 PrefixCache::PrefixCache(PrefixCacheConfig config, std::span<BlockPool> pools,
                          std::vector<int32_t> block_sizes)
-    : config_(config), pools_(pools), block_sizes_(std::move(block_sizes)) {
+    : config_(std::move(config)), pools_(pools), block_sizes_(std::move(block_sizes)) {
   BLOCKKV_CHECK(pools_.size() == block_sizes_.size(), "PrefixCache: one block size per pool");
   if (config_.hash_function == nullptr) config_.hash_function = Xxh3BlockHash;
   for (size_t g = 0; g < pools_.size(); ++g) {

@@ -439,6 +439,13 @@ void RaggedBatch::Clear() {
   b.finalized = false;
 }
 
+RaggedBatch::Inserted RaggedBatch::inserted(int32_t i) const {
+  const Impl::Entry& e = impl_->entries[static_cast<size_t>(i)];
+  return {e.seq, e.seen_tokens,
+          std::span<const int64_t>(impl_->input_ids.host.data() + e.start,
+                                   static_cast<size_t>(e.n_tokens))};
+}
+
 int32_t RaggedBatch::current_tokens() const { return impl_->n_tokens; }
 int32_t RaggedBatch::current_sequences() const {
   return static_cast<int32_t>(impl_->entries.size());

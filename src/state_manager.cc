@@ -1,5 +1,7 @@
 #include "blockkv/state_manager.h"
 
+#include "blockkv/ragged_batch.h"
+
 #include <algorithm>
 #include <limits>
 #include <optional>
@@ -154,12 +156,12 @@ Result<std::unique_ptr<StateManager>> StateManager::Create(StateManagerConfig co
       std::unique_ptr<BlockedKVCache> cache,
       BlockedKVCache::Create(std::move(kv_configs), config.memory_config, std::move(device), comm));
   return std::unique_ptr<StateManager>(
-      new StateManager(config, std::move(cache), std::move(slots)));
+      new StateManager(std::move(config), std::move(cache), std::move(slots)));
 }
 
 StateManager::StateManager(StateManagerConfig config, std::unique_ptr<BlockedKVCache> cache,
                            BlockedAllocator slots)
-    : config_(config),
+    : config_(std::move(config)),
       cache_(std::move(cache)),
       slots_(std::move(slots)),
       by_uid_(std::make_unique<internal::UidMap>(config_.max_tracked_sequences)) {
@@ -313,6 +315,34 @@ Status StateManager::PostForward(std::span<const SeqId> uids) {
   }
   for (const int32_t slot : slot_scratch_) {
     Sequence& seq = sequences_[slot];
+    seq.seen_tokens_ += seq.in_flight_tokens_;
+    seq.in_flight_tokens_ = 0;
+    if (prefix_ != nullptr) PublishFullBlocks(seq);
+  }
+  return Status::Ok();
+}
+
+Status StateManager::PostForward(const RaggedBatch& batch) {
+  const int32_t n = batch.current_sequences();
+  for (int32_t i = 0; i < n; ++i) {
+    const RaggedBatch::Inserted e = batch.inserted(i);
+    if (!Owns(*e.seq)) [[unlikely]] {
+      return InvalidArgumentError(ColdStrCat("PostForward: batch sequence ", i,
+                                             " is not a tracked sequence of this manager"));
+    }
+    if (e.seq->seen_tokens_ != e.seen_tokens || e.seq->in_flight_tokens_ != std::ssize(e.tokens))
+        [[unlikely]] {
+      return FailedPreconditionError(
+          ColdStrCat("PostForward: sequence ", e.seq->uid_, " changed since it was inserted"));
+    }
+    if (prefix_ != nullptr) {
+      BLOCKKV_RETURN_IF_ERROR(CheckRecordableTokens(*e.seq, e.seen_tokens, e.tokens));
+    }
+  }
+  for (int32_t i = 0; i < n; ++i) {
+    const RaggedBatch::Inserted e = batch.inserted(i);
+    Sequence& seq = sequences_[e.seq->slot_];
+    if (prefix_ != nullptr) RecordTokens(seq, e.tokens);
     seq.seen_tokens_ += seq.in_flight_tokens_;
     seq.in_flight_tokens_ = 0;
     if (prefix_ != nullptr) PublishFullBlocks(seq);

@@ -1,6 +1,7 @@
 // The StateManager's prefix caching: registering prompts, looking up a first Schedule's cached
 // prefix, publishing blocks as they fill. The rest of the manager is in state_manager.cc.
 #include <algorithm>
+#include <limits>
 #include <numeric>
 #include <string>
 
@@ -12,6 +13,7 @@
 
 namespace blockkv {
 
+using internal::ColdStrCat;
 using internal::StrCat;
 
 namespace {
@@ -27,10 +29,11 @@ Status CheckTokenIds(SeqId uid, std::span<const TokenId> tokens) {
 
 void StateManager::EnablePrefixCache() {
   std::vector<int32_t> block_sizes;
+  block_sizes.reserve(static_cast<size_t>(num_groups()));
   for (int g = 0; g < num_groups(); ++g) block_sizes.push_back(kv_block_size(g));
   prefix_ = std::make_unique<PrefixCache>(config_.prefix_cache, std::span<BlockPool>(pools_),
                                           std::move(block_sizes));
-  keys_.reset(new SequenceKeys[static_cast<size_t>(config_.max_tracked_sequences)]);
+  keys_ = std::make_unique<SequenceKeys[]>(static_cast<size_t>(config_.max_tracked_sequences));
   for (int32_t slot = 0; slot < config_.max_tracked_sequences; ++slot) {
     keys_[slot].groups.resize(static_cast<size_t>(num_groups()));
   }
@@ -82,6 +85,32 @@ Status StateManager::AppendTokens(SeqId uid, std::span<const TokenId> tokens) {
   }
   keys.tokens.insert(keys.tokens.end(), tokens.begin(), tokens.end());
   return Status::Ok();
+}
+
+Status StateManager::CheckRecordableTokens(const Sequence& seq, int64_t seen_tokens,
+                                           std::span<const int64_t> tokens) const {
+  const SequenceKeys& keys = keys_[seq.slot_];
+  const auto known = static_cast<int64_t>(keys.tokens.size());
+  if (!keys.registered || known < seen_tokens) return Status::Ok();  // nothing to record
+  for (auto t = static_cast<size_t>(known - seen_tokens); t < tokens.size(); ++t) {
+    if (tokens[t] < 0 || tokens[t] > std::numeric_limits<TokenId>::max()) [[unlikely]] {
+      return FailedPreconditionError(ColdStrCat(
+          "PostForward: sequence ", seq.uid(), " was given token id ", tokens[t], " at position ",
+          seen_tokens + static_cast<int64_t>(t), "; token ids are in [0, 2^31)"));
+    }
+  }
+  return Status::Ok();
+}
+
+void StateManager::RecordTokens(const Sequence& seq, std::span<const int64_t> tokens) {
+  SequenceKeys& keys = keys_[seq.slot_];
+  const auto known = static_cast<int64_t>(keys.tokens.size());
+  // Tokens the engine gave before some unknown ones cannot be placed: leave the gap unknown.
+  if (!keys.registered || known < seq.seen_tokens_) return;
+  const auto skip = static_cast<size_t>(known - seq.seen_tokens_);
+  for (size_t t = skip; t < tokens.size(); ++t) {
+    keys.tokens.push_back(static_cast<TokenId>(tokens[t]));
+  }
 }
 
 void StateManager::ResetKeys(int32_t slot) {

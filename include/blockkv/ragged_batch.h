@@ -79,6 +79,15 @@ class RaggedBatch {
   // Empties the batch for the next step; buffers are kept.
   void Clear();
 
+  // The i-th inserted sequence as it was inserted: its seen_tokens then, and the tokens it was
+  // given (positions seen_tokens ...). REQUIRES: 0 <= i < current_sequences().
+  struct Inserted {
+    const Sequence* seq;
+    int64_t seen_tokens;
+    std::span<const int64_t> tokens;
+  };
+  Inserted inserted(int32_t i) const;
+
   int32_t current_tokens() const;
   int32_t current_sequences() const;
   int32_t padded_tokens() const;  // P; valid after Finalize

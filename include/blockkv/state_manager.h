@@ -42,6 +42,7 @@
 #include "blockkv/status.h"
 
 namespace blockkv {
+class RaggedBatch;
 namespace internal {
 class BlockSize;
 class UidMap;
@@ -219,6 +220,12 @@ class StateManager {
   // After the forward: seen_tokens += in_flight_tokens, in_flight = 0, for each uid (DeepSpeed's
   // post_forward). kNotFound (nothing changed) if any uid is unknown.
   Status PostForward(std::span<const SeqId> uids);
+  // The same for every sequence of `batch`, without looking uids up, and with prefix caching on,
+  // also records the tokens the batch gave each sequence as its known tokens (so a decode step
+  // needs no AppendTokens). kInvalidArgument when a sequence is not this manager's,
+  // kFailedPrecondition when one was scheduled, advanced or flushed since it was inserted, or a
+  // token to record is outside [0, 2^31); nothing changes on failure.
+  Status PostForward(const RaggedBatch& batch);
 
   // Releases the `num_blocks` oldest still-held blocks of `uid` in `group` (sliding-window
   // layers): their table entries become kNoBlock, token positions do not move. Only blocks
@@ -318,6 +325,11 @@ class StateManager {
   void TakePrefix(size_t i, Sequence& seq);
   // Publishes the blocks of `seq` that are full of known, computed tokens.
   void PublishFullBlocks(Sequence& seq);
+  // PostForward(batch): the tokens of a batch entry that would extend the sequence's known
+  // tokens are valid ids; then appends them.
+  Status CheckRecordableTokens(const Sequence& seq, int64_t seen_tokens,
+                               std::span<const int64_t> tokens) const;
+  void RecordTokens(const Sequence& seq, std::span<const int64_t> tokens);
   void ResetKeys(int32_t slot);
   void ForkKeys(const Sequence& from, const Sequence& to);
   Status CheckKeys(const Sequence& seq) const;

@@ -13,6 +13,7 @@
 #include <variant>
 #include <vector>
 
+#include "blockkv/ragged_batch.h"
 #include "blockkv/state_manager.h"
 #include "unit/test_util.h"
 
@@ -171,6 +172,48 @@ TEST_F(PrefixCacheTest, DecodedTokensArePublishedWhenAppended) {
   EXPECT_EQ(mgr_->prefix_cache()->cached_blocks(0), 2);
   Flush(1);
   EXPECT_EQ(Prefill(2, Tokens(9)), 8);
+}
+
+TEST_F(PrefixCacheTest, PostForwardOfABatchRecordsItsTokensSoDecodeNeedsNoAppend) {
+  Make(32);
+  ASSERT_OK(mgr_->AddSequence(1, Tokens(6)));
+  auto batch = RaggedBatch::Create(*mgr_);
+  ASSERT_OK(batch);
+  const std::vector<TokenId> prompt = Tokens(6);
+  std::vector<int64_t> ids(prompt.begin(), prompt.end());
+  const SeqId uids[] = {1};
+  for (int64_t step = 0; step < 3; ++step) {
+    const int64_t lengths[] = {static_cast<int64_t>(ids.size())};
+    ASSERT_OK(mgr_->Schedule(uids, lengths));
+    (*batch)->Clear();
+    ASSERT_OK((*batch)->InsertSequence(*mgr_->GetSequence(1), ids));
+    ASSERT_OK((*batch)->Finalize());
+    ASSERT_OK(mgr_->PostForward(**batch));
+    ASSERT_OK(mgr_->CheckInvariants());
+    ids = {106 + step};  // the next token: positions 6, 7, 8
+  }
+  EXPECT_EQ(mgr_->prefix_cache()->cached_blocks(0), 2);  // tokens 100..107 in two full blocks
+  Flush(1);
+  EXPECT_EQ(Prefill(2, Tokens(9)), 8);
+}
+
+TEST_F(PrefixCacheTest, PostForwardOfABatchRejectsTokenIdsThatCannotBeKeys) {
+  Make(32);
+  ASSERT_OK(mgr_->AddSequence(1, Tokens(2)));
+  auto batch = RaggedBatch::Create(*mgr_);
+  const SeqId uids[] = {1};
+  const int64_t two[] = {2};
+  ASSERT_OK(mgr_->Schedule(uids, two));
+  ASSERT_OK((*batch)->InsertSequence(*mgr_->GetSequence(1), std::vector<int64_t>{100, 101}));
+  ASSERT_OK(mgr_->PostForward(**batch));
+  const int64_t one[] = {1};
+  ASSERT_OK(mgr_->Schedule(uids, one));
+  (*batch)->Clear();
+  ASSERT_OK(
+      (*batch)->InsertSequence(*mgr_->GetSequence(1), std::vector<int64_t>{int64_t{1} << 40}));
+  EXPECT_CODE(mgr_->PostForward(**batch), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(mgr_->GetSequence(1)->seen_tokens(), 2);
+  EXPECT_OK(mgr_->CheckInvariants());
 }
 
 TEST_F(PrefixCacheTest, NamespacesNeverShareAndAdaptersAreKeptApart) {

@@ -3,6 +3,8 @@
 // all-or-nothing scheduling, partial freeing, fork).
 #include "blockkv/state_manager.h"
 
+#include "blockkv/ragged_batch.h"
+
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -495,6 +497,55 @@ TEST(StateManagerCreate, RefusesBlockTablesLargerThanHostMemory) {
       StateManager::Create(config, {SmallModel(16, /*max_blocks=*/1 << 30)}, CpuDevice(1 << 20));
   EXPECT_EQ(m.status().code(), StatusCode::kResourceExhausted) << m.status();
   EXPECT_NE(m.status().message().find("host memory"), std::string::npos) << m.status();
+}
+
+// ---- PostForward(batch) ------------------------------------------------------------------------
+
+TEST(StateManagerPostForwardBatch, AdvancesEverySequenceOfTheBatch) {
+  auto m = Make(Config(8));
+  const SeqId uids[] = {1, 2};
+  const int64_t lengths[] = {3, 5};
+  ASSERT_TRUE(m->Schedule(uids, lengths).ok());
+  auto batch = RaggedBatch::Create(*m);
+  ASSERT_TRUE(batch.ok());
+  const std::vector<int64_t> tokens(5, 9);
+  ASSERT_TRUE((*batch)->InsertSequence(*m->GetSequence(1), std::span(tokens).first(3)).ok());
+  ASSERT_TRUE((*batch)->InsertSequence(*m->GetSequence(2), tokens).ok());
+  ASSERT_TRUE(m->PostForward(**batch).ok());
+  EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 3);
+  EXPECT_EQ(m->GetSequence(2)->seen_tokens(), 5);
+  EXPECT_EQ(m->GetSequence(2)->in_flight_tokens(), 0);
+  EXPECT_TRUE(m->CheckInvariants().ok());
+}
+
+TEST(StateManagerPostForwardBatch, ASequenceChangedSinceInsertionChangesNothing) {
+  auto m = Make(Config(8));
+  const SeqId uids[] = {1, 2};
+  const int64_t lengths[] = {3, 3};
+  ASSERT_TRUE(m->Schedule(uids, lengths).ok());
+  auto batch = RaggedBatch::Create(*m);
+  const std::vector<int64_t> tokens(3, 9);
+  ASSERT_TRUE((*batch)->InsertSequence(*m->GetSequence(1), tokens).ok());
+  ASSERT_TRUE((*batch)->InsertSequence(*m->GetSequence(2), tokens).ok());
+  ASSERT_TRUE(m->PostForward(std::span(uids).subspan(1)).ok());  // 2 advanced behind its back
+  const Status s = m->PostForward(**batch);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 0) << "nothing changed";
+  EXPECT_EQ(m->GetSequence(1)->in_flight_tokens(), 3);
+}
+
+TEST(StateManagerPostForwardBatch, AnotherManagersBatchIsInvalidArgument) {
+  auto a = Make(Config(8));
+  auto b = Make(Config(8));
+  const SeqId uids[] = {1};
+  const int64_t lengths[] = {2};
+  ASSERT_TRUE(a->Schedule(uids, lengths).ok());
+  ASSERT_TRUE(b->Schedule(uids, lengths).ok());
+  auto batch = RaggedBatch::Create(*a);
+  const std::vector<int64_t> tokens(2, 9);
+  ASSERT_TRUE((*batch)->InsertSequence(*a->GetSequence(1), tokens).ok());
+  EXPECT_EQ(b->PostForward(**batch).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(b->GetSequence(1)->seen_tokens(), 0);
 }
 
 }  // namespace
