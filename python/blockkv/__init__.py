@@ -12,8 +12,10 @@ against DeepSpeed ports by changing the import::
     k, v = blockkv.split_kv(layer0)                      # torch views
     cache.free(blocks)
 
-Tensors cross as DLPack without a copy; block ids come back as int32 NumPy arrays. See
-docs/python.md for the whole API, the error types and what differs from DeepSpeed.
+Tensors cross as DLPack without a copy; block ids come back as int32 NumPy arrays. Beyond
+DeepSpeed: prefix caching (StateManagerConfig(prefix_cache=PrefixCacheConfig()),
+StateManager.add_sequence) and the kernels append_kv / paged_attention. See docs/python.md for
+the whole API, the error types and what differs from DeepSpeed.
 """
 
 import sys
@@ -21,14 +23,20 @@ from enum import Enum
 
 from . import _blockkv
 from ._blockkv import (
+    AllCleared,
     AllocationMode,
     BlockedAllocator,
     BlockedKVCache,
+    BlockRemoved,
+    BlockStored,
+    CacheEventBatch,
     CpuDevice,
     CudaDevice,
     Device,
     KVCacheConfig,
     MemoryConfig,
+    PrefixCacheConfig,
+    PrefixCacheStats,
     RaggedBatchWrapper,
     ResourceExhaustedError,
     SchedulingResult,
@@ -36,14 +44,20 @@ from ._blockkv import (
     StateManager,
     StateManagerConfig,
     Tensor,
+    append_kv,
     built_with_cuda,
+    paged_attention,
     set_log_level,
 )
 
 __all__ = [
+    "AllCleared",
     "AllocationMode",
+    "BlockRemoved",
+    "BlockStored",
     "BlockedAllocator",
     "BlockedKVCache",
+    "CacheEventBatch",
     "CpuDevice",
     "CudaDevice",
     "DSSequenceDescriptor",
@@ -54,6 +68,8 @@ __all__ = [
     "KVCacheType",
     "MemoryConfig",
     "PlaceholderSequenceDescriptor",
+    "PrefixCacheConfig",
+    "PrefixCacheStats",
     "RaggedBatchWrapper",
     "ResourceExhaustedError",
     "SchedulingError",
@@ -62,15 +78,18 @@ __all__ = [
     "StateManager",
     "StateManagerConfig",
     "Tensor",
+    "append_kv",
     "built_with_cuda",
+    "paged_attention",
     "set_log_level",
     "split_kv",
 ]
 
 # The classes print as blockkv.X, not blockkv._blockkv.X.
-for _cls in (AllocationMode, BlockedAllocator, BlockedKVCache, Device, KVCacheConfig, MemoryConfig,
-             RaggedBatchWrapper, ResourceExhaustedError, SchedulingResult, SequenceDescriptor,
-             StateManager, StateManagerConfig, Tensor):
+for _cls in (AllCleared, AllocationMode, BlockedAllocator, BlockedKVCache, BlockRemoved,
+             BlockStored, CacheEventBatch, Device, KVCacheConfig, MemoryConfig, PrefixCacheConfig,
+             PrefixCacheStats, RaggedBatchWrapper, ResourceExhaustedError, SchedulingResult,
+             SequenceDescriptor, StateManager, StateManagerConfig, Tensor):
     _cls.__module__ = __name__
 del _cls
 

@@ -1,15 +1,19 @@
 // KVCacheConfig, MemoryConfig, AllocationMode and StateManagerConfig with DeepSpeed's field names
-// and defaults. Like DeepSpeed's pydantic models (validate_assignment), every construction and
-// every field assignment is validated: an invalid value raises ValueError and leaves the config as
-// it was. Arguments are keyword-only, as a pydantic model's are.
+// and defaults, and PrefixCacheConfig (StateManagerConfig.prefix_cache; DeepSpeed has none). Like
+// DeepSpeed's pydantic models (validate_assignment), every construction and every field assignment
+// is validated: an invalid value raises ValueError and leaves the config as it was. Arguments are
+// keyword-only, as a pydantic model's are.
 #include <Python.h>
 #include <pybind11/stl.h>
 
 #include <array>
 #include <cctype>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #include "blockkv/config.h"
+#include "blockkv/prefix_cache.h"
 #include "blockkv/state_manager.h"
 #include "common.h"
 
@@ -58,12 +62,35 @@ void CheckCacheType(py::handle type) {
                               R"(: expected "dense" or "local")");
 }
 
+// The C++ PrefixCacheConfig has no Validate (StateManager::Create checks the windows against the
+// cache groups); these are the checks that need no cache groups, so that a Python config is
+// valid from construction on, as the others are.
+Status ValidatePrefixCache(const PrefixCacheConfig& c) {
+  for (size_t g = 0; g < c.sliding_windows.size(); ++g) {
+    if (c.sliding_windows[g] < 0) {
+      return InvalidArgumentError("PrefixCacheConfig.sliding_windows[" + std::to_string(g) +
+                                  "] is " + std::to_string(c.sliding_windows[g]) +
+                                  "; a window is >= 0 tokens (0: full attention)");
+    }
+  }
+  return Status::Ok();
+}
+
+template <class Config>
+Status Validate(const Config& config) {
+  if constexpr (std::is_same_v<Config, PrefixCacheConfig>) {
+    return ValidatePrefixCache(config);
+  } else {
+    return config.Validate();
+  }
+}
+
 // Applies `change` to a copy of `config`, validates it, and only then stores it.
 template <class Config, class Change>
 void SetValidated(Config& config, Change&& change) {
   Config copy = config;
   change(copy);
-  ThrowIfError(copy.Validate());
+  ThrowIfError(Validate(copy));
   config = copy;
 }
 
@@ -90,13 +117,36 @@ std::string Repr(const MemoryConfig& c) {
          "', size=" + std::to_string(c.size) + ")";
 }
 
+std::string Repr(const PrefixCacheConfig& c) {
+  std::string windows = "[";
+  for (size_t g = 0; g < c.sliding_windows.size(); ++g) {
+    windows += (g > 0 ? ", " : "") + std::to_string(c.sliding_windows[g]);
+  }
+  return std::string("PrefixCacheConfig(enabled=") + (c.enabled ? "True" : "False") +
+         ", hash_seed=" + std::to_string(c.hash_seed) +
+         ", max_events=" + std::to_string(c.max_events) + ", sliding_windows=" + windows + "])";
+}
+
+// The C++ default (off, default settings) is what prefix_cache=None stands for.
+bool IsDefault(const PrefixCacheConfig& c) {
+  const PrefixCacheConfig d;
+  return c.enabled == d.enabled && c.hash_seed == d.hash_seed && c.max_events == d.max_events &&
+         c.sliding_windows == d.sliding_windows && c.hash_function == d.hash_function;
+}
+
+bool operator==(const PrefixCacheConfig& a, const PrefixCacheConfig& b) {
+  return a.enabled == b.enabled && a.hash_seed == b.hash_seed && a.max_events == b.max_events &&
+         a.sliding_windows == b.sliding_windows && a.hash_function == b.hash_function;
+}
+
 std::string Repr(const StateManagerConfig& c) {
   return "StateManagerConfig(max_tracked_sequences=" + std::to_string(c.max_tracked_sequences) +
          ", max_ragged_batch_size=" + std::to_string(c.max_ragged_batch_size) +
          ", max_ragged_sequence_count=" + std::to_string(c.max_ragged_sequence_count) +
          ", max_context=" + std::to_string(c.max_context) +
          ", memory_config=" + Repr(c.memory_config) +
-         ", offload=" + (c.offload ? "True" : "False") + ")";
+         ", offload=" + (c.offload ? "True" : "False") +
+         ", prefix_cache=" + (IsDefault(c.prefix_cache) ? "None" : Repr(c.prefix_cache)) + ")";
 }
 
 // copy.copy / copy.deepcopy give an independent config; pickle round-trips through a tuple of
@@ -108,7 +158,7 @@ void AddValueMethods(py::class_<Config>& cls, GetState get_state, SetState set_s
           "__deepcopy__", [](const Config& c, const py::dict&) { return c; }, py::arg("memo"))
       .def(py::pickle(get_state, [set_state](const py::tuple& state) {
         Config c = set_state(state);
-        ThrowIfError(c.Validate());
+        ThrowIfError(Validate(c));
         return c;
       }));
 }
@@ -122,6 +172,92 @@ MemoryConfig MemoryFromState(const py::tuple& state) {
   c.mode = static_cast<AllocationMode>(state[0].cast<int>());
   c.size = state[1].cast<int64_t>();
   return c;
+}
+
+// hash_seed: any int in [0, 2**64), as XXH3 takes it.
+uint64_t ToSeed(py::handle obj) {
+  if (PyBool_Check(obj.ptr()) || !PyLong_Check(obj.ptr())) {
+    Throw(PyExc_TypeError, "hash_seed must be an int, got " +
+                               std::string(py::str(py::type::of(obj).attr("__name__"))));
+  }
+  const unsigned long long seed = PyLong_AsUnsignedLongLong(obj.ptr());
+  if (PyErr_Occurred() != nullptr) {
+    PyErr_Clear();
+    Throw(PyExc_ValueError, "hash_seed " + std::string(py::repr(obj)) + " is outside [0, 2**64)");
+  }
+  return seed;
+}
+
+size_t ToMaxEvents(int64_t value) {
+  if (value < 0) {
+    Throw(PyExc_ValueError, "max_events " + std::to_string(value) + " is negative (0: no events)");
+  }
+  return static_cast<size_t>(value);
+}
+
+py::tuple PrefixState(const PrefixCacheConfig& c) {
+  return py::make_tuple(c.enabled, c.hash_seed, static_cast<uint64_t>(c.max_events),
+                        c.sliding_windows);
+}
+
+PrefixCacheConfig PrefixFromState(const py::tuple& state) {
+  PrefixCacheConfig c;
+  c.enabled = state[0].cast<bool>();
+  c.hash_seed = state[1].cast<uint64_t>();
+  c.max_events = state[2].cast<uint64_t>();
+  c.sliding_windows = state[3].cast<std::vector<int64_t>>();
+  return c;
+}
+
+void BindPrefixCacheConfig(py::module_& m) {
+  using P = PrefixCacheConfig;
+  py::class_<P> cls(m, "PrefixCacheConfig",
+                    "Prefix caching of a StateManager (StateManagerConfig(prefix_cache=...)); "
+                    "see docs/prefix_cache.md.");
+  cls.def(py::init([](bool enabled, py::handle hash_seed, int64_t max_events,
+                      py::handle sliding_windows) {
+            P c;
+            c.enabled = enabled;
+            c.hash_seed = ToSeed(hash_seed);
+            c.max_events = ToMaxEvents(max_events);
+            c.sliding_windows = ToInt64Vector(sliding_windows, "sliding_windows");
+            ThrowIfError(ValidatePrefixCache(c));
+            return c;
+          }),
+          py::kw_only(), py::arg("enabled") = true, py::arg("hash_seed") = 0,
+          py::arg("max_events") = int64_t{65536}, py::arg("sliding_windows") = py::list())
+      .def_property(
+          "enabled", [](const P& c) { return c.enabled; }, [](P& c, bool v) { c.enabled = v; },
+          "True by default: passing a PrefixCacheConfig turns prefix caching on")
+      .def_property(
+          "hash_seed", [](const P& c) { return c.hash_seed; },
+          [](P& c, py::handle v) { c.hash_seed = ToSeed(v); },
+          "Seed of the block keys: the same on every rank and in every run gives the same keys")
+      .def_property(
+          "max_events", [](const P& c) { return static_cast<uint64_t>(c.max_events); },
+          [](P& c, int64_t v) { c.max_events = ToMaxEvents(v); },
+          "Events kept until drain_cache_events (the oldest are dropped past it); 0: no events")
+      .def_property(
+          "sliding_windows", [](const P& c) { return c.sliding_windows; },
+          [](P& c, py::handle v) {
+            std::vector<int64_t> windows = ToInt64Vector(v, "sliding_windows");
+            SetValidated(c, [&](P& copy) { copy.sliding_windows = std::move(windows); });
+          },
+          "Attention window in tokens per cache group (0, or a group past the end: full "
+          "attention); a hit in a windowed group needs only its in-window blocks")
+      .def("__eq__", [](const P& a, const P& b) { return a == b; })
+      .def("__repr__", py::overload_cast<const P&>(&Repr));
+  AddValueMethods(cls, &PrefixState, &PrefixFromState);
+}
+
+// StateManagerConfig.prefix_cache: None (off) or a PrefixCacheConfig.
+PrefixCacheConfig ToPrefixCache(py::handle obj) {
+  if (obj.is_none()) return {};
+  if (!py::isinstance<PrefixCacheConfig>(obj)) {
+    Throw(PyExc_TypeError, "prefix_cache must be None or a blockkv.PrefixCacheConfig, got " +
+                               std::string(py::str(py::type::of(obj).attr("__name__"))));
+  }
+  return obj.cast<PrefixCacheConfig>();
 }
 
 void BindKVCacheConfig(py::module_& m) {
@@ -244,7 +380,8 @@ void BindStateManagerConfig(py::module_& m) {
                     "Limits of a StateManager and its batches (DeepSpeed's DSStateManagerConfig).");
   cls.def(py::init([](int64_t max_tracked_sequences, int64_t max_ragged_batch_size,
                       int64_t max_ragged_sequence_count, int64_t max_context,
-                      const py::object& memory_config, bool offload) {
+                      const py::object& memory_config, bool offload,
+                      const py::object& prefix_cache) {
             C c;
             c.max_tracked_sequences = ToInt32(max_tracked_sequences, "max_tracked_sequences");
             c.max_ragged_batch_size = ToInt32(max_ragged_batch_size, "max_ragged_batch_size");
@@ -253,13 +390,14 @@ void BindStateManagerConfig(py::module_& m) {
             c.max_context = max_context;
             if (!memory_config.is_none()) c.memory_config = memory_config.cast<MemoryConfig>();
             c.offload = offload;
+            c.prefix_cache = ToPrefixCache(prefix_cache);
             ThrowIfError(c.Validate());
             return c;
           }),
           py::kw_only(), py::arg("max_tracked_sequences") = 2048,
           py::arg("max_ragged_batch_size") = 768, py::arg("max_ragged_sequence_count") = 512,
           py::arg("max_context") = 8192, py::arg("memory_config") = py::none(),
-          py::arg("offload") = false)
+          py::arg("offload") = false, py::arg("prefix_cache") = py::none())
       .def_property(
           "max_tracked_sequences", [](const C& c) { return c.max_tracked_sequences; },
           Int32Setter(&C::max_tracked_sequences, "max_tracked_sequences"))
@@ -281,13 +419,36 @@ void BindStateManagerConfig(py::module_& m) {
       .def_property(
           "offload", [](const C& c) { return c.offload; },
           [](C& c, bool v) { SetValidated(c, [&](C& copy) { copy.offload = v; }); })
+      .def_property(
+          "prefix_cache",
+          [](const py::object& self) -> py::object {
+            C& c = self.cast<C&>();
+            if (IsDefault(c.prefix_cache)) return py::none();
+            return py::cast(&c.prefix_cache, py::return_value_policy::reference_internal, self);
+          },
+          [](C& c, py::handle v) {
+            const PrefixCacheConfig prefix = ToPrefixCache(v);
+            SetValidated(c, [&](C& copy) { copy.prefix_cache = prefix; });
+          },
+          "None (prefix caching off, the default) or the PrefixCacheConfig, a view of this "
+          "config's own (as memory_config is)")
+      .def("__eq__",
+           [](const C& a, const C& b) {
+             return a.max_tracked_sequences == b.max_tracked_sequences &&
+                    a.max_ragged_batch_size == b.max_ragged_batch_size &&
+                    a.max_ragged_sequence_count == b.max_ragged_sequence_count &&
+                    a.max_context == b.max_context &&
+                    a.memory_config.mode == b.memory_config.mode &&
+                    a.memory_config.size == b.memory_config.size && a.offload == b.offload &&
+                    a.prefix_cache == b.prefix_cache;
+           })
       .def("__repr__", py::overload_cast<const C&>(&Repr));
   AddValueMethods(
       cls,
       [](const C& c) {
         return py::make_tuple(c.max_tracked_sequences, c.max_ragged_batch_size,
                               c.max_ragged_sequence_count, c.max_context,
-                              MemoryState(c.memory_config), c.offload);
+                              MemoryState(c.memory_config), c.offload, PrefixState(c.prefix_cache));
       },
       [](const py::tuple& state) {
         C c;
@@ -297,6 +458,8 @@ void BindStateManagerConfig(py::module_& m) {
         c.max_context = state[3].cast<int64_t>();
         c.memory_config = MemoryFromState(state[4].cast<py::tuple>());
         c.offload = state[5].cast<bool>();
+        // Pickles made before prefix caching was bound have six fields.
+        if (state.size() > 6) c.prefix_cache = PrefixFromState(state[6].cast<py::tuple>());
         return c;
       });
 }
@@ -306,6 +469,7 @@ void BindStateManagerConfig(py::module_& m) {
 void BindConfig(py::module_& m) {
   BindKVCacheConfig(m);
   BindMemoryConfig(m);
+  BindPrefixCacheConfig(m);
   BindStateManagerConfig(m);
 }
 

@@ -38,4 +38,5 @@ PYBIND11_MODULE(_blockkv, m) {
   bp::BindKVCache(m);
   bp::BindStateManager(m);
   bp::BindRaggedBatch(m);
+  bp::BindKernels(m);
 }

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "batch_wrapper.h"
 #include "common.h"
 #include "sequence.h"
 #include "tensor.h"
@@ -23,11 +24,6 @@
 namespace blockkv::python {
 namespace {
 
-struct BatchWrapper {
-  std::shared_ptr<StateManager> manager;  // outlives the batch, as RaggedBatch requires
-  std::unique_ptr<RaggedBatch> batch;
-  bool has_mirror = false;  // the cache is on a CUDA device, so on_device has a meaning
-};
 using Wrapper = std::shared_ptr<BatchWrapper>;
 
 // A batch array: `get(batch, on_device)` returns its view.

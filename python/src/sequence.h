@@ -27,6 +27,15 @@ struct SequenceHandle {
   }
 };
 
+inline SequenceHandle Handle(const std::shared_ptr<StateManager>& manager, const Sequence& seq) {
+  return SequenceHandle{manager, seq.uid(), seq.tracking_slot()};
+}
+
+// prefix_cache.cc: StateManager.add_sequence, append_tokens, drain_cache_events,
+// reset_prefix_cache, prefix_cache_stats, cached_blocks, and the classes they return.
+void BindPrefixCacheMethods(py::module_& m,
+                            py::class_<StateManager, std::shared_ptr<StateManager>>& cls);
+
 // ValueError unless 0 <= group < manager.num_groups().
 inline void CheckGroup(const StateManager& manager, int group) {
   if (group < 0 || group >= manager.num_groups()) {

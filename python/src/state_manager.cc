@@ -26,10 +26,6 @@ using Manager = std::shared_ptr<StateManager>;
   throw py::error_already_set();
 }
 
-SequenceHandle Handle(const Manager& manager, const Sequence& seq) {
-  return SequenceHandle{manager, seq.uid(), seq.tracking_slot()};
-}
-
 // The table row of `group` for the sequence's slot, [max_blocks_per_sequence(group)].
 const BlockId* TableRow(const SequenceHandle& h, int group) {
   return h.manager->block_tables(group) +
@@ -61,6 +57,10 @@ void BindSequence(py::module_& m) {
                              [](const SequenceHandle& h) { return h.Get().seen_tokens(); })
       .def_property_readonly("in_flight_tokens",
                              [](const SequenceHandle& h) { return h.Get().in_flight_tokens(); })
+      .def_property_readonly(
+          "cached_prefix_tokens",
+          [](const SequenceHandle& h) { return h.Get().cached_prefix_tokens(); },
+          "Tokens its first schedule took from the prefix cache (0 without a hit)")
       .def_property_readonly(
           "max_context", [](const SequenceHandle& h) { return h.manager->config().max_context; })
       .def_property_readonly(
@@ -162,13 +162,13 @@ Manager Create(const StateManagerConfig& config, py::handle kv_configs, py::hand
 }
 
 void BindManager(py::module_& m) {
-  py::class_<StateManager, Manager>(
+  py::class_<StateManager, Manager> cls(
       m, "StateManager",
       "The sequences of an engine and their block tables over one BlockedKVCache (DeepSpeed's "
       "DSStateManager, plus the engine's query / can_schedule and a schedule that reserves the "
-      "blocks).")
-      .def(py::init(&Create), py::arg("config"), py::arg("kv_configs"),
-           py::arg("base_mp_group") = py::none(), py::arg("device") = py::none())
+      "blocks).");
+  cls.def(py::init(&Create), py::arg("config"), py::arg("kv_configs"),
+          py::arg("base_mp_group") = py::none(), py::arg("device") = py::none())
       .def(
           "get_or_create_sequence",
           [](const Manager& self, SeqId uid) {
@@ -285,6 +285,7 @@ void BindManager(py::module_& m) {
       .def_property_readonly("config", [](const StateManager& self) { return self.config(); })
       .def("check_invariants",
            [](const StateManager& self) { ThrowIfError(self.CheckInvariants()); });
+  BindPrefixCacheMethods(m, cls);
 }
 
 }  // namespace
