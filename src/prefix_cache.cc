@@ -36,18 +36,17 @@ BlockHash Xxh3BlockHash(std::span<const std::byte> bytes, uint64_t seed) {
 
 namespace {
 
+// Writes `value` at out[at, at + sizeof(T)) and returns the next offset.
 template <class T>
-void Append(std::vector<std::byte>& out, const T& value) {
-  const size_t at = out.size();
-  out.resize(at + sizeof(T));
+size_t Put(std::vector<std::byte>& out, size_t at, const T& value) {
   std::memcpy(out.data() + at, &value, sizeof(T));
+  return at + sizeof(T);
 }
 
-void AppendBytes(std::vector<std::byte>& out, std::string_view bytes) {
-  Append(out, static_cast<uint32_t>(bytes.size()));
-  const size_t at = out.size();
-  out.resize(at + bytes.size());
+size_t PutBytes(std::vector<std::byte>& out, size_t at, std::string_view bytes) {
+  at = Put(out, at, static_cast<uint32_t>(bytes.size()));
   if (!bytes.empty()) std::memcpy(out.data() + at, bytes.data(), bytes.size());
+  return at + bytes.size();
 }
 
 std::string_view BlockBytes(const BlockKeyExtras& extras, size_t index) {
@@ -56,21 +55,21 @@ std::string_view BlockBytes(const BlockKeyExtras& extras, size_t index) {
 
 // The encoding H hashes, little-endian: a version byte, a has-parent byte, the parent key
 // (zeros without one), the adapter id, the token count and ids, the namespace (block 0 only) and
-// the block's extra bytes, each with a u32 length.
+// the block's extra bytes, each with a u32 length. Sized once, then written in place.
 void EncodeBlockKey(std::vector<std::byte>& out, const BlockHash* parent,
                     std::span<const TokenId> tokens, const BlockKeyExtras& extras, size_t index) {
-  out.clear();
-  Append(out, uint8_t{1});
-  Append(out, static_cast<uint8_t>(parent != nullptr));
-  Append(out, parent != nullptr ? parent->lo : uint64_t{0});
-  Append(out, parent != nullptr ? parent->hi : uint64_t{0});
-  Append(out, extras.adapter_id);
-  Append(out, static_cast<uint32_t>(tokens.size()));
-  const size_t at = out.size();
-  out.resize(at + tokens.size_bytes());
+  const std::string_view ns = index == 0 ? std::string_view(extras.ns) : std::string_view();
+  const std::string_view bytes = BlockBytes(extras, index);
+  out.resize(2 + 16 + 8 + 4 + tokens.size_bytes() + 4 + ns.size() + 4 + bytes.size());
+  size_t at = Put(out, 0, uint8_t{1});
+  at = Put(out, at, static_cast<uint8_t>(parent != nullptr));
+  at = Put(out, at, parent != nullptr ? parent->lo : uint64_t{0});
+  at = Put(out, at, parent != nullptr ? parent->hi : uint64_t{0});
+  at = Put(out, at, extras.adapter_id);
+  at = Put(out, at, static_cast<uint32_t>(tokens.size()));
   std::memcpy(out.data() + at, tokens.data(), tokens.size_bytes());
-  AppendBytes(out, index == 0 ? std::string_view(extras.ns) : std::string_view());
-  AppendBytes(out, BlockBytes(extras, index));
+  at = PutBytes(out, at + tokens.size_bytes(), ns);
+  PutBytes(out, at, bytes);
 }
 
 }  // namespace
@@ -85,38 +84,60 @@ BlockHash HashBlock(const BlockHash* parent, std::span<const TokenId> tokens,
 
 // ---- the index --------------------------------------------------------------------------------
 
-// One cache group's keys. Blocks whose hashes share their low 64 bits form a bucket: a doubly
-// linked list through next_/prev_ whose head the index maps hash.lo to.
+// One cache group's keys. What a candidate check reads sits in one 64-byte record per block;
+// the token ids it compares last are one more line. Blocks whose hashes share their low 64 bits
+// form a bucket: a doubly linked list through the records whose head the index maps hash.lo to.
+//
+// Chain ids: exact copies of one block (same key, parent chain, tokens, adapter, namespace for
+// block 0, bytes; two sequences that computed the same prefix) share one chain id, and a child
+// names its parent by it, so any copy of a parent leads to the children of every copy. An id is
+// never given to other contents, so a chain of matches is exact whatever the hash does.
 struct PrefixCache::Group {
-  Group(int32_t num_blocks, int32_t block_size)
-      : index(num_blocks),
-        hash(static_cast<size_t>(num_blocks)),
-        parent_hash(static_cast<size_t>(num_blocks)),
-        next(static_cast<size_t>(num_blocks), kNoBlock),
-        prev(static_cast<size_t>(num_blocks), kNoBlock),
-        publish_id(static_cast<size_t>(num_blocks), 0),
-        parent_id(static_cast<size_t>(num_blocks), 0),
-        ns(static_cast<size_t>(num_blocks), 0),
-        adapter(static_cast<size_t>(num_blocks), 0),
-        bytes(static_cast<size_t>(num_blocks)),
-        tokens(static_cast<size_t>(num_blocks) * static_cast<size_t>(block_size)) {}
+  struct alignas(64) Record {
+    BlockHash hash;
+    uint64_t chain_id = 0;   // 0 = not indexed
+    uint64_t parent_id = 0;  // the parent's chain id; 0 for block 0
+    int64_t adapter = 0;
+    BlockId next = kNoBlock;  // bucket links, kNoBlock at the ends
+    BlockId prev = kNoBlock;
+    int32_t ns = 0;          // namespace id (block 0; inherited through the chain after)
+    bool has_bytes = false;  // bytes[block] is not empty
+  };
 
-  std::span<const TokenId> Tokens(BlockId block, int32_t block_size) const {
+  Group(int32_t num_blocks, int32_t tokens_per_block)
+      : index(num_blocks),
+        records(static_cast<size_t>(num_blocks)),
+        parent_hash(static_cast<size_t>(num_blocks)),
+        bytes(static_cast<size_t>(num_blocks)),
+        tokens(static_cast<size_t>(num_blocks) * static_cast<size_t>(tokens_per_block)),
+        block_size(tokens_per_block) {}
+
+  std::span<const TokenId> Tokens(BlockId block) const {
     return {tokens.data() + static_cast<size_t>(block) * static_cast<size_t>(block_size),
             static_cast<size_t>(block_size)};
   }
+  BlockId Head(const BlockHash& key) const {
+    const int32_t head = index.Find(static_cast<int64_t>(key.lo));
+    return head == internal::UidMap::kAbsent ? kNoBlock : head;
+  }
+  // Whether `block` holds block `i` of a sequence with these tokens and extras, keyed `key`,
+  // whose parent (i > 0) has chain id `parent_id`.
+  bool Holds(BlockId block, const BlockHash& key, uint64_t parent_id, std::span<const TokenId> want,
+             int32_t ns_id, const BlockKeyExtras& extras, size_t i) const {
+    const Record& r = records[static_cast<size_t>(block)];
+    const std::string_view extra = BlockBytes(extras, i);
+    return r.hash == key && r.parent_id == parent_id && r.adapter == extras.adapter_id &&
+           (i > 0 || r.ns == ns_id) && r.has_bytes == !extra.empty() &&
+           (!r.has_bytes || bytes[static_cast<size_t>(block)] == extra) &&
+           std::equal(want.begin(), want.end(), Tokens(block).begin());
+  }
 
   internal::UidMap index;              // hash.lo → first block of the bucket
-  std::vector<BlockHash> hash;         // [num_blocks]
+  std::vector<Record> records;         // [num_blocks]
   std::vector<BlockHash> parent_hash;  // [num_blocks] key it was chained from (window anchor)
-  std::vector<BlockId> next;           // [num_blocks] bucket links, kNoBlock at the ends
-  std::vector<BlockId> prev;           // [num_blocks]
-  std::vector<uint64_t> publish_id;    // [num_blocks] unique per publish; 0 = not indexed
-  std::vector<uint64_t> parent_id;     // [num_blocks] the parent's publish id; 0 for block 0
-  std::vector<int32_t> ns;             // [num_blocks] namespace id
-  std::vector<int64_t> adapter;        // [num_blocks]
   std::vector<std::string> bytes;      // [num_blocks] extra bytes, usually empty
   std::vector<TokenId> tokens;         // [num_blocks, block_size]
+  int32_t block_size;
   int64_t cached = 0;
 };
 
@@ -152,6 +173,16 @@ int32_t PrefixCache::InternNamespace(std::string_view ns) {
   return it->second;
 }
 
+BlockId PrefixCache::Find(int group, const BlockHash& key, uint64_t parent_id,
+                          std::span<const TokenId> want, int32_t ns_id,
+                          const BlockKeyExtras& extras, size_t index) const {
+  const Group& g = *groups_[group];
+  for (BlockId b = g.Head(key); b != kNoBlock; b = g.records[b].next) {
+    if (g.Holds(b, key, parent_id, want, ns_id, extras, index)) return b;
+  }
+  return kNoBlock;
+}
+
 int32_t PrefixCache::Match(int group, std::span<const TokenId> tokens, int32_t ns_id,
                            const BlockKeyExtras& extras, int32_t max_blocks, std::span<BlockId> out,
                            BlockHash* last_key) const {
@@ -159,25 +190,15 @@ int32_t PrefixCache::Match(int group, std::span<const TokenId> tokens, int32_t n
   const auto bs = static_cast<size_t>(block_sizes_[group]);
   const auto limit = std::min(static_cast<size_t>(max_blocks), tokens.size() / bs);
   BlockHash key;
-  uint64_t parent = 0;  // publish id of the block matched just before
+  uint64_t parent = 0;  // chain id of the block matched just before
   size_t i = 0;
   for (; i < limit; ++i) {
     const std::span<const TokenId> want = tokens.subspan(i * bs, bs);
     key = Hash(i == 0 ? nullptr : &key, want, extras, i);
-    const int32_t head = g.index.Find(static_cast<int64_t>(key.lo));
-    BlockId found = kNoBlock;
-    for (BlockId b = head == internal::UidMap::kAbsent ? kNoBlock : head;
-         b != kNoBlock && found == kNoBlock; b = g.next[b]) {
-      const bool same =
-          g.hash[b] == key && g.parent_id[b] == parent && g.adapter[b] == extras.adapter_id &&
-          (i > 0 || g.ns[b] == ns_id) &&
-          std::equal(want.begin(), want.end(), g.Tokens(b, block_sizes_[group]).begin()) &&
-          g.bytes[b] == BlockBytes(extras, i);
-      if (same) found = b;
-    }
+    const BlockId found = Find(group, key, parent, want, ns_id, extras, i);
     if (found == kNoBlock) break;
     out[i] = found;
-    parent = g.publish_id[found];
+    parent = g.records[found].chain_id;
     *last_key = key;
   }
   return static_cast<int32_t>(i);
@@ -192,20 +213,19 @@ void PrefixCache::MatchWindow(int group, std::span<const TokenId> tokens, int32_
   for (size_t i = 0; i < limit; ++i) {
     const std::span<const TokenId> want = tokens.subspan(i * bs, bs);
     keys[i] = Hash(i == 0 ? nullptr : &keys[i - 1], want, extras, i);
-    const uint64_t parent = i == 0 || out[i - 1] == kNoBlock ? 0 : g.publish_id[out[i - 1]];
-    const bool anchored = i > 0 && out[i - 1] == kNoBlock;
-    const int32_t head = g.index.Find(static_cast<int64_t>(keys[i].lo));
+    if (i == 0 || out[i - 1] != kNoBlock) {
+      const uint64_t parent = i == 0 ? 0 : g.records[out[i - 1]].chain_id;
+      out[i] = Find(group, keys[i], parent, want, ns_id, extras, i);
+      continue;
+    }
+    // Block i − 1 matched nothing: anchor on the key this block was chained from.
     out[i] = kNoBlock;
-    for (BlockId b = head == internal::UidMap::kAbsent ? kNoBlock : head;
-         b != kNoBlock && out[i] == kNoBlock; b = g.next[b]) {
-      const bool chained = anchored ? g.parent_id[b] != 0 && g.parent_hash[b] == keys[i - 1]
-                                    : g.parent_id[b] == parent;
-      const bool same =
-          g.hash[b] == keys[i] && chained && g.adapter[b] == extras.adapter_id &&
-          (i > 0 || g.ns[b] == ns_id) &&
-          std::equal(want.begin(), want.end(), g.Tokens(b, block_sizes_[group]).begin()) &&
-          g.bytes[b] == BlockBytes(extras, i);
-      if (same) out[i] = b;
+    for (BlockId b = g.Head(keys[i]); b != kNoBlock && out[i] == kNoBlock; b = g.records[b].next) {
+      const uint64_t parent = g.records[b].parent_id;
+      if (parent != 0 && g.parent_hash[b] == keys[i - 1] &&
+          g.Holds(b, keys[i], parent, want, ns_id, extras, i)) {
+        out[i] = b;
+      }
     }
   }
 }
@@ -216,34 +236,43 @@ PrefixCache::Published PrefixCache::Publish(int group, BlockId block, const Publ
                                             const BlockKeyExtras& extras, size_t index,
                                             int32_t priority) {
   Group& g = *groups_[group];
-  const int32_t bs = block_sizes_[group];
-  BLOCKKV_CHECK(g.publish_id[block] == 0 && !pools_[group].is_cached(block),
+  Group::Record& r = g.records[block];
+  BLOCKKV_CHECK(r.chain_id == 0 && !pools_[group].is_cached(block),
                 "PrefixCache::Publish: the block is cached already");
-  BLOCKKV_CHECK(block_tokens.size() == static_cast<size_t>(bs),
+  BLOCKKV_CHECK(block_tokens.size() == static_cast<size_t>(g.block_size),
                 "PrefixCache::Publish: a block is published full");
   BLOCKKV_CHECK(parent == nullptr || parent->id != 0, "PrefixCache::Publish: a parent without id");
+  const uint64_t parent_id = parent == nullptr ? 0 : parent->id;
+  // An exact copy already cached lends its chain id, so children of either are found from both.
+  const BlockId copy = Find(group, key, parent_id, block_tokens, ns_id, extras, index);
   pools_[group].MarkCached(block, priority);
-  g.hash[block] = key;
-  g.publish_id[block] = ++last_publish_id_;
-  g.parent_id[block] = parent == nullptr ? 0 : parent->id;
+  const std::string_view extra = BlockBytes(extras, index);
+  const BlockId head = g.Head(key);
+  bool stored_before = false;  // another block holds this key: routers know it already
+  for (BlockId b = head; b != kNoBlock && !stored_before; b = g.records[b].next) {
+    stored_before = g.records[b].hash == key;
+  }
+  r = Group::Record{.hash = key,
+                    .chain_id = copy != kNoBlock ? g.records[copy].chain_id : ++last_chain_id_,
+                    .parent_id = parent_id,
+                    .adapter = extras.adapter_id,
+                    .next = head,
+                    .prev = kNoBlock,
+                    .ns = ns_id,
+                    .has_bytes = !extra.empty()};
   g.parent_hash[block] = parent == nullptr ? BlockHash{} : parent->key;
-  g.ns[block] = ns_id;
-  g.adapter[block] = extras.adapter_id;
-  g.bytes[block] = BlockBytes(extras, index);
+  g.bytes[block] = extra;
   std::copy(block_tokens.begin(), block_tokens.end(),
-            g.tokens.begin() + static_cast<std::ptrdiff_t>(block) * bs);
+            g.tokens.begin() + static_cast<std::ptrdiff_t>(block) * g.block_size);
   // Newest first in its bucket.
   const auto bucket = static_cast<int64_t>(key.lo);
-  const int32_t head = g.index.Find(bucket);
-  g.prev[block] = kNoBlock;
-  g.next[block] = head == internal::UidMap::kAbsent ? kNoBlock : head;
-  if (head != internal::UidMap::kAbsent) {
-    g.prev[head] = block;
+  if (head != kNoBlock) {
+    g.records[head].prev = block;
     g.index.Erase(bucket);
   }
   g.index.Insert(bucket, block);
   ++g.cached;
-  if (config_.max_events > 0) {
+  if (config_.max_events > 0 && !stored_before) {
     Emit(BlockStored{.hash = key,
                      .has_parent = parent != nullptr,
                      .parent = g.parent_hash[block],
@@ -252,42 +281,40 @@ PrefixCache::Published PrefixCache::Publish(int group, BlockId block, const Publ
                      .adapter_id = extras.adapter_id,
                      .group = group});
   }
-  return {g.publish_id[block], key};
+  return {r.chain_id, key};
 }
 
 PrefixCache::Published PrefixCache::published(int group, BlockId block) const {
-  const Group& g = *groups_[group];
-  return {g.publish_id[block], g.hash[block]};
+  const Group::Record& r = groups_[group]->records[block];
+  return {r.chain_id, r.hash};
 }
 
 void PrefixCache::Forget(int group, BlockId block) {
   Group& g = *groups_[group];
-  BLOCKKV_CHECK(g.publish_id[block] != 0, "PrefixCache: forgetting a block it does not hold");
-  const auto key = static_cast<int64_t>(g.hash[block].lo);
-  const BlockId before = g.prev[block];
-  const BlockId after = g.next[block];
-  if (before != kNoBlock) {
-    g.next[before] = after;
+  Group::Record& r = g.records[block];
+  BLOCKKV_CHECK(r.chain_id != 0, "PrefixCache: forgetting a block it does not hold");
+  const auto bucket = static_cast<int64_t>(r.hash.lo);
+  if (r.prev != kNoBlock) {
+    g.records[r.prev].next = r.next;
   } else {
-    g.index.Erase(key);
-    if (after != kNoBlock) g.index.Insert(key, after);
+    g.index.Erase(bucket);
+    if (r.next != kNoBlock) g.index.Insert(bucket, r.next);
   }
-  if (after != kNoBlock) g.prev[after] = before;
-  g.prev[block] = g.next[block] = kNoBlock;
-  g.publish_id[block] = 0;
+  if (r.next != kNoBlock) g.records[r.next].prev = r.prev;
+  r.prev = r.next = kNoBlock;
+  r.chain_id = 0;
+  r.has_bytes = false;
   g.bytes[block].clear();
   --g.cached;
   // BlockRemoved only when no other copy of the hash is left in the bucket.
-  const int32_t head = g.index.Find(key);
-  for (BlockId b = head == internal::UidMap::kAbsent ? kNoBlock : head; b != kNoBlock;
-       b = g.next[b]) {
-    if (g.hash[b] == g.hash[block]) return;
+  for (BlockId b = g.Head(r.hash); b != kNoBlock; b = g.records[b].next) {
+    if (g.records[b].hash == r.hash) return;
   }
-  Emit(BlockRemoved{.hash = g.hash[block], .group = group});
+  Emit(BlockRemoved{.hash = r.hash, .group = group});
 }
 
 void PrefixCache::OnEvict(int group, BlockId block) {
-  ++ns_stats_[static_cast<size_t>(groups_[group]->ns[block])].evictions;
+  ++ns_stats_[static_cast<size_t>(groups_[group]->records[block].ns)].evictions;
   Forget(group, block);
 }
 
@@ -364,21 +391,20 @@ Status PrefixCache::CheckInvariants() const {
     const BlockPool& pool = pools_[gi];
     int64_t indexed = 0;
     for (BlockId b = 0; b < pool.num_blocks(); ++b) {
-      const bool has_key = g.publish_id[b] != 0;
+      const Group::Record& r = g.records[b];
+      const bool has_key = r.chain_id != 0;
       if (has_key != pool.is_cached(b)) {
         return InternalError(StrCat("group ", gi, " block ", b, (has_key ? " has" : " has no"),
                                     " key but is", (pool.is_cached(b) ? "" : " not"), " cached"));
       }
       if (!has_key) continue;
       ++indexed;
-      if (g.parent_id[b] >= g.publish_id[b]) {
-        return InternalError(
-            StrCat("group ", gi, " block ", b, " was published before its parent"));
+      if (r.parent_id >= r.chain_id || r.has_bytes == g.bytes[b].empty()) {
+        return InternalError(StrCat("group ", gi, " block ", b, ": chain id ", r.chain_id,
+                                    " after its parent's ", r.parent_id, ", or bad bytes flag"));
       }
-      // Reachable from its bucket's head.
-      const int32_t head = g.index.Find(static_cast<int64_t>(g.hash[b].lo));
-      BlockId at = head == internal::UidMap::kAbsent ? kNoBlock : head;
-      while (at != kNoBlock && at != b) at = g.next[at];
+      BlockId at = g.Head(r.hash);  // reachable from its bucket's head
+      while (at != kNoBlock && at != b) at = g.records[at].next;
       if (at != b) return InternalError(StrCat("group ", gi, " block ", b, " is not indexed"));
     }
     if (indexed != g.cached) {

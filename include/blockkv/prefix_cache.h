@@ -8,8 +8,9 @@
 // process, rank and run; LMCache's most reported bug is a per-process seed). The namespace mixed
 // into block 0 isolates tenants as vLLM's cache_salt does: two namespaces never share a block.
 // The hash only finds candidates: a hit also compares the block's token ids, namespace, adapter
-// and extra bytes exactly, and that its parent is the block matched just before (by a publish
-// id unique for the life of the cache), so a hash collision never hands out another prompt's KV.
+// and extra bytes exactly, and that its parent is the block matched just before (by a chain id
+// that exact copies share and other contents never get), so a hash collision never hands out
+// another prompt's KV.
 //
 // The StateManager owns one PrefixCache when StateManagerConfig.prefix_cache.enabled; an engine
 // uses it through the manager:
@@ -84,7 +85,7 @@ struct PrefixCacheConfig {
 };
 
 // Events for cache-aware routers (vLLM's KV events).
-struct BlockStored {
+struct BlockStored {  // `hash` became cached in `group` (a second copy says nothing)
   BlockHash hash;
   bool has_parent = false;
   BlockHash parent;  // valid when has_parent
@@ -141,7 +142,7 @@ class PrefixCache : public BlockPool::EvictionListener {
 
   // For a windowed group: the same walk over every full block (at most `max_blocks`), not
   // stopping at a miss. out[i] is the cached block matching block i or kNoBlock, keys[i] block
-  // i's key. Block i matches when its parent is the publish matched at i − 1, or, when block
+  // i's key. Block i matches when its parent is the block matched at i − 1, or, when block
   // i − 1 matched nothing (its copy was evicted or released out of the window), when the key
   // its publisher chained it from equals keys[i − 1]: there, and only there, exactness rests on
   // the 128-bit hash. REQUIRES: out.size() and keys.size() >= max_blocks.
@@ -149,19 +150,21 @@ class PrefixCache : public BlockPool::EvictionListener {
                    const BlockKeyExtras& extras, int32_t max_blocks, std::span<BlockId> out,
                    std::span<BlockHash> keys) const;
 
-  // A publish's identity: unique for the life of the cache (0 = none), and its key.
+  // A cached block's identity: its chain id (shared by exact copies, never given to other
+  // contents; 0 = none) and its key.
   struct Published {
     uint64_t id = 0;
     BlockHash key;
   };
-  // Publishes `block`, block `index` of a sequence, under `key`, chained from `parent` (the
-  // publish of the sequence's block index − 1; nullptr for index 0): the block becomes cached
-  // at `priority` and the BlockStored event is queued. Returns the new publish. REQUIRES:
+  // Publishes `block`, block `index` of a sequence, under `key`, chained from `parent` (what
+  // the sequence's block index − 1 was published as; nullptr for index 0): the block becomes
+  // cached at `priority`, and BlockStored is queued unless another block holds `key` already.
+  // Returns what the block was published as. REQUIRES:
   // `block` is held and not cached, parent->id != 0.
   Published Publish(int group, BlockId block, const Published* parent, const BlockHash& key,
                     std::span<const TokenId> block_tokens, int32_t ns_id,
                     const BlockKeyExtras& extras, size_t index, int32_t priority);
-  // The publish `block` holds (id 0 when it is not cached).
+  // What `block` was published as (chain id 0 when it is not cached).
   Published published(int group, BlockId block) const;
 
   // Forgets every cached block no one references (they go back to the allocators); returns
@@ -185,6 +188,10 @@ class PrefixCache : public BlockPool::EvictionListener {
 
  private:
   struct Group;
+  // The cached block of `group` holding block `index` of a sequence with these tokens and
+  // extras under `key`, chained from `parent_id`; kNoBlock when none.
+  BlockId Find(int group, const BlockHash& key, uint64_t parent_id, std::span<const TokenId> want,
+               int32_t ns_id, const BlockKeyExtras& extras, size_t index) const;
   void Forget(int group, BlockId block);  // drops the key; events
   void Emit(CacheEvent event);
 
@@ -197,7 +204,7 @@ class PrefixCache : public BlockPool::EvictionListener {
   std::vector<PrefixCacheStats> ns_stats_;
   std::deque<CacheEvent> events_;
   uint64_t dropped_events_ = 0;
-  uint64_t last_publish_id_ = 0;
+  uint64_t last_chain_id_ = 0;
   mutable std::vector<std::byte> scratch_;  // the bytes one Hash encodes
 };
 

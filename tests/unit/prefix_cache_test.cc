@@ -254,6 +254,38 @@ TEST_F(PrefixCacheTest, ColludingHashNeverHandsOutAnotherPromptsBlocks) {
   EXPECT_EQ(Prefill(5, a), 8) << "the true prefix still hits";
 }
 
+TEST_F(PrefixCacheTest, AnExactCopyOfABlockLeadsToTheChildrenOfEveryCopy) {
+  // Found by prefix_cache_bench: a prompt sent again recomputes its last block and publishes a
+  // second copy; the children of the first copy must still be found through it.
+  Make(32, {.enabled = true, .max_events = 64});
+  const std::vector<TokenId> a = Tokens(8);
+  Prefill(1, a);
+  const SeqId one[] = {1};
+  const int64_t step[] = {1};
+  for (TokenId t : {200, 201, 202, 203}) {  // decode a third block: 200..203
+    ASSERT_OK(mgr_->AppendTokens(1, std::vector<TokenId>{t}));
+    ASSERT_OK(mgr_->Schedule(one, step));
+    ASSERT_OK(mgr_->PostForward(one));
+  }
+  Flush(1);
+  EXPECT_EQ(Prefill(2, a), 4);  // block 1 recomputed: a second copy of it
+  Flush(2);
+  (void)mgr_->DrainCacheEvents();
+  std::vector<TokenId> follow_up = a;
+  for (TokenId t : {200, 201, 202, 203, 9}) follow_up.push_back(t);
+  EXPECT_EQ(Prefill(3, follow_up), 12);
+}
+
+TEST_F(PrefixCacheTest, ASecondCopyOfAKeyIsNotAnnouncedAgain) {
+  Make(32, {.enabled = true, .max_events = 64});
+  Prefill(1, Tokens(8));
+  Flush(1);
+  (void)mgr_->DrainCacheEvents();
+  EXPECT_EQ(Prefill(2, Tokens(8)), 4);  // publishes a second copy of block 1
+  EXPECT_TRUE(mgr_->DrainCacheEvents().events.empty());
+  EXPECT_EQ(mgr_->prefix_cache()->cached_blocks(0), 3);
+}
+
 // ---- eviction ---------------------------------------------------------------------------------
 
 TEST_F(PrefixCacheTest, FlushedBlocksStayCachedAndCountAsFree) {
