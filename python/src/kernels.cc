@@ -39,6 +39,7 @@ CUstream_st* ToStream(py::handle obj) {
           "stream must be None, an int (a cudaStream_t) or a torch.cuda.Stream, got " +
               std::string(py::str(py::type::of(obj).attr("__name__"))));
   }
+  // NOLINTNEXTLINE(performance-no-int-to-ptr): Python hands a cudaStream_t over as an int.
   return reinterpret_cast<CUstream_st*>(handle.cast<uintptr_t>());
 }
 

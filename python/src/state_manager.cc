@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "batch_wrapper.h"
 #include "common.h"
 #include "sequence.h"
 #include "tensor.h"
@@ -238,9 +239,16 @@ void BindManager(py::module_& m) {
       .def(
           "post_forward",
           [](StateManager& self, py::handle uids) {
+            if (py::isinstance<BatchWrapper>(uids)) {
+              ThrowIfError(self.PostForward(*uids.cast<const BatchWrapper&>().batch));
+              return;
+            }
             ThrowIfError(self.PostForward(ToInt64Vector(uids, "uids")));
           },
-          py::arg("uids"))
+          py::arg("uids"),
+          "seen_tokens += in_flight_tokens for each uid; or for every sequence of a "
+          "RaggedBatchWrapper, which with prefix caching also records the tokens the batch gave "
+          "each sequence (so a decode step needs no append_tokens)")
       .def(
           "fork",
           [](StateManager& self, SeqId parent_uid, SeqId child_uid) {

@@ -198,6 +198,25 @@ def test_decoded_tokens_are_published_with_append_tokens():
     manager.append_tokens(2, 5)  # a single int is one token
 
 
+def test_post_forward_of_a_batch_records_its_tokens():
+    manager = make_manager()
+    batch = blockkv.RaggedBatchWrapper(manager)
+    seq = manager.add_sequence(1, PROMPT)
+    for tokens in (PROMPT, *([[3000 + i] for i in range(8)])):  # prefill, then 8 decode steps
+        manager.schedule([1], [len(tokens)])
+        batch.clear()
+        batch.insert_sequence(seq, tokens)
+        batch.finalize()
+        manager.post_forward(batch)  # no append_tokens: the batch's tokens become known
+    assert seq.seen_tokens == 48
+    events = manager.drain_cache_events().events
+    assert len(events) == 3 and events[2].tokens == PROMPT[32:] + list(range(3000, 3008))
+    other = blockkv.StateManager(manager.config, (kv_config(block_size=BLOCK),), device="cpu")
+    with pytest.raises(ValueError):
+        other.post_forward(batch)  # another manager's batch
+    manager.check_invariants()
+
+
 def test_reset_drops_unreferenced_blocks_and_reports_it():
     manager = make_manager()
     run_prompt(manager, 1, PROMPT)
