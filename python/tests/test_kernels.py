@@ -19,10 +19,10 @@ DTYPE_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 class Engine:
     """A manager with one layer, its batch, and the cache as a torch view."""
 
-    def __init__(self, dtype, num_blocks=64, head_size=HEAD):
+    def __init__(self, dtype, num_blocks=64, head_size=HEAD, cache_dtype=None):
         config = blockkv.StateManagerConfig(memory_config=allocate(num_blocks))
         kv = kv_config(block_size=BLOCK, layers=1, heads=KV_HEADS, head_size=head_size,
-                       dtype=DTYPE_NAME[dtype])
+                       dtype=cache_dtype or DTYPE_NAME[dtype])
         self.manager = blockkv.StateManager(config, (kv,), device="cpu")
         self.batch = blockkv.RaggedBatchWrapper(self.manager)
         self.layer = self.manager.get_cache(0)  # blockkv.Tensor [N, BLOCK, 2, Hkv, D]
@@ -153,6 +153,38 @@ def test_rotary_rotates_k_and_q_in_place(rotary_dim):
             cached_k[seen:], rotate_half(k[start:start + n], positions[start:start + n],
                                          500000.0, dim), atol=1e-5, rtol=1e-5)
         assert torch.equal(cached_v[seen:], v[start:start + n])  # V is not rotated
+
+
+def decode_e4m3(raw):
+    """fp8 e4m3fn bytes (uint8) as float32: bias 7, subnormals, no infinities."""
+    raw = raw.long()
+    sign = 1.0 - 2.0 * (raw >> 7).float()
+    exponent, mantissa = (raw >> 3) & 0xF, (raw & 0x7).float()
+    normal = torch.pow(2.0, exponent.float() - 7.0) * (1.0 + mantissa / 8.0)
+    subnormal = 2.0 ** -6 * mantissa / 8.0
+    return sign * torch.where(exponent == 0, subnormal, normal)
+
+
+def test_fp8_cache_with_kv_scale():
+    engine = Engine(torch.float32, cache_dtype="fp8_e4m3")
+    assert engine.cache.dtype == torch.uint8  # fp8 travels as bytes
+    generator = torch.Generator().manual_seed(4)
+    rows = engine.step([1, 2], [7, 3])
+    q = engine.activations(Q_HEADS, generator)
+    k = engine.activations(KV_HEADS, generator) * 3.0
+    v = engine.activations(KV_HEADS, generator) * 3.0
+    out = torch.zeros_like(q)
+    blockkv.append_kv(engine.layer, k, v, engine.batch, kv_scale=0.5)
+    blockkv.paged_attention(q, engine.layer, engine.batch, out, kv_scale=0.5)
+    for uid, start, n, seen in rows:
+        raw_k, raw_v = engine.gathered(uid, seen + n)
+        cached_k, cached_v = decode_e4m3(raw_k) * 0.5, decode_e4m3(raw_v) * 0.5
+        # e4m3 keeps 3 mantissa bits: within 1/16 relative (plus the subnormal step).
+        torch.testing.assert_close(cached_k, k[start:start + n], rtol=1 / 16, atol=2.0 ** -9)
+        torch.testing.assert_close(cached_v, v[start:start + n], rtol=1 / 16, atol=2.0 ** -9)
+        # Attention reads exactly the stored values times kv_scale.
+        expected = reference(q[start:start + n], cached_k, cached_v, seen)
+        torch.testing.assert_close(out[start:start + n], expected, atol=1e-4, rtol=1e-4)
 
 
 def test_bad_input_raises_and_writes_nothing():
