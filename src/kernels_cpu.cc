@@ -199,11 +199,16 @@ void TileSlots(const PagedKV& c, int32_t seq, int64_t k0, int32_t count, int64_t
   }
 }
 
-// Asks for the K and V rows of heads [h0, h1) at `slots` to be brought into cache.
+// Asks for the K and V rows of heads [h0, h1) where the tile's positions jump to another block
+// (the first two positions there): within a block the rows are contiguous and the hardware
+// prefetcher follows them, but it does not cross to the next block.
 void PrefetchTile(const PagedKV& c, const int64_t* slots, int32_t count, int32_t h0, int32_t h1) {
   const auto elem = static_cast<int64_t>(ElementSize(c.dtype));
   const int64_t bytes = int64_t{h1 - h0} * c.head_stride * elem;
   for (int32_t j = 0; j < count; ++j) {
+    const bool jump = j == 0 || slots[j] != slots[j - 1] + c.token_stride;
+    const bool after_jump = j >= 1 && (j == 1 || slots[j - 1] != slots[j - 2] + c.token_stride);
+    if (!jump && !after_jump) continue;
     const int64_t at = slots[j] + h0 * c.head_stride;
     const uint8_t* k = ElementPtr(c.data, at, c.dtype);
     const uint8_t* v = ElementPtr(c.data, at + c.plane_stride, c.dtype);
