@@ -289,7 +289,7 @@ PrefixCache::Published PrefixCache::published(int group, BlockId block) const {
   return {r.chain_id, r.hash};
 }
 
-void PrefixCache::Forget(int group, BlockId block) {
+void PrefixCache::Forget(int group, BlockId block, bool announce) {
   Group& g = *groups_[group];
   Group::Record& r = g.records[block];
   BLOCKKV_CHECK(r.chain_id != 0, "PrefixCache: forgetting a block it does not hold");
@@ -307,6 +307,7 @@ void PrefixCache::Forget(int group, BlockId block) {
   g.bytes[block].clear();
   --g.cached;
   // BlockRemoved only when no other copy of the hash is left in the bucket.
+  if (!announce) return;
   for (BlockId b = g.Head(r.hash); b != kNoBlock; b = g.records[b].next) {
     if (g.records[b].hash == r.hash) return;
   }
@@ -315,30 +316,25 @@ void PrefixCache::Forget(int group, BlockId block) {
 
 void PrefixCache::OnEvict(int group, BlockId block) {
   ++ns_stats_[static_cast<size_t>(groups_[group]->records[block].ns)].evictions;
-  Forget(group, block);
+  Forget(group, block, /*announce=*/true);
 }
 
 int64_t PrefixCache::Reset() {
+  // When nothing will be left cached, say so once instead of a removal per block.
   bool everything = true;
   for (size_t g = 0; g < groups_.size(); ++g) {
     everything = everything && groups_[g]->cached == pools_[g].evictable_blocks();
   }
-  const size_t events_before = events_.size();
-  const uint64_t dropped_before = dropped_events_;
   int64_t dropped = 0;
   for (size_t g = 0; g < groups_.size(); ++g) {
     for (BlockId block = 0; block < pools_[g].num_blocks(); ++block) {
       if (!pools_[g].is_evictable(block)) continue;
-      Forget(static_cast<int>(g), block);
+      Forget(static_cast<int>(g), block, /*announce=*/!everything);
       pools_[g].Uncache(block);
       ++dropped;
     }
   }
-  if (everything && dropped_events_ == dropped_before) {
-    // Say it once: drop the per-block removals just queued.
-    events_.resize(events_before);
-    Emit(AllCleared{});
-  }
+  if (everything) Emit(AllCleared{});
   return dropped;
 }
 

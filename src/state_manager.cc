@@ -575,6 +575,14 @@ Status StateManager::Fork(SeqId parent, SeqId child) {
       if (tails[g] != kNoBlock) pools_[g].Release(std::span(&tails[g], 1)).IgnoreError();
     }
   };
+  // Every group's tail block must be there before any is taken: taking one may evict a cached
+  // block, which a later group's failure could not undo.
+  for (int g = 0; g < num_groups(); ++g) {
+    if (block_sizes_[g].Offset(seen) != 0 && pools_[g].free_blocks() == 0) {
+      return ResourceExhaustedError(
+          StrCat("Fork: no block of cache group ", g, " for the copy of the partial last block"));
+    }
+  }
   for (int g = 0; g < num_groups(); ++g) {
     if (block_sizes_[g].Offset(seen) == 0) continue;
     const BlockId source = from->groups_[g].row[block_sizes_[g].Index(seen)];

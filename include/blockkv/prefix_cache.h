@@ -192,7 +192,8 @@ class PrefixCache : public BlockPool::EvictionListener {
   // extras under `key`, chained from `parent_id`; kNoBlock when none.
   BlockId Find(int group, const BlockHash& key, uint64_t parent_id, std::span<const TokenId> want,
                int32_t ns_id, const BlockKeyExtras& extras, size_t index) const;
-  void Forget(int group, BlockId block);  // drops the key; events
+  // Drops the key; queues BlockRemoved when `announce` and no other copy of the key is left.
+  void Forget(int group, BlockId block, bool announce);
   void Emit(CacheEvent event);
 
   PrefixCacheConfig config_;
