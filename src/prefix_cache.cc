@@ -184,22 +184,31 @@ BlockId PrefixCache::Find(int group, const BlockHash& key, uint64_t parent_id,
 }
 
 int32_t PrefixCache::Match(int group, std::span<const TokenId> tokens, int32_t ns_id,
-                           const BlockKeyExtras& extras, int32_t max_blocks, std::span<BlockId> out,
-                           BlockHash* last_key) const {
+                           const BlockKeyExtras& extras, int32_t max_blocks,
+                           std::span<BlockId> out, BlockHash* last_key) const {
   const Group& g = *groups_[group];
   const auto bs = static_cast<size_t>(block_sizes_[group]);
   const auto limit = std::min(static_cast<size_t>(max_blocks), tokens.size() / bs);
-  BlockHash key;
+  if (limit == 0) return 0;
+  // A two-stage pipeline: block i + 1's key is hashed while block i's index slot loads, and
+  // block i + 1's slot starts loading before block i's record and tokens are compared.
+  BlockHash key = Hash(nullptr, tokens.first(bs), extras, 0);
+  g.index.Prefetch(static_cast<int64_t>(key.lo));
   uint64_t parent = 0;  // chain id of the block matched just before
   size_t i = 0;
   for (; i < limit; ++i) {
     const std::span<const TokenId> want = tokens.subspan(i * bs, bs);
-    key = Hash(i == 0 ? nullptr : &key, want, extras, i);
+    BlockHash next;
+    if (i + 1 < limit) {
+      next = Hash(&key, tokens.subspan((i + 1) * bs, bs), extras, i + 1);
+      g.index.Prefetch(static_cast<int64_t>(next.lo));
+    }
     const BlockId found = Find(group, key, parent, want, ns_id, extras, i);
     if (found == kNoBlock) break;
     out[i] = found;
     parent = g.records[found].chain_id;
     *last_key = key;
+    key = next;
   }
   return static_cast<int32_t>(i);
 }
