@@ -11,12 +11,8 @@ namespace blockkv {
 using internal::StrCat;
 
 BlockPool::BlockPool(BlockedKVCache* cache, int group)
-    : cache_(cache), group_(group), refs_(static_cast<size_t>(cache->num_blocks()), 0) {
+    : cache_(cache), group_(group), blocks_(static_cast<size_t>(cache->num_blocks())) {
   BLOCKKV_CHECK(group >= 0 && group < cache->num_groups(), "BlockPool: group out of range");
-  cached_.assign(refs_.size(), 0);
-  priority_.assign(refs_.size(), 0);
-  prev_.assign(refs_.size(), kNoBlock);
-  next_.assign(refs_.size(), kNoBlock);
   heads_.fill(kNoBlock);
   tails_.fill(kNoBlock);
 }
@@ -36,27 +32,27 @@ int32_t BlockPool::free_blocks() const {
 // ---- eviction lists ---------------------------------------------------------------------------
 
 void BlockPool::PushEvictable(BlockId block) {
-  const int p = priority_[block];
-  prev_[block] = tails_[p];
-  next_[block] = kNoBlock;
+  const int p = blocks_[block].priority;
+  blocks_[block].prev = tails_[p];
+  blocks_[block].next = kNoBlock;
   if (tails_[p] == kNoBlock) {
     heads_[p] = block;
     nonempty_[p / 64] |= uint64_t{1} << (p % 64);
   } else {
-    next_[tails_[p]] = block;
+    blocks_[tails_[p]].next = block;
   }
   tails_[p] = block;
   ++evictable_;
 }
 
 void BlockPool::RemoveEvictable(BlockId block) {
-  const int p = priority_[block];
-  const BlockId before = prev_[block];
-  const BlockId after = next_[block];
-  (before == kNoBlock ? heads_[p] : next_[before]) = after;
-  (after == kNoBlock ? tails_[p] : prev_[after]) = before;
+  const int p = blocks_[block].priority;
+  const BlockId before = blocks_[block].prev;
+  const BlockId after = blocks_[block].next;
+  (before == kNoBlock ? heads_[p] : blocks_[before].next) = after;
+  (after == kNoBlock ? tails_[p] : blocks_[after].prev) = before;
   if (heads_[p] == kNoBlock) nonempty_[p / 64] &= ~(uint64_t{1} << (p % 64));
-  prev_[block] = next_[block] = kNoBlock;
+  blocks_[block].prev = blocks_[block].next = kNoBlock;
   --evictable_;
 }
 
@@ -84,13 +80,14 @@ Status BlockPool::Take(int32_t n, std::span<BlockId> out) {
   BLOCKKV_RETURN_IF_ERROR(cache_->Reserve(fresh, out.first(static_cast<size_t>(fresh)), group_));
   for (int32_t i = fresh; i < n; ++i) {
     const BlockId block = PopEvictable();
-    cached_[block] = 0;
+    blocks_[block].cached = 0;
     if (listener_ != nullptr) listener_->OnEvict(group_, block);
     out[i] = block;
   }
   for (int32_t i = 0; i < n; ++i) {
-    BLOCKKV_CHECK(refs_[out[i]] == 0, "BlockPool::Take: a fresh block already has references");
-    refs_[out[i]] = 1;
+    BLOCKKV_CHECK(blocks_[out[i]].refs == 0,
+                  "BlockPool::Take: a fresh block already has references");
+    blocks_[out[i]].refs = 1;
   }
   return Status::Ok();
 }
@@ -98,13 +95,13 @@ Status BlockPool::Take(int32_t n, std::span<BlockId> out) {
 Status BlockPool::AddRef(std::span<const BlockId> blocks) {
   for (const BlockId block : blocks) {
     BLOCKKV_RETURN_IF_ERROR(CheckId(block));
-    if (refs_[block] == 0 && cached_[block] == 0) {
+    if (blocks_[block].refs == 0 && blocks_[block].cached == 0) {
       return FailedPreconditionError(
           StrCat("cannot share block ", block, " of cache group ", group_, ": it is free"));
     }
   }
   for (const BlockId block : blocks) {
-    if (refs_[block]++ == 0) RemoveEvictable(block);
+    if (blocks_[block].refs++ == 0) RemoveEvictable(block);
   }
   return Status::Ok();
 }
@@ -113,28 +110,28 @@ Status BlockPool::Release(std::span<const BlockId> blocks) {
   // Decrement first, undoing on failure, so a block listed k times must hold k references.
   for (size_t i = 0; i < blocks.size(); ++i) {
     Status error = CheckId(blocks[i]);
-    if (error.ok() && refs_[blocks[i]] == 0) {
+    if (error.ok() && blocks_[blocks[i]].refs == 0) {
       error = FailedPreconditionError(StrCat("cannot release block ", blocks[i], " of cache group ",
                                              group_, ": no references left"));
     }
     if (!error.ok()) {
-      for (size_t j = 0; j < i; ++j) ++refs_[blocks[j]];
+      for (size_t j = 0; j < i; ++j) ++blocks_[blocks[j]].refs;
       return error;
     }
-    --refs_[blocks[i]];
+    --blocks_[blocks[i]].refs;
   }
   scratch_.clear();
   for (const BlockId block : blocks) {
     // A block listed twice reaches 0 once; the second sighting finds it already queued.
-    if (refs_[block] != 0) continue;
-    refs_[block] = -1;  // transient: handled
-    if (cached_[block] != 0) {
+    if (blocks_[block].refs != 0) continue;
+    blocks_[block].refs = -1;  // transient: handled
+    if (blocks_[block].cached != 0) {
       PushEvictable(block);
     } else {
       scratch_.push_back(block);
     }
   }
-  for (const BlockId block : blocks) refs_[block] = std::max(refs_[block], 0);
+  for (const BlockId block : blocks) blocks_[block].refs = std::max(blocks_[block].refs, 0);
   const Status freed = cache_->Free(scratch_, group_);
   BLOCKKV_CHECK(freed.ok(), "BlockPool::Release: allocator refused blocks the pool held");
   return Status::Ok();
@@ -143,20 +140,20 @@ Status BlockPool::Release(std::span<const BlockId> blocks) {
 // ---- cached marks -----------------------------------------------------------------------------
 
 void BlockPool::MarkCached(BlockId block, int32_t priority) {
-  BLOCKKV_CHECK(block >= 0 && block < num_blocks() && refs_[block] > 0,
+  BLOCKKV_CHECK(block >= 0 && block < num_blocks() && blocks_[block].refs > 0,
                 "BlockPool::MarkCached: the block is not held");
   BLOCKKV_CHECK(priority >= kMinRetentionPriority && priority <= kMaxRetentionPriority,
                 "BlockPool::MarkCached: priority out of range");
   const auto p = static_cast<uint8_t>(priority);
-  priority_[block] = cached_[block] != 0 ? std::max(priority_[block], p) : p;
-  cached_[block] = 1;
+  blocks_[block].priority = blocks_[block].cached != 0 ? std::max(blocks_[block].priority, p) : p;
+  blocks_[block].cached = 1;
 }
 
 void BlockPool::Uncache(BlockId block) {
-  BLOCKKV_CHECK(block >= 0 && block < num_blocks() && cached_[block] != 0,
+  BLOCKKV_CHECK(block >= 0 && block < num_blocks() && blocks_[block].cached != 0,
                 "BlockPool::Uncache: the block is not cached");
-  cached_[block] = 0;
-  if (refs_[block] != 0) return;
+  blocks_[block].cached = 0;
+  if (blocks_[block].refs != 0) return;
   RemoveEvictable(block);
   const Status freed = cache_->Free(std::span<const BlockId>(&block, 1), group_);
   BLOCKKV_CHECK(freed.ok(), "BlockPool::Uncache: allocator refused an evictable block");
@@ -164,23 +161,24 @@ void BlockPool::Uncache(BlockId block) {
 
 int32_t BlockPool::ref_count(BlockId block) const {
   BLOCKKV_CHECK(block >= 0 && block < num_blocks(), "BlockPool::ref_count: invalid block");
-  return refs_[block];
+  return blocks_[block].refs;
 }
 
 Status BlockPool::CheckInvariants() const {
   const BlockedAllocator& allocator = cache_->allocator(group_);
   BLOCKKV_RETURN_IF_ERROR(allocator.CheckInvariants());
   for (BlockId block = 0; block < num_blocks(); ++block) {
-    if (refs_[block] < 0) return InternalError(StrCat("block ", block, " has a negative count"));
-    const bool held = refs_[block] > 0 || cached_[block] != 0;
+    if (blocks_[block].refs < 0)
+      return InternalError(StrCat("block ", block, " has a negative count"));
+    const bool held = blocks_[block].refs > 0 || blocks_[block].cached != 0;
     if (held != allocator.IsUsed(block)) {
-      return InternalError(StrCat("block ", block, " has ", refs_[block], " references",
-                                  cached_[block] != 0 ? " and is cached" : "", " but is ",
+      return InternalError(StrCat("block ", block, " has ", blocks_[block].refs, " references",
+                                  blocks_[block].cached != 0 ? " and is cached" : "", " but is ",
                                   allocator.IsUsed(block) ? "used" : "free", " in the allocator"));
     }
   }
   // Walk every list: each evictable block exactly once, in its own priority's list.
-  std::vector<uint8_t> seen(refs_.size(), 0);
+  std::vector<uint8_t> seen(blocks_.size(), 0);
   int32_t listed = 0;
   for (int p = 0; p < kPriorities; ++p) {
     const bool marked = ((nonempty_[p / 64] >> (p % 64)) & 1) != 0;
@@ -188,8 +186,9 @@ Status BlockPool::CheckInvariants() const {
       return InternalError(StrCat("eviction list ", p, " and its mask bit disagree"));
     }
     BlockId before = kNoBlock;
-    for (BlockId b = heads_[p]; b != kNoBlock; before = b, b = next_[b]) {
-      if (seen[b] != 0 || !is_evictable(b) || priority_[b] != p || prev_[b] != before) {
+    for (BlockId b = heads_[p]; b != kNoBlock; before = b, b = blocks_[b].next) {
+      if (seen[b] != 0 || !is_evictable(b) || blocks_[b].priority != p ||
+          blocks_[b].prev != before) {
         return InternalError(StrCat("block ", b, " is misplaced in eviction list ", p));
       }
       seen[b] = 1;

@@ -19,13 +19,12 @@
 //   s = pool.Release(ids);             // 0: ids[0] evictable, the others back to the allocator
 //   s = pool.AddRef(std::span(ids).first(1));  // a prefix hit revives ids[0]
 //
-// Implementation notes: flat arrays by block id, no node per block:
-//   refs_     int32 [num_blocks]  references; a block is used in the allocator when refs > 0 or
-//                                 it is cached
-//   cached_   uint8 [num_blocks]  1 when the prefix cache holds the block's key
-//   priority_ uint8 [num_blocks]  retention priority 0..100 of a cached block
-//   prev_/next_ int32 [num_blocks] intrusive doubly linked lists of evictable blocks, one per
-//                                 priority (heads_/tails_ [101]), oldest at the head
+// Implementation notes: one 16-byte record per block id (blocks_), no node per block:
+//   refs      references; a block is used in the allocator when refs > 0 or it is cached
+//   cached    1 when the prefix cache holds the block's key
+//   priority  retention priority 0..100 of a cached block
+//   prev/next intrusive doubly linked lists of evictable blocks, one per priority
+//             (heads_/tails_ [101]), oldest at the head
 // so touch (a hit on an evictable block), insert and evict are O(1); the lowest non-empty
 // priority is found with a 128-bit mask. Not thread-safe.
 #pragma once
@@ -88,13 +87,15 @@ class BlockPool {
   void Uncache(BlockId block);
 
   int32_t ref_count(BlockId block) const;  // 0 for a free or evictable block; REQUIRES: valid id
-  bool is_cached(BlockId block) const { return cached_[block] != 0; }  // REQUIRES: valid id
-  bool is_evictable(BlockId block) const { return cached_[block] != 0 && refs_[block] == 0; }
-  int32_t priority(BlockId block) const { return priority_[block]; }  // REQUIRES: cached
+  bool is_cached(BlockId block) const { return blocks_[block].cached != 0; }  // REQUIRES: valid id
+  bool is_evictable(BlockId block) const {
+    return blocks_[block].cached != 0 && blocks_[block].refs == 0;
+  }
+  int32_t priority(BlockId block) const { return blocks_[block].priority; }  // REQUIRES: cached
   // Blocks Take can hand out: allocator-free + evictable.
   int32_t free_blocks() const;
   int32_t evictable_blocks() const { return evictable_; }
-  int32_t num_blocks() const { return static_cast<int32_t>(refs_.size()); }
+  int32_t num_blocks() const { return static_cast<int32_t>(blocks_.size()); }
   int group() const { return group_; }
   void set_eviction_listener(EvictionListener* listener) { listener_ = listener; }
 
@@ -114,11 +115,16 @@ class BlockPool {
   BlockedKVCache* cache_;
   int group_;
   EvictionListener* listener_ = nullptr;
-  std::vector<int32_t> refs_;      // [num_blocks]
-  std::vector<uint8_t> cached_;    // [num_blocks]
-  std::vector<uint8_t> priority_;  // [num_blocks]
-  std::vector<BlockId> prev_;      // [num_blocks] eviction list links, kNoBlock at the ends
-  std::vector<BlockId> next_;      // [num_blocks]
+  // What the pool knows of one block: one 16-byte record, so that a share, release or eviction
+  // touches one cache line per block.
+  struct BlockState {
+    int32_t refs = 0;
+    BlockId prev = kNoBlock;  // eviction list links, kNoBlock at the ends
+    BlockId next = kNoBlock;
+    uint8_t cached = 0;    // 1 when the prefix cache holds the block's key
+    uint8_t priority = 0;  // retention priority of a cached block
+  };
+  std::vector<BlockState> blocks_;            // [num_blocks]
   std::array<BlockId, kPriorities> heads_{};  // least recently used evictable block, per priority
   std::array<BlockId, kPriorities> tails_{};  // most recently used
   std::array<uint64_t, 2> nonempty_{};        // bit p: list p is not empty
