@@ -184,8 +184,8 @@ BlockId PrefixCache::Find(int group, const BlockHash& key, uint64_t parent_id,
 }
 
 int32_t PrefixCache::Match(int group, std::span<const TokenId> tokens, int32_t ns_id,
-                           const BlockKeyExtras& extras, int32_t max_blocks,
-                           std::span<BlockId> out, BlockHash* last_key) const {
+                           const BlockKeyExtras& extras, int32_t max_blocks, std::span<BlockId> out,
+                           BlockHash* last_key) const {
   const Group& g = *groups_[group];
   const auto bs = static_cast<size_t>(block_sizes_[group]);
   const auto limit = std::min(static_cast<size_t>(max_blocks), tokens.size() / bs);
