@@ -8,6 +8,8 @@
 // small beside the attention itself.
 #include "blockkv/kernels.h"
 
+#include <cstddef>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -190,6 +192,27 @@ Status CheckBlocks(const PagedKV& host, int32_t i, int64_t first, int64_t end, i
   return Status::Ok();
 }
 
+// `cache` is one layer of cache group `group` of the batch's own state manager: the block ids
+// of the batch index that cache and no other (another manager's cache of the same shape would
+// be written through ids it never handed out).
+Status CheckOwnCache(const TensorView& cache, const RaggedBatch& batch, int group) {
+  BLOCKKV_ASSIGN_OR_RETURN(TensorView storage, batch.manager().kv_cache().GetGroupStorage(group));
+  const auto* begin = static_cast<const std::byte*>(storage.data);
+  const std::byte* end = begin + storage.numel() * static_cast<int64_t>(ElementSize(storage.dtype));
+  const auto* at = static_cast<const std::byte*>(cache.data);
+  bool same = at >= begin && at < end && cache.dtype == storage.dtype &&
+              cache.device == storage.device && cache.device_ordinal == storage.device_ordinal;
+  for (int d = 0; d < 5 && same; ++d) {
+    same = cache.shape[d] == storage.shape[d + 1] && cache.strides[d] == storage.strides[d + 1];
+  }
+  if (!same) {
+    return InvalidArgumentError(StrCat("layer_cache is not a layer of cache group ", group,
+                                       " of the batch's state manager (use its GetCache(layer, ",
+                                       group, "))"));
+  }
+  return Status::Ok();
+}
+
 // Checks shared by both kernels; fills *host with the host view (for the block checks).
 Status CheckCommon(const TensorView& cache, const RaggedBatch& batch, int group, float kv_scale,
                    int num_threads, PagedKV* host) {
@@ -204,6 +227,7 @@ Status CheckCommon(const TensorView& cache, const RaggedBatch& batch, int group,
   TensorView host_cache = cache;
   host_cache.device = DeviceKind::kCpu;
   BLOCKKV_ASSIGN_OR_RETURN(*host, MakePagedKV(host_cache, batch, group, kv_scale));
+  BLOCKKV_RETURN_IF_ERROR(CheckOwnCache(cache, batch, group));
   if (cache.device == DeviceKind::kCuda) {
 #if !defined(BLOCKKV_HAVE_CUDA)
     return UnavailableError("the tensors are on a CUDA device but blockkv was built without CUDA");

@@ -446,6 +446,7 @@ RaggedBatch::Inserted RaggedBatch::inserted(int32_t i) const {
                                    static_cast<size_t>(e.n_tokens))};
 }
 
+const StateManager& RaggedBatch::manager() const { return *impl_->owner; }
 int32_t RaggedBatch::current_tokens() const { return impl_->n_tokens; }
 int32_t RaggedBatch::current_sequences() const {
   return static_cast<int32_t>(impl_->entries.size());

@@ -88,6 +88,9 @@ class RaggedBatch {
   };
   Inserted inserted(int32_t i) const;
 
+  // The state manager whose sequences the batch holds.
+  const StateManager& manager() const;
+
   int32_t current_tokens() const;
   int32_t current_sequences() const;
   int32_t padded_tokens() const;  // P; valid after Finalize

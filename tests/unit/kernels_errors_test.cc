@@ -121,15 +121,26 @@ TEST_F(KernelErrors, Shapes) {
                  "stride 2");
 }
 
-TEST_F(KernelErrors, BlockSizeOfAnotherGroup) {
+TEST_F(KernelErrors, ACacheViewThatIsNotALayerOfTheBatchsGroup) {
   TensorView cache = kb_.cache();
   cache.shape[1] = 8;  // the batch's group has blocks of 16
   cache.shape[0] *= 2;
-  ExpectRejected([&] { return Append(cache); }, StatusCode::kInvalidArgument, "block size 8");
+  ExpectRejected([&] { return Append(cache); }, StatusCode::kInvalidArgument,
+                 "not a layer of cache group 0");
   cache = kb_.cache();
   cache.shape[0] = 1;  // fewer blocks than the tables use
   ExpectRejected([&] { return Attend(q_.view, cache); }, StatusCode::kInvalidArgument,
-                 "outside layer_cache's 1 blocks");
+                 "not a layer of cache group 0");
+}
+
+TEST_F(KernelErrors, AnotherManagersCacheOfTheSameShape) {
+  // Its block ids index this batch's manager's cache only: writing them into another cache
+  // would overwrite blocks that cache handed out to its own sequences.
+  KernelBatch other({.block_size = 16, .num_kv_heads = 2, .head_size = 64}, {{3, 20}, {1, 5}}, 7);
+  const std::vector<uint8_t> before = Bytes(other.cache());
+  ExpectRejected([&] { return Append(other.cache()); }, StatusCode::kInvalidArgument,
+                 "not a layer of cache group 0");
+  EXPECT_TRUE(Bytes(other.cache()) == before);
 }
 
 TEST_F(KernelErrors, Options) {
