@@ -1,6 +1,7 @@
 #include "blockkv/prefix_cache.h"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cstring>
 #include <utility>
@@ -189,26 +190,39 @@ int32_t PrefixCache::Match(int group, std::span<const TokenId> tokens, int32_t n
   const Group& g = *groups_[group];
   const auto bs = static_cast<size_t>(block_sizes_[group]);
   const auto limit = std::min(static_cast<size_t>(max_blocks), tokens.size() / bs);
-  if (limit == 0) return 0;
-  // A two-stage pipeline: block i + 1's key is hashed while block i's index slot loads, and
-  // block i + 1's slot starts loading before block i's record and tokens are compared.
-  BlockHash key = Hash(nullptr, tokens.first(bs), extras, 0);
-  g.index.Prefetch(static_cast<int64_t>(key.lo));
+  // A software pipeline over the chain: keys are hashed kAhead blocks ahead of the comparison,
+  // each prefetching its index slot as it is made; one block ahead, the slot (loaded by then)
+  // names the bucket head, whose record and token ids are prefetched in turn. A cold index slot,
+  // record and tokens then cost one memory latency together, not three in a row.
+  constexpr size_t kAhead = 4;
+  std::array<BlockHash, kAhead + 1> keys;  // keys[i % (kAhead + 1)] is block i's
+  size_t hashed = 0;                       // blocks [0, hashed) have their key
+  auto hash_next = [&] {
+    const BlockHash* parent = hashed == 0 ? nullptr : &keys[(hashed - 1) % keys.size()];
+    BlockHash& key = keys[hashed % keys.size()];
+    key = Hash(parent, tokens.subspan(hashed * bs, bs), extras, hashed);
+    g.index.Prefetch(static_cast<int64_t>(key.lo));
+    ++hashed;
+  };
+  auto prefetch_head = [&](size_t i) {
+    const BlockId head = g.Head(keys[i % keys.size()]);
+    if (head == kNoBlock) return;
+    __builtin_prefetch(&g.records[static_cast<size_t>(head)]);
+    __builtin_prefetch(g.Tokens(head).data());
+  };
+  while (hashed < std::min(limit, kAhead)) hash_next();
+  if (limit > 0) prefetch_head(0);
   uint64_t parent = 0;  // chain id of the block matched just before
   size_t i = 0;
   for (; i < limit; ++i) {
-    const std::span<const TokenId> want = tokens.subspan(i * bs, bs);
-    BlockHash next;
-    if (i + 1 < limit) {
-      next = Hash(&key, tokens.subspan((i + 1) * bs, bs), extras, i + 1);
-      g.index.Prefetch(static_cast<int64_t>(next.lo));
-    }
-    const BlockId found = Find(group, key, parent, want, ns_id, extras, i);
+    if (hashed < limit) hash_next();
+    if (i + 1 < limit) prefetch_head(i + 1);
+    const BlockHash& key = keys[i % keys.size()];
+    const BlockId found = Find(group, key, parent, tokens.subspan(i * bs, bs), ns_id, extras, i);
     if (found == kNoBlock) break;
     out[i] = found;
     parent = g.records[found].chain_id;
     *last_key = key;
-    key = next;
   }
   return static_cast<int32_t>(i);
 }
