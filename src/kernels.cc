@@ -16,6 +16,7 @@
 #include <iterator>
 #include <limits>
 #include <thread>
+#include <utility>
 
 #include "internal/kernels_backend.h"
 #include "internal/paged_view.h"
@@ -49,9 +50,13 @@ Status CheckScale(const char* name, float value) {
   return InvalidArgumentError(StrCat(name, " must be finite and > 0, got ", value));
 }
 
+// More workers than this gain nothing on any machine blockkv runs on, and each costs a thread and
+// a scratch buffer: larger requests are clamped (an absurd num_threads must not allocate).
+constexpr int kMaxThreads = 256;
+
 int ResolveThreads(int requested) {
-  if (requested > 0) return requested;
-  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (requested > 0) return std::min(requested, kMaxThreads);
+  return static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 256u));
 }
 
 // The layer cache: [num_blocks, block_size, 2, Hkv, D], a supported dtype and head size.
@@ -99,9 +104,12 @@ Status CheckActivations(const char* name, const TensorView& t, const TensorView&
     return InvalidArgumentError(
         StrCat(name, " dtype ", DTypeName(t.dtype), " is not supported (fp32, fp16, bf16)"));
   }
-  if (t.stride(2) != 1) {
-    return InvalidArgumentError(
-        StrCat(name, "'s last dimension must be contiguous, stride ", t.stride(2)));
+  // Rows and heads must not overlap: work items write different (row, head) ranges in
+  // parallel, and a broadcast view (a stride of 0) would make them write the same memory.
+  if (t.stride(2) != 1 || t.stride(1) < d || t.stride(0) < t.shape[1] * t.stride(1)) {
+    return InvalidArgumentError(StrCat(name, " must have a contiguous last dimension and rows and ",
+                                       "heads that do not overlap, got strides [", t.stride(0),
+                                       ", ", t.stride(1), ", ", t.stride(2), "]"));
   }
   if (t.device != cache.device || t.device_ordinal != cache.device_ordinal) {
     return InvalidArgumentError(StrCat(name, " is on ", DeviceKindName(t.device), ":",
@@ -115,6 +123,25 @@ Status CheckActivations(const char* name, const TensorView& t, const TensorView&
     return InvalidArgumentError(StrCat(name, " dtype ", DTypeName(t.dtype),
                                        " and layer_cache dtype ", DTypeName(cache.dtype),
                                        " differ (the cache holds the activations' dtype or fp8)"));
+  }
+  return Status::Ok();
+}
+
+// The bytes a [rows, heads, D] activation spans.
+std::pair<const std::byte*, const std::byte*> Span(const TensorView& t) {
+  const auto* begin = static_cast<const std::byte*>(t.data);
+  if (t.shape[0] == 0) return {begin, begin};
+  const int64_t last = (t.shape[0] - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1) + t.shape[2];
+  return {begin, begin + last * static_cast<int64_t>(ElementSize(t.dtype))};
+}
+
+// `a` is written while `b` is read (or written) by other work items: they must not share memory.
+Status CheckDisjoint(const char* a_name, const TensorView& a, const char* b_name,
+                     const TensorView& b) {
+  const auto [a_begin, a_end] = Span(a);
+  const auto [b_begin, b_end] = Span(b);
+  if (a_begin < b_end && b_begin < a_end) {
+    return InvalidArgumentError(StrCat(a_name, " and ", b_name, " overlap in memory"));
   }
   return Status::Ok();
 }
@@ -200,8 +227,10 @@ Status CheckOwnCache(const TensorView& cache, const RaggedBatch& batch, int grou
   const auto* begin = static_cast<const std::byte*>(storage.data);
   const std::byte* end = begin + storage.numel() * static_cast<int64_t>(ElementSize(storage.dtype));
   const auto* at = static_cast<const std::byte*>(cache.data);
-  bool same = at >= begin && at < end && cache.dtype == storage.dtype &&
-              cache.device == storage.device && cache.device_ordinal == storage.device_ordinal;
+  const int64_t layer_bytes = storage.strides[0] * static_cast<int64_t>(ElementSize(storage.dtype));
+  bool same = at >= begin && at + layer_bytes <= end && (at - begin) % layer_bytes == 0 &&
+              cache.dtype == storage.dtype && cache.device == storage.device &&
+              cache.device_ordinal == storage.device_ordinal;
   for (int d = 0; d < 5 && same; ++d) {
     same = cache.shape[d] == storage.shape[d + 1] && cache.strides[d] == storage.strides[d + 1];
   }
@@ -224,16 +253,15 @@ Status CheckCommon(const TensorView& cache, const RaggedBatch& batch, int group,
   if (num_threads < 0) {
     return InvalidArgumentError(StrCat("num_threads must be >= 0, got ", num_threads));
   }
+#if !defined(BLOCKKV_HAVE_CUDA)
+  if (cache.device == DeviceKind::kCuda) {
+    return UnavailableError("the tensors are on a CUDA device but blockkv was built without CUDA");
+  }
+#endif
   TensorView host_cache = cache;
   host_cache.device = DeviceKind::kCpu;
   BLOCKKV_ASSIGN_OR_RETURN(*host, MakePagedKV(host_cache, batch, group, kv_scale));
-  BLOCKKV_RETURN_IF_ERROR(CheckOwnCache(cache, batch, group));
-  if (cache.device == DeviceKind::kCuda) {
-#if !defined(BLOCKKV_HAVE_CUDA)
-    return UnavailableError("the tensors are on a CUDA device but blockkv was built without CUDA");
-#endif
-  }
-  return Status::Ok();
+  return CheckOwnCache(cache, batch, group);
 }
 
 Status CheckRotary(const RotaryOptions& rotary, int64_t head_size) {
@@ -273,6 +301,8 @@ Status AppendKV(const TensorView& layer_cache, const TensorView& k, const Tensor
       return InvalidArgumentError(
           StrCat("q dtype ", DTypeName(q.dtype), " and k dtype ", DTypeName(k.dtype), " differ"));
     }
+    BLOCKKV_RETURN_IF_ERROR(CheckDisjoint("q", q, "k", k));
+    BLOCKKV_RETURN_IF_ERROR(CheckDisjoint("q", q, "v", v));
   }
   for (int32_t i = 0; i < host.num_seqs; ++i) {
     const int32_t* desc = host.descriptors + int64_t{i} * 4;
@@ -315,6 +345,7 @@ Status PagedAttention(const TensorView& q, const TensorView& layer_cache, const 
     return InvalidArgumentError(
         StrCat("q dtype ", DTypeName(q.dtype), " and out dtype ", DTypeName(out.dtype), " differ"));
   }
+  BLOCKKV_RETURN_IF_ERROR(CheckDisjoint("out", out, "q", q));
   if (options.sliding_window < 0 || (options.sliding_window > 0 && !options.causal)) {
     return InvalidArgumentError(StrCat("sliding_window ", options.sliding_window,
                                        " must be 0 or > 0 with causal attention"));

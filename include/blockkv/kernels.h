@@ -50,7 +50,7 @@ struct AppendKVOptions {
   RotaryOptions rotary;           // applied to K, and to *q when given
   const TensorView* q = nullptr;  // [T, Hq, D], rotated in place when rotary.enabled
   float kv_scale = 1.0f;          // fp8 e4m3 caches: stored = value / kv_scale (> 0)
-  int num_threads = 0;            // CPU: 0 = hardware concurrency
+  int num_threads = 0;            // CPU: 0 = hardware concurrency; at most 256 are used
   CUstream_st* stream = nullptr;  // CUDA: stream to launch on; nullptr = legacy default stream
 };
 
@@ -70,7 +70,7 @@ struct AttentionOptions {
   int64_t sliding_window = 0;  // 0: none; W > 0: query at p sees keys (p − W, p] (causal only)
   int group = 0;               // cache group
   float kv_scale = 1.0f;       // fp8 caches: value = stored · kv_scale (> 0)
-  int num_threads = 0;         // CPU: 0 = hardware concurrency
+  int num_threads = 0;         // CPU: 0 = hardware concurrency; at most 256 are used
   CUstream_st* stream = nullptr;  // CUDA: stream to launch on; nullptr = legacy default stream
 };
 

@@ -334,6 +334,15 @@ int MultiprocessorCount(int device) {
   return count;
 }
 
+Status LaunchStatus(const char* what) {
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return CudaError(what, e);
+  return Status::Ok();
+}
+
+// Clears an error an earlier CUDA call (the engine's, or ours) left in the runtime's last-error
+// slot, so that this call's launch checks report this call's launches only.
+void ClearStaleError() { static_cast<void>(cudaGetLastError()); }
+
 // The cache rows are read 4 elements at a time.
 Status CheckAligned(const PagedKV& c) {
   const auto address = reinterpret_cast<uintptr_t>(c.data);
@@ -370,23 +379,30 @@ Status LaunchAttention(const PagedKV& c, const Activations& q, const Activations
                   static_cast<unsigned>(head_groups * part.splits));
   if (part.splits == 1) {
     AttentionKernel<T, C, NC><<<grid, kThreads, 0, stream>>>(c, q, out, p, part);
-    return Status::Ok();
+    return LaunchStatus("PagedAttention kernel launch");
   }
   const int64_t rows = int64_t{part.splits} * c.num_tokens * q.num_heads;
   void* workspace = nullptr;
   const size_t bytes = static_cast<size_t>(rows) * (c.head_size + 2) * sizeof(float);
   if (cudaError_t e = cudaMallocAsync(&workspace, bytes, stream); e != cudaSuccess) {
+    static_cast<void>(cudaGetLastError());  // not sticky: leave no error for the next call
     return CudaError(StrCat("cudaMallocAsync of a ", bytes, "-byte attention workspace"), e);
   }
   part.acc = static_cast<float*>(workspace);
   part.ml = part.acc + rows * c.head_size;
   AttentionKernel<T, C, NC><<<grid, kThreads, 0, stream>>>(c, q, out, p, part);
-  MergeKernel<T><<<dim3(static_cast<unsigned>(c.num_tokens), static_cast<unsigned>(q.num_heads)),
-                   128, 0, stream>>>(part, out, c.num_tokens, c.head_size);
-  if (cudaError_t e = cudaFreeAsync(workspace, stream); e != cudaSuccess) {
+  // The merge writes `out` from the workspace: only after the partials' launch succeeded.
+  const Status launched = [&] {
+    BLOCKKV_RETURN_IF_ERROR(LaunchStatus("PagedAttention kernel launch"));
+    MergeKernel<T><<<dim3(static_cast<unsigned>(c.num_tokens), static_cast<unsigned>(q.num_heads)),
+                     128, 0, stream>>>(part, out, c.num_tokens, c.head_size);
+    return LaunchStatus("PagedAttention merge kernel launch");
+  }();
+  if (cudaError_t e = cudaFreeAsync(workspace, stream); e != cudaSuccess && launched.ok()) {
+    static_cast<void>(cudaGetLastError());
     return CudaError("cudaFreeAsync of the attention workspace", e);
   }
-  return Status::Ok();
+  return launched;
 }
 
 template <class T>
@@ -418,11 +434,6 @@ Status DispatchByDType(const PagedKV& c, const Activations& q, const Activations
   }
 }
 
-Status LaunchStatus(const char* what) {
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return CudaError(what, e);
-  return Status::Ok();
-}
-
 }  // namespace
 
 Status AppendKVCuda(const PagedKV& cache, const Activations& k, const Activations& v,
@@ -430,6 +441,7 @@ Status AppendKVCuda(const PagedKV& cache, const Activations& k, const Activation
                     CUstream_st* stream) {
   ScopedCudaDevice guard(device);
   BLOCKKV_RETURN_IF_ERROR(guard.status());
+  ClearStaleError();
   const bool fp8 = cache.dtype == DType::kFloat8E4M3;
   switch (k.dtype) {
     case DType::kFloat32:
@@ -456,8 +468,8 @@ Status PagedAttentionCuda(const PagedKV& cache, const Activations& q, const Acti
   ScopedCudaDevice guard(device);
   BLOCKKV_RETURN_IF_ERROR(guard.status());
   BLOCKKV_RETURN_IF_ERROR(CheckAligned(cache));
-  BLOCKKV_RETURN_IF_ERROR(DispatchByDType(cache, q, out, params, max_context, device, stream));
-  return LaunchStatus("PagedAttention kernel launch");
+  ClearStaleError();
+  return DispatchByDType(cache, q, out, params, max_context, device, stream);
 }
 
 }  // namespace blockkv::internal

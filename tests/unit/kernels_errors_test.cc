@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -118,7 +119,34 @@ TEST_F(KernelErrors, Shapes) {
   TensorView strided = q_.view;
   strided.strides[2] = 2;
   ExpectRejected([&] { return Attend(strided, kb_.cache()); }, StatusCode::kInvalidArgument,
-                 "stride 2");
+                 "got strides [256, 64, 2]");
+}
+
+TEST_F(KernelErrors, AnAbsurdThreadCountIsClampedNotAllocated) {
+  EXPECT_OK(Attend(q_.view, kb_.cache(), {.num_threads = 1 << 30}));
+  EXPECT_OK(Append(kb_.cache(), {.num_threads = 1 << 28}));
+}
+
+TEST_F(KernelErrors, OverlappingOrBroadcastActivations) {
+  // Work items write different (row, head) ranges in parallel: a head stride of 0 would make
+  // them write one row from several threads (and rotate one q row four times).
+  TensorView broadcast = q_.view;
+  broadcast.strides[1] = 0;
+  ExpectRejected(
+      [&] { return Append(kb_.cache(), {.rotary = {.enabled = true}, .q = &broadcast}); },
+      StatusCode::kInvalidArgument, "do not overlap");
+  TensorView short_rows = out_.view;
+  short_rows.strides[0] = 64;  // rows 64 elements apart, 4 heads of 64 each
+  ExpectRejected([&] { return PagedAttention(q_.view, kb_.cache(), kb_.batch(), short_rows); },
+                 StatusCode::kInvalidArgument, "do not overlap");
+  // q rotated in place while k is read: they must not share memory.
+  TensorView q_over_k = q_.view;
+  q_over_k.data = k_.view.data;
+  q_over_k.dtype = k_.view.dtype;
+  ExpectRejected([&] { return Append(kb_.cache(), {.rotary = {.enabled = true}, .q = &q_over_k}); },
+                 StatusCode::kInvalidArgument, "q and k overlap");
+  ExpectRejected([&] { return PagedAttention(q_.view, kb_.cache(), kb_.batch(), q_.view); },
+                 StatusCode::kInvalidArgument, "out and q overlap");
 }
 
 TEST_F(KernelErrors, ACacheViewThatIsNotALayerOfTheBatchsGroup) {
@@ -129,6 +157,11 @@ TEST_F(KernelErrors, ACacheViewThatIsNotALayerOfTheBatchsGroup) {
                  "not a layer of cache group 0");
   cache = kb_.cache();
   cache.shape[0] = 1;  // fewer blocks than the tables use
+  ExpectRejected([&] { return Attend(q_.view, cache); }, StatusCode::kInvalidArgument,
+                 "not a layer of cache group 0");
+  // Inside the storage but not at a layer's start: the layer would run past the end.
+  cache = kb_.cache();
+  cache.data = static_cast<std::byte*>(cache.data) + 2;
   ExpectRejected([&] { return Attend(q_.view, cache); }, StatusCode::kInvalidArgument,
                  "not a layer of cache group 0");
 }
