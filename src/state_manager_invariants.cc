@@ -1,0 +1,92 @@
+// StateManager::CheckInvariants: what tests verify after every operation. The rest of the
+// manager is in state_manager.cc and state_manager_prefix.cc.
+#include <algorithm>
+#include <vector>
+
+#include "blockkv/state_manager.h"
+#include "internal/strings.h"
+#include "internal/uid_map.h"
+
+namespace blockkv {
+
+using internal::StrCat;
+
+Status StateManager::CheckSequence(const Sequence& seq, std::vector<int32_t>* owners,
+                                   int group) const {
+  const Sequence::GroupState& state = seq.groups_[group];
+  const int32_t capacity = max_blocks_per_sequence(group);
+  if (state.released < 0 || state.released > state.allocated || state.allocated > capacity) {
+    return InternalError(StrCat("sequence ", seq.uid_, " group ", group, ": released ",
+                                state.released, ", allocated ", state.allocated, ", capacity ",
+                                capacity));
+  }
+  if (seq.seen_tokens_ + seq.in_flight_tokens_ > int64_t{state.allocated} * kv_block_size(group)) {
+    return InternalError(StrCat("sequence ", seq.uid_, " holds ",
+                                seq.seen_tokens_ + seq.in_flight_tokens_, " tokens in ",
+                                state.allocated, " blocks of group ", group));
+  }
+  for (int32_t i = 0; i < capacity; ++i) {
+    const BlockId block = state.row[i];
+    const bool held = i >= state.released && i < state.allocated;
+    if (!held) {
+      if (block != kNoBlock) {
+        return InternalError(StrCat("sequence ", seq.uid_, " group ", group, " entry ", i,
+                                    " holds block ", block, " outside its held range"));
+      }
+      continue;
+    }
+    if (block < 0 || block >= pools_[group].num_blocks()) {
+      return InternalError(StrCat("sequence ", seq.uid_, " group ", group, " entry ", i,
+                                  " holds invalid block ", block));
+    }
+    ++(*owners)[block];
+  }
+  return Status::Ok();
+}
+
+Status StateManager::CheckInvariants() const {
+  if (slots_.used_blocks() != n_tracked_sequences()) {
+    return InternalError(StrCat(slots_.used_blocks(), " slots used for ", n_tracked_sequences(),
+                                " tracked sequences"));
+  }
+  BLOCKKV_RETURN_IF_ERROR(slots_.CheckInvariants());
+  Status mapping;
+  by_uid_->ForEach([&](SeqId uid, int32_t slot) {
+    if (mapping.ok() &&
+        (!slots_.IsUsed(slot) || sequences_[slot].uid_ != uid || sequences_[slot].slot_ != slot)) {
+      mapping = InternalError(StrCat("sequence ", uid, " maps to inconsistent slot ", slot));
+    }
+  });
+  BLOCKKV_RETURN_IF_ERROR(mapping);
+  for (int g = 0; g < num_groups(); ++g) {
+    BLOCKKV_RETURN_IF_ERROR(pools_[g].CheckInvariants());
+    std::vector<int32_t> owners(static_cast<size_t>(pools_[g].num_blocks()), 0);
+    Status sequences;
+    by_uid_->ForEach([&](SeqId, int32_t slot) {
+      if (sequences.ok()) sequences = CheckSequence(sequences_[slot], &owners, g);
+      if (sequences.ok() && g == 0) sequences = CheckKeys(sequences_[slot]);
+    });
+    BLOCKKV_RETURN_IF_ERROR(sequences);
+    for (BlockId block = 0; block < pools_[g].num_blocks(); ++block) {
+      if (owners[block] != pools_[g].ref_count(block)) {
+        return InternalError(StrCat("block ", block, " of group ", g, " is in ", owners[block],
+                                    " tables but has ", pools_[g].ref_count(block), " references"));
+      }
+    }
+  }
+  if (prefix_ != nullptr) BLOCKKV_RETURN_IF_ERROR(prefix_->CheckInvariants());
+  // Rows of free slots are empty.
+  for (int32_t slot = 0; slot < config_.max_tracked_sequences; ++slot) {
+    if (slots_.IsUsed(slot)) continue;
+    for (int g = 0; g < num_groups(); ++g) {
+      const BlockId* row = sequences_[slot].groups_[g].row;
+      if (std::any_of(row, row + max_blocks_per_sequence(g),
+                      [](BlockId b) { return b != kNoBlock; })) {
+        return InternalError(StrCat("free slot ", slot, " has a non-empty table in group ", g));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace blockkv
