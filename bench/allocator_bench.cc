@@ -31,7 +31,6 @@
 //   calls are opaque already, and a barrier would only slow the baseline.
 // - Repetitions are randomly interleaved so that drift on a shared machine hits both sides, and
 //   the summary uses the median of the repetitions (CPU time, which excludes time descheduled).
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -49,11 +48,14 @@
 
 #include <benchmark/benchmark.h>
 
+#include "bench_util.h"
 #include "blockkv/block_allocator.h"
 #include "blockkv/status.h"
 
 namespace blockkv {
 namespace {
+
+using blockkv_bench::UseColor;
 
 constexpr int32_t kPoolBlocks = 65'536;
 constexpr uint64_t kSeed = 20240601;
@@ -286,21 +288,6 @@ void ReplayBenchmark(benchmark::State& state, const Trace* trace) {
   state.counters["ns_per_block_op"] = benchmark::Counter(
       static_cast<double>(trace->block_ops),
       benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
-}
-
-// A display reporter passed in by main() does not see --benchmark_color, so it is read here:
-// true/yes/1 or false/no/0, else colour when stdout is a terminal.
-bool UseColor(int argc, char** argv) {
-  constexpr std::string_view kFlag = "--benchmark_color=";
-  bool color = isatty(STDOUT_FILENO) != 0;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view arg = argv[i];
-    if (!arg.starts_with(kFlag)) continue;
-    const std::string_view value = arg.substr(kFlag.size());
-    if (value == "true" || value == "yes" || value == "1") color = true;
-    if (value == "false" || value == "no" || value == "0") color = false;
-  }
-  return color;
 }
 
 // Prints as the console reporter does, and keeps the per-repetition and median ns/op of each

@@ -18,9 +18,12 @@
 #include <memory>
 #include <vector>
 
+#include "bench_util.h"
 #include "blockkv/blockkv.h"
 
 namespace {
+
+using blockkv_bench::Check;
 
 using blockkv::DType;
 using blockkv::SeqId;
@@ -30,13 +33,6 @@ constexpr int32_t kQHeads = 32;
 constexpr int32_t kKVHeads = 8;
 constexpr int32_t kHeadSize = 128;
 constexpr int32_t kBlockSize = 16;
-
-void Check(const blockkv::Status& status, const char* what) {
-  if (!status.ok()) {
-    std::fprintf(stderr, "cuda_kernels_bench: %s: %s\n", what, status.ToString().c_str());
-    std::abort();
-  }
-}
 
 void CheckCuda(cudaError_t error, const char* what) {
   if (error != cudaSuccess) {

@@ -23,12 +23,15 @@
 #include <thread>
 #include <vector>
 
+#include "bench_util.h"
 #include "blockkv/blockkv.h"
 #include "internal/float_convert.h"
 #include "internal/kernels_backend.h"
 #include "internal/paged_view.h"
 
 namespace {
+
+using blockkv_bench::Check;
 
 using blockkv::DType;
 using blockkv::SeqId;
@@ -38,13 +41,6 @@ constexpr int32_t kQHeads = 32;
 constexpr int32_t kKVHeads = 8;
 constexpr int32_t kHeadSize = 128;
 constexpr int32_t kBlockSize = 16;
-
-void Check(const blockkv::Status& status, const char* what) {
-  if (!status.ok()) {
-    std::fprintf(stderr, "kernels_bench: %s: %s\n", what, status.ToString().c_str());
-    std::abort();
-  }
-}
 
 int64_t KVBytes(int64_t context) {
   return int64_t{kBatch} * context * kKVHeads * kHeadSize * 2 * 2;

@@ -43,7 +43,6 @@
 // the full-size cache every request's hit must equal it to the token: hit_rate/cache_1_of_1
 // fails (SkipWithError) and the binary exits 1 otherwise; the timed rows count the requests that
 // missed it (counter missed_optimum) so that their times are still reported.
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -63,6 +62,7 @@
 
 #include <benchmark/benchmark.h>
 
+#include "bench_util.h"
 #include "blockkv/block_pool.h"
 #include "blockkv/blockkv.h"
 #include "blockkv/kv_cache.h"
@@ -74,6 +74,9 @@
 
 namespace blockkv {
 namespace {
+
+using blockkv_bench::Check;
+using blockkv_bench::UseColor;
 
 constexpr int32_t kBlockSize = 16;
 constexpr int kSystemPrompts = 64;
@@ -95,13 +98,6 @@ constexpr int kHitRateDivisors[] = {1, 2, 4, 8, 16, 32, 64, 128};
 
 // Set by the optimum check when a request missed its optimum; main then exits 1.
 std::string g_optimum_failure;
-
-void Check(const Status& status, const char* what) {
-  if (!status.ok()) {
-    std::fprintf(stderr, "prefix_cache_bench: %s: %s\n", what, status.ToString().c_str());
-    std::abort();
-  }
-}
 
 int64_t Blocks(int64_t tokens) { return tokens / kBlockSize; }  // full blocks
 
@@ -508,19 +504,6 @@ void BM_Workload(benchmark::State& state, int divisor, OptimumCheck check, Args.
 }
 
 // ---- summary ----------------------------------------------------------------------------------
-
-bool UseColor(int argc, char** argv) {
-  constexpr std::string_view kFlag = "--benchmark_color=";
-  bool color = isatty(STDOUT_FILENO) != 0;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view arg = argv[i];
-    if (!arg.starts_with(kFlag)) continue;
-    const std::string_view v = arg.substr(kFlag.size());
-    if (v == "true" || v == "yes" || v == "1") color = true;
-    if (v == "false" || v == "no" || v == "0") color = false;
-  }
-  return color;
-}
 
 // The console output, plus each row's median counters (or its only run's) for the summary.
 class SummaryReporter : public benchmark::ConsoleReporter {

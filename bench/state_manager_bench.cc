@@ -25,11 +25,14 @@
 #include <random>
 #include <vector>
 
+#include "bench_util.h"
 #include "blockkv/blockkv.h"
 #include "blockkv/ragged_batch.h"
 #include "blockkv/state_manager.h"
 
 namespace {
+
+using blockkv_bench::Check;
 
 using blockkv::BlockId;
 using blockkv::SeqId;
@@ -37,13 +40,6 @@ using blockkv::SeqId;
 constexpr int32_t kBlockSize = 16;
 constexpr int kStepsPerRound = 64;
 constexpr int64_t kMaxPrompt = 1000;
-
-void Check(const blockkv::Status& status, const char* what) {
-  if (!status.ok()) {
-    std::fprintf(stderr, "state_manager_bench: %s: %s\n", what, status.ToString().c_str());
-    std::abort();
-  }
-}
 
 std::vector<int64_t> Prompts(int n) {
   std::mt19937_64 rng(42);
