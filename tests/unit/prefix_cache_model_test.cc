@@ -88,12 +88,6 @@ using ::testing::AssertionFailure;
 using ::testing::AssertionResult;
 using ::testing::AssertionSuccess;
 
-// In a function returning AssertionResult: fails with the condition and whatever is streamed.
-#define MODEL_CHECK(condition) \
-  if (condition) {             \
-  } else                       \
-    return ::testing::AssertionFailure() << "(" #condition ") is false: "
-
 // Two bits of XXH3: four buckets, so almost every lookup walks colliding blocks and only the
 // exact comparison of tokens, namespace, adapter, bytes and parent keeps hits right.
 BlockHash TwoBitHash(std::span<const std::byte> bytes, uint64_t seed) {

@@ -40,12 +40,6 @@ using ::testing::AssertionFailure;
 using ::testing::AssertionResult;
 using ::testing::AssertionSuccess;
 
-// In a function returning AssertionResult: fails with the condition and whatever is streamed.
-#define MODEL_CHECK(condition) \
-  if (condition) {             \
-  } else                       \
-    return ::testing::AssertionFailure() << "(" #condition ") is false: "
-
 constexpr uint64_t kDefaultSeed = 0x5eed'b10c'4b5ULL;
 
 uint64_t Seed() {

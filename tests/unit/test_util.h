@@ -1,4 +1,5 @@
-// Helpers shared by blockkv's unit tests: assertions on Status and Result<T>.
+// Helpers shared by blockkv's unit tests: assertions on Status and Result<T>, and MODEL_CHECK for
+// the model-based tests' comparisons.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -34,3 +35,11 @@ blockkv::Status ToStatus(const blockkv::Result<T>& result) {
 #define EXPECT_CODE(expr, expected_code)                                                        \
   BLOCKKV_TEST_STATUS_CHECK_(expr, blockkv_test_status_.code() == (expected_code), ADD_FAILURE) \
       << "Expected " << (expected_code) << ". "
+
+// In a function returning ::testing::AssertionResult (a model test's comparison): fails with the
+// condition and whatever is streamed after it.
+//   MODEL_CHECK(seq.seen == want.seen) << "sequence " << uid;
+#define MODEL_CHECK(condition) \
+  if (condition) {             \
+  } else                       \
+    return ::testing::AssertionFailure() << "(" #condition ") is false: "
