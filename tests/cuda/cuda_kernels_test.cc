@@ -27,6 +27,7 @@
 namespace blockkv {
 namespace {
 
+using ::blockkv_test::AttentionCase;
 using ::blockkv_test::BatchSetup;
 using ::blockkv_test::HostTensor;
 using ::blockkv_test::KernelBatch;
@@ -53,16 +54,7 @@ struct GpuTensor {
   }
 };
 
-struct GpuCase {
-  BatchSetup setup;
-  std::vector<SeqSpec> seqs;
-  int64_t q_heads = 16;
-  DType act = DType::kFloat16;
-  AttentionOptions options;
-  RotaryOptions rotary;
-};
-
-void RunOnGpu(const GpuCase& c) {
+void RunOnGpu(const AttentionCase& c) {
   Result<std::shared_ptr<Device>> gpu = CudaDevice(0);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   const uint32_t seed = std::random_device{}();
@@ -136,13 +128,13 @@ TEST(CudaKernels, EveryDTypeAndFp8) {
   BLOCKKV_SKIP_WITHOUT_GPU();
   for (DType act : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
     for (bool fp8 : {false, true}) {
-      GpuCase c{.setup = {.block_size = 16,
-                          .num_kv_heads = 2,
-                          .head_size = 128,
-                          .cache_dtype = fp8 ? DType::kFloat8E4M3 : act},
-                .seqs = {{1, 70}, {20, 5}, {1, 0}},
-                .q_heads = 4,
-                .act = act};
+      AttentionCase c{.setup = {.block_size = 16,
+                                .num_kv_heads = 2,
+                                .head_size = 128,
+                                .cache_dtype = fp8 ? DType::kFloat8E4M3 : act},
+                      .seqs = {{1, 70}, {20, 5}, {1, 0}},
+                      .q_heads = 4,
+                      .act = act};
       if (fp8) c.options.kv_scale = 0.01f;
       RunOnGpu(c);
     }
@@ -159,13 +151,13 @@ TEST(CudaKernels, LongContextsSplitTheKeys) {
 
 TEST(CudaKernels, SlidingWindowNonCausalRotaryPadding) {
   BLOCKKV_SKIP_WITHOUT_GPU();
-  GpuCase window{.setup = {.block_size = 16, .num_kv_heads = 2, .head_size = 96},
-                 .seqs = {{40, 90}, {1, 300}},
-                 .q_heads = 4,
-                 .act = DType::kFloat32};
+  AttentionCase window{.setup = {.block_size = 16, .num_kv_heads = 2, .head_size = 96},
+                       .seqs = {{40, 90}, {1, 300}},
+                       .q_heads = 4,
+                       .act = DType::kFloat32};
   window.options.sliding_window = 17;
   RunOnGpu(window);
-  GpuCase full = window;
+  AttentionCase full = window;
   full.options = {.causal = false};
   RunOnGpu(full);
   RunOnGpu({.setup = {.block_size = 16, .num_kv_heads = 2, .head_size = 80, .padding = true},

@@ -103,6 +103,17 @@ struct BatchSetup {
   bool padding = false;
 };
 
+// One attention test: the batch (with the activations' dtype as the cache's unless it is fp8),
+// query heads, activation dtype, options, and the rotary AppendKV applies first.
+struct AttentionCase {
+  BatchSetup setup;
+  std::vector<SeqSpec> seqs;
+  int64_t q_heads = 16;
+  DType act = DType::kFloat16;
+  blockkv::AttentionOptions options;
+  blockkv::RotaryOptions rotary;
+};
+
 // A manager whose cache holds exactly the sequences' blocks (plus extra), each sequence given its
 // history (Schedule + PostForward, cache contents random), then the new tokens scheduled and
 // inserted into a finalized batch. On a CUDA `device` the cache lives there and host_cache() is a

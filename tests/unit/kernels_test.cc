@@ -26,6 +26,7 @@
 namespace blockkv {
 namespace {
 
+using ::blockkv_test::AttentionCase;
 using ::blockkv_test::BatchSetup;
 using ::blockkv_test::HostTensor;
 using ::blockkv_test::KernelBatch;
@@ -39,15 +40,6 @@ std::string Describe(const std::vector<SeqSpec>& seqs) {
   for (const SeqSpec& s : seqs) os << "(" << s.n << "," << s.history << ")";
   return os.str();
 }
-
-struct AttentionCase {
-  BatchSetup setup;
-  std::vector<SeqSpec> seqs;
-  int64_t q_heads = 16;
-  DType act = DType::kFloat16;
-  AttentionOptions options;
-  RotaryOptions rotary;
-};
 
 // Appends random K/V for the batch's new tokens, runs attention into a poisoned out, and checks
 // it against the reference.
