@@ -121,6 +121,13 @@ struct PrefixCache::Group {
     const int32_t head = index.Find(static_cast<int64_t>(key.lo));
     return head == internal::UidMap::kAbsent ? kNoBlock : head;
   }
+  // Whether some indexed block has exactly this key (what routers were told is cached).
+  bool HasKey(const BlockHash& key) const {
+    for (BlockId b = Head(key); b != kNoBlock; b = records[static_cast<size_t>(b)].next) {
+      if (records[static_cast<size_t>(b)].hash == key) return true;
+    }
+    return false;
+  }
   // Whether `block` holds block `i` of a sequence with these tokens and extras, keyed `key`,
   // whose parent (i > 0) has chain id `parent_id`.
   bool Holds(BlockId block, const BlockHash& key, uint64_t parent_id, std::span<const TokenId> want,
@@ -271,10 +278,7 @@ PrefixCache::Published PrefixCache::Publish(int group, BlockId block, const Publ
   pools_[group].MarkCached(block, priority);
   const std::string_view extra = BlockBytes(extras, index);
   const BlockId head = g.Head(key);
-  bool stored_before = false;  // another block holds this key: routers know it already
-  for (BlockId b = head; b != kNoBlock && !stored_before; b = g.records[b].next) {
-    stored_before = g.records[b].hash == key;
-  }
+  const bool stored_before = g.HasKey(key);  // then routers know it already
   r = Group::Record{.hash = key,
                     .chain_id = copy != kNoBlock ? g.records[copy].chain_id : ++last_chain_id_,
                     .parent_id = parent_id,
@@ -330,11 +334,7 @@ void PrefixCache::Forget(int group, BlockId block, bool announce) {
   g.bytes[block].clear();
   --g.cached;
   // BlockRemoved only when no other copy of the hash is left in the bucket.
-  if (!announce) return;
-  for (BlockId b = g.Head(r.hash); b != kNoBlock; b = g.records[b].next) {
-    if (g.records[b].hash == r.hash) return;
-  }
-  Emit(BlockRemoved{.hash = r.hash, .group = group});
+  if (announce && !g.HasKey(r.hash)) Emit(BlockRemoved{.hash = r.hash, .group = group});
 }
 
 void PrefixCache::OnEvict(int group, BlockId block) {

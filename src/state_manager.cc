@@ -313,13 +313,14 @@ Status StateManager::PostForward(std::span<const SeqId> uids) {
       return NotFoundError(ColdStrCat("PostForward: sequence ", uids[i], " is not tracked"));
     }
   }
-  for (const int32_t slot : slot_scratch_) {
-    Sequence& seq = sequences_[slot];
-    seq.seen_tokens_ += seq.in_flight_tokens_;
-    seq.in_flight_tokens_ = 0;
-    if (prefix_ != nullptr) PublishFullBlocks(seq);
-  }
+  for (const int32_t slot : slot_scratch_) Advance(sequences_[slot]);
   return Status::Ok();
+}
+
+void StateManager::Advance(Sequence& seq) {
+  seq.seen_tokens_ += seq.in_flight_tokens_;
+  seq.in_flight_tokens_ = 0;
+  if (prefix_ != nullptr) PublishFullBlocks(seq);
 }
 
 Status StateManager::PostForward(const RaggedBatch& batch) {
@@ -343,9 +344,7 @@ Status StateManager::PostForward(const RaggedBatch& batch) {
     const RaggedBatch::Inserted e = batch.inserted(i);
     Sequence& seq = sequences_[e.seq->slot_];
     if (prefix_ != nullptr) RecordTokens(seq, e.tokens);
-    seq.seen_tokens_ += seq.in_flight_tokens_;
-    seq.in_flight_tokens_ = 0;
-    if (prefix_ != nullptr) PublishFullBlocks(seq);
+    Advance(seq);
   }
   return Status::Ok();
 }

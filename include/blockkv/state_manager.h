@@ -298,6 +298,8 @@ class StateManager {
   Sequence* Find(SeqId uid);
   const Sequence* Find(SeqId uid) const;
   Sequence* CreateInSlot(SeqId uid);  // REQUIRES: a free slot
+  // After a forward: seen_tokens += in_flight_tokens, in_flight = 0, full blocks published.
+  void Advance(Sequence& seq);
   void ReleaseSequenceBlocks(Sequence& seq);
 
   // ---- prefix caching (state_manager_prefix.cc) ----
