@@ -1,6 +1,7 @@
 // CudaDevice when blockkv is built without CUDA (BLOCKKV_CUDA=OFF, or no toolkit found).
 #include "blockkv/cuda_device.h"
 #include "blockkv/device.h"
+#include "internal/block_mover.h"
 #include "internal/strings.h"
 
 namespace blockkv {
@@ -18,3 +19,16 @@ Result<CUstream_st*> CudaStream(const Device& device) {
 }
 
 }  // namespace blockkv
+
+namespace blockkv::internal {
+
+Result<HostBuffer> AllocatePinnedHostBuffer(const Device& device, int64_t) {
+  return UnavailableError(
+      StrCat("pinned host memory for ", device.name(), ": blockkv was built without CUDA"));
+}
+
+Result<std::unique_ptr<BlockMover>> MakeCudaBlockMover(const Device& device) {
+  return UnavailableError(StrCat("copies for ", device.name(), ": blockkv was built without CUDA"));
+}
+
+}  // namespace blockkv::internal

@@ -1,0 +1,140 @@
+// The pieces of offloading that are not the store's bookkeeping: the POSIX disk-tier file, host
+// memory for the tiers, and block copies on a CPU device.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "blockkv/offload.h"
+#include "internal/block_mover.h"
+#include "internal/strings.h"
+
+namespace blockkv {
+
+using internal::StrCat;
+
+const char* TierName(Tier tier) {
+  switch (tier) {
+    case Tier::kDevice:
+      return "device";
+    case Tier::kHost:
+      return "host";
+    case Tier::kDisk:
+      return "disk";
+  }
+  return "unknown";
+}
+
+namespace {
+
+class PosixBlockFile final : public BlockFile {
+ public:
+  PosixBlockFile(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
+  ~PosixBlockFile() override {
+    ::close(fd_);
+    ::unlink(path_.c_str());
+  }
+
+  Status Write(int64_t offset, std::span<const std::byte> data) override {
+    size_t done = 0;
+    while (done < data.size()) {
+      const ssize_t n = ::pwrite(fd_, data.data() + done, data.size() - done,
+                                 static_cast<off_t>(offset + static_cast<int64_t>(done)));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return Error("write", offset, errno);
+      if (n == 0) return Error("write", offset, ENOSPC);  // no progress: treat as full
+      done += static_cast<size_t>(n);
+    }
+    return Status::Ok();
+  }
+
+  Status Read(int64_t offset, std::span<std::byte> data) override {
+    size_t done = 0;
+    while (done < data.size()) {
+      const ssize_t n = ::pread(fd_, data.data() + done, data.size() - done,
+                                static_cast<off_t>(offset + static_cast<int64_t>(done)));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return Error("read", offset, errno);
+      if (n == 0) {
+        return DataLossError(StrCat(path_, ": read of ", data.size(), " bytes at offset ", offset,
+                                    " ended after ", done, ": the file is truncated"));
+      }
+      done += static_cast<size_t>(n);
+    }
+    return Status::Ok();
+  }
+
+ private:
+  Status Error(const char* what, int64_t offset, int error) const {
+    std::string message = StrCat(path_, ": ", what, " at offset ", offset,
+                                 " failed: ", std::strerror(error), " (errno ", error, ")");
+    if (error == ENOSPC || error == EDQUOT) return ResourceExhaustedError(std::move(message));
+    return UnavailableError(std::move(message));
+  }
+
+  std::string path_;
+  int fd_;
+};
+
+void FreeAligned(std::byte* data) { std::free(data); }
+
+class HostBlockMover final : public internal::BlockMover {
+ public:
+  Status ToHost(const internal::BlockLayout& layout, BlockId block, std::byte* host) override {
+    const std::byte* src = layout.base + block * layout.chunk_bytes;
+    for (int64_t l = 0; l < layout.layers; ++l) {
+      std::memcpy(host + l * layout.chunk_bytes, src + l * layout.layer_stride,
+                  static_cast<size_t>(layout.chunk_bytes));
+    }
+    return Status::Ok();
+  }
+  Status FromHost(const internal::BlockLayout& layout, const std::byte* host,
+                  BlockId block) override {
+    std::byte* dst = layout.base + block * layout.chunk_bytes;
+    for (int64_t l = 0; l < layout.layers; ++l) {
+      std::memcpy(dst + l * layout.layer_stride, host + l * layout.chunk_bytes,
+                  static_cast<size_t>(layout.chunk_bytes));
+    }
+    return Status::Ok();
+  }
+  Status Finish() override { return Status::Ok(); }
+};
+
+}  // namespace
+
+Result<std::unique_ptr<BlockFile>> OpenPosixBlockFile(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    const int error = errno;
+    std::string message = StrCat("cannot open the disk tier file ", path, ": ",
+                                 std::strerror(error), " (errno ", error, ")");
+    if (error == ENOENT) return NotFoundError(std::move(message));
+    return UnavailableError(std::move(message));
+  }
+  return std::unique_ptr<BlockFile>(std::make_unique<PosixBlockFile>(path, fd));
+}
+
+namespace internal {
+
+Result<HostBuffer> AllocateHostBuffer(const Device& device, int64_t bytes) {
+  if (device.kind() == DeviceKind::kCuda) return AllocatePinnedHostBuffer(device, bytes);
+  constexpr int64_t kAlign = 4096;
+  const int64_t rounded = (std::max<int64_t>(bytes, 1) + kAlign - 1) / kAlign * kAlign;
+  void* data = std::aligned_alloc(kAlign, static_cast<size_t>(rounded));
+  if (data == nullptr) {
+    return ResourceExhaustedError(StrCat("cannot allocate ",
+                                         HumanBytes(static_cast<long double>(bytes)),
+                                         " of host memory for the offload tier"));
+  }
+  return HostBuffer(static_cast<std::byte*>(data), bytes, FreeAligned);
+}
+
+std::unique_ptr<BlockMover> MakeHostBlockMover() { return std::make_unique<HostBlockMover>(); }
+
+}  // namespace internal
+}  // namespace blockkv
