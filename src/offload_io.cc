@@ -1,6 +1,7 @@
 // The pieces of offloading that are not the store's bookkeeping: the POSIX disk-tier file, host
 // memory for the tiers, and block copies on a CPU device.
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -34,10 +35,11 @@ namespace {
 
 class PosixBlockFile final : public BlockFile {
  public:
-  PosixBlockFile(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
+  PosixBlockFile(std::string path, int fd, bool regular)
+      : path_(std::move(path)), fd_(fd), regular_(regular) {}
   ~PosixBlockFile() override {
     ::close(fd_);
-    ::unlink(path_.c_str());
+    if (regular_) ::unlink(path_.c_str());  // never a device node such as /dev/full
   }
 
   Status Write(int64_t offset, std::span<const std::byte> data) override {
@@ -79,6 +81,7 @@ class PosixBlockFile final : public BlockFile {
 
   std::string path_;
   int fd_;
+  bool regular_;  // a regular file, removed with the BlockFile
 };
 
 void FreeAligned(std::byte* data) { std::free(data); }
@@ -116,7 +119,9 @@ Result<std::unique_ptr<BlockFile>> OpenPosixBlockFile(const std::string& path) {
     if (error == ENOENT) return NotFoundError(std::move(message));
     return UnavailableError(std::move(message));
   }
-  return std::unique_ptr<BlockFile>(std::make_unique<PosixBlockFile>(path, fd));
+  struct stat st {};
+  const bool regular = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
+  return std::unique_ptr<BlockFile>(std::make_unique<PosixBlockFile>(path, fd, regular));
 }
 
 namespace internal {

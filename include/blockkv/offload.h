@@ -68,7 +68,8 @@ class BlockFile {
   virtual Status Read(int64_t offset, std::span<std::byte> data) = 0;
 };
 using BlockFileOpener = std::function<Result<std::unique_ptr<BlockFile>>(const std::string& path)>;
-// Creates (or truncates) `path`, mode 0600; the file is removed when the BlockFile is destroyed.
+// Creates (or truncates) `path`, mode 0600; a regular file is removed when the BlockFile is
+// destroyed (a device node such as /dev/full is left alone).
 Result<std::unique_ptr<BlockFile>> OpenPosixBlockFile(const std::string& path);
 
 struct OffloadConfig {
