@@ -16,6 +16,7 @@
 #include "internal/uid_map.h"
 #include "internal/validate.h"
 #include "state_manager_keys.h"
+#include "state_manager_offload.h"
 
 namespace blockkv {
 
@@ -100,9 +101,9 @@ Status CheckManagerConfig(const StateManagerConfig& config,
                           std::span<const KVCacheConfig> kv_configs) {
   BLOCKKV_RETURN_IF_ERROR(config.Validate());
   if (config.offload) {
-    return UnimplementedError(
-        "StateManagerConfig.offload: the host offload tier is not implemented yet; use "
-        "offload=false");
+    if (Status s = config.offload_config.Validate(); !s.ok()) {
+      return {s.code(), StrCat("StateManagerConfig.offload_config: ", s.message())};
+    }
   }
   const std::vector<int64_t>& windows = config.prefix_cache.sliding_windows;
   if (windows.size() > kv_configs.size()) {
@@ -155,8 +156,10 @@ Result<std::unique_ptr<StateManager>> StateManager::Create(StateManagerConfig co
   BLOCKKV_ASSIGN_OR_RETURN(
       std::unique_ptr<BlockedKVCache> cache,
       BlockedKVCache::Create(std::move(kv_configs), config.memory_config, std::move(device), comm));
-  return std::unique_ptr<StateManager>(
+  std::unique_ptr<StateManager> manager(
       new StateManager(std::move(config), std::move(cache), std::move(slots)));
+  if (manager->config_.offload) BLOCKKV_RETURN_IF_ERROR(manager->EnableOffload());
+  return manager;
 }
 
 StateManager::StateManager(StateManagerConfig config, std::unique_ptr<BlockedKVCache> cache,
@@ -256,6 +259,7 @@ Sequence* StateManager::CreateInSlot(SeqId uid) {
   seq.in_flight_tokens_ = 0;
   seq.table_version_ = ++last_table_version_;
   seq.cached_prefix_tokens_ = 0;
+  seq.preempted_ = false;
   for (int g = 0; g < num_groups(); ++g) seq.groups_[g].allocated = seq.groups_[g].released = 0;
   by_uid_->Insert(uid, slot);
   return &seq;
@@ -294,6 +298,7 @@ Status StateManager::FlushSequence(SeqId uid) {
   if (seq == nullptr) {
     return NotFoundError(StrCat("cannot flush sequence ", uid, ": it is not tracked"));
   }
+  DropParked(*seq);
   ReleaseSequenceBlocks(*seq);
   ResetKeys(seq->slot_);
   const BlockId slot = seq->slot_;
@@ -357,6 +362,11 @@ Status StateManager::FreeLeadingBlocks(SeqId uid, int32_t num_blocks, int group)
   Sequence* seq = Find(uid);
   if (seq == nullptr) {
     return NotFoundError(StrCat("FreeLeadingBlocks: sequence ", uid, " is not tracked"));
+  }
+  BLOCKKV_RETURN_IF_ERROR(SettleRestore(*seq));
+  if (seq->preempted_) {
+    return FailedPreconditionError(
+        StrCat("FreeLeadingBlocks: sequence ", uid, " is preempted; resume it first"));
   }
   Sequence::GroupState& state = seq->groups_[group];
   const int64_t full =
@@ -488,6 +498,10 @@ Status StateManager::CheckScheduleArgs(std::span<const SeqId> uids,
     if (slot_marks_[slot] == mark_epoch_) {
       return InvalidArgumentError(ColdStrCat("sequence ", uids[i], " appears twice in one batch"));
     }
+    if (sequences_[slot].preempted_) [[unlikely]] {
+      return FailedPreconditionError(
+          ColdStrCat("sequence ", uids[i], " is preempted; ResumeSequence before scheduling it"));
+    }
     slot_marks_[slot] = mark_epoch_;
   }
   std::sort(fresh.begin(), fresh.end());
@@ -507,6 +521,7 @@ Result<SchedulingResult> StateManager::CanSchedule(std::span<const SeqId> uids,
 
 Status StateManager::Schedule(std::span<const SeqId> uids, std::span<const int64_t> lengths,
                               SchedulingResult* result) {
+  BLOCKKV_RETURN_IF_ERROR(SettleRestores(uids));
   BLOCKKV_RETURN_IF_ERROR(CheckScheduleArgs(uids, lengths));
   std::string why;
   const SchedulingResult verdict = Check(uids, lengths, &why);
@@ -552,8 +567,16 @@ Status StateManager::Schedule(std::span<const SeqId> uids, std::span<const int64
 // ---- fork -------------------------------------------------------------------------------------
 
 Status StateManager::Fork(SeqId parent, SeqId child) {
-  const Sequence* from = Find(parent);
-  if (from == nullptr) return NotFoundError(StrCat("Fork: parent ", parent, " is not tracked"));
+  Sequence* const parent_seq = Find(parent);
+  if (parent_seq == nullptr) {
+    return NotFoundError(StrCat("Fork: parent ", parent, " is not tracked"));
+  }
+  BLOCKKV_RETURN_IF_ERROR(SettleRestore(*parent_seq));
+  if (parent_seq->preempted_) {
+    return FailedPreconditionError(
+        StrCat("Fork: parent ", parent, " is preempted; resume it first"));
+  }
+  const Sequence* from = parent_seq;
   if (Find(child) != nullptr) {
     return AlreadyExistsError(StrCat("Fork: sequence ", child, " is already tracked"));
   }

@@ -27,7 +27,7 @@ Status StateManager::CheckSequence(const Sequence& seq, std::vector<int32_t>* ow
   }
   for (int32_t i = 0; i < capacity; ++i) {
     const BlockId block = state.row[i];
-    const bool held = i >= state.released && i < state.allocated;
+    const bool held = !seq.preempted_ && i >= state.released && i < state.allocated;
     if (!held) {
       if (block != kNoBlock) {
         return InternalError(StrCat("sequence ", seq.uid_, " group ", group, " entry ", i,
@@ -41,7 +41,7 @@ Status StateManager::CheckSequence(const Sequence& seq, std::vector<int32_t>* ow
     }
     ++(*owners)[block];
   }
-  return Status::Ok();
+  return CheckParked(seq, group);
 }
 
 Status StateManager::CheckInvariants() const {
@@ -67,6 +67,9 @@ Status StateManager::CheckInvariants() const {
       if (sequences.ok() && g == 0) sequences = CheckKeys(sequences_[slot]);
     });
     BLOCKKV_RETURN_IF_ERROR(sequences);
+    if (offload_ != nullptr) {
+      for (const BlockId block : offload_->held_blocks(g)) ++owners[block];  // copies in flight
+    }
     for (BlockId block = 0; block < pools_[g].num_blocks(); ++block) {
       if (owners[block] != pools_[g].ref_count(block)) {
         return InternalError(StrCat("block ", block, " of group ", g, " is in ", owners[block],
@@ -75,6 +78,7 @@ Status StateManager::CheckInvariants() const {
     }
   }
   if (prefix_ != nullptr) BLOCKKV_RETURN_IF_ERROR(prefix_->CheckInvariants());
+  if (offload_ != nullptr) BLOCKKV_RETURN_IF_ERROR(offload_->CheckInvariants());
   // Rows of free slots are empty.
   for (int32_t slot = 0; slot < config_.max_tracked_sequences; ++slot) {
     if (slots_.IsUsed(slot)) continue;

@@ -38,6 +38,7 @@
 #include "blockkv/config.h"
 #include "blockkv/device.h"
 #include "blockkv/kv_cache.h"
+#include "blockkv/offload.h"
 #include "blockkv/prefix_cache.h"
 #include "blockkv/status.h"
 
@@ -56,7 +57,10 @@ struct StateManagerConfig {
   int32_t max_ragged_sequence_count = 512;  // sequences in one forward
   int64_t max_context = 8192;               // tokens one sequence may hold (enforced)
   MemoryConfig memory_config;
+  // A host (and optionally disk) tier for PreemptSequence / ResumeSequence, sized by
+  // offload_config (DeepSpeed's flag, which did nothing there).
   bool offload = false;
+  OffloadConfig offload_config{};
   PrefixCacheConfig prefix_cache{};  // off by default, as in DeepSpeed
 
   // Every count > 0, max_ragged_sequence_count <= max_tracked_sequences and
@@ -126,6 +130,9 @@ class Sequence {
   uint64_t table_version() const { return table_version_; }
   // Tokens taken from the prefix cache when the sequence was first scheduled (0 without a hit).
   int64_t cached_prefix_tokens() const { return cached_prefix_tokens_; }
+  // True between PreemptSequence and ResumeSequence: its blocks are in the offload tiers and
+  // its table entries are kNoBlock.
+  bool preempted() const { return preempted_; }
   // The table row of `group`, entries [0, cur_allocated_blocks(group)).
   std::span<const BlockId> block_table(int group = 0) const {
     return {groups_[group].row, static_cast<size_t>(groups_[group].allocated)};
@@ -146,6 +153,7 @@ class Sequence {
   int64_t in_flight_tokens_ = 0;
   uint64_t table_version_ = 0;
   int64_t cached_prefix_tokens_ = 0;
+  bool preempted_ = false;
   GroupState* groups_ = nullptr;  // [num_groups] in the manager's flat group_states_
 };
 
@@ -250,6 +258,25 @@ class StateManager {
   // Drops every cached block no sequence references; returns how many.
   int64_t ResetPrefixCache();
 
+  // ---- offload (state_manager_offload.cc; StateManagerConfig.offload) ----
+  // Moves the blocks `uid` holds to the host tier (the disk tier for a group whose host tier is
+  // full), so that its device blocks are freed once the copy is done (the ticket) — preemption
+  // without recompute. Its table entries become kNoBlock; it keeps its slot, seen_tokens and
+  // tokens, and cannot be scheduled, forked or partially freed until resumed. Blocks it shares
+  // (a fork, a prefix hit) are copied too, and its other holders keep theirs. A copy that fails
+  // keeps the device blocks (nothing is lost; ResumeSequence then takes them back without a
+  // copy). kFailedPrecondition (offload off, tokens in flight, already preempted), kNotFound,
+  // kResourceExhausted (the tiers are too full: nothing changed).
+  Result<OffloadTicket> PreemptSequence(SeqId uid);
+  // Brings a preempted sequence back: new blocks, copied from the tiers, its table rewritten.
+  // Asynchronous: the next Schedule (or Fork, FreeLeadingBlocks, FlushSequence) naming it waits
+  // for the copy; when that copy failed (kDataLoss for a corrupt disk slot), that call returns
+  // the error and the sequence is preempted again, its handles kept. kFailedPrecondition (offload
+  // off, not preempted), kNotFound, kResourceExhausted (too few free blocks: nothing changed).
+  Result<OffloadTicket> ResumeSequence(SeqId uid);
+  // nullptr when offload is off.
+  const OffloadStore* offload_store() const { return offload_.get(); }
+
   // One layer's cache, as BlockedKVCache::GetCache.
   Result<TensorView> GetCache(int64_t cache_id, int group = 0) const;
   const BlockedKVCache& kv_cache() const { return *cache_; }
@@ -302,6 +329,19 @@ class StateManager {
   void Advance(Sequence& seq);
   void ReleaseSequenceBlocks(Sequence& seq);
 
+  // ---- offload (state_manager_offload.cc) ----
+  class PoolOwner;         // OffloadStore::BlockOwner over pools_
+  struct Parked;           // a preempted or resuming sequence's handles, by slot
+  Status EnableOffload();  // from Create
+  // Waits for a resume of `seq` in flight; when its copy failed, parks the sequence again and
+  // returns the error. OK when nothing is in flight.
+  Status SettleRestore(Sequence& seq);
+  // Waits for every resume in flight among `uids` (Schedule, before it checks anything).
+  Status SettleRestores(std::span<const SeqId> uids);
+  // FlushSequence's part: a preempted sequence's handles are dropped.
+  void DropParked(Sequence& seq);
+  Status CheckParked(const Sequence& seq, int group) const;
+
   // ---- prefix caching (state_manager_prefix.cc) ----
   struct SequenceKeys;  // a sequence's known tokens and key state, by slot
   // The prefix a first Schedule of the i-th uid takes, decided by Check.
@@ -349,6 +389,11 @@ class StateManager {
   int64_t hit_step_ = 1;                  // a prefix hit is a multiple of every group's block size
   std::unique_ptr<PrefixCache> prefix_;   // when enabled
   std::unique_ptr<SequenceKeys[]> keys_;  // [max_tracked_sequences] when prefix_ is set
+  // Declared after pools_ and prefix_: destroyed first, it gives back the blocks it holds.
+  std::unique_ptr<PoolOwner> pool_owner_;  // when offload is on
+  std::unique_ptr<OffloadStore> offload_;  // when offload is on
+  std::unique_ptr<Parked[]> parked_;       // [max_tracked_sequences] when offload is on
+  int32_t resuming_ = 0;                   // sequences whose resume copy is not yet settled
 
   // Scratch reused across calls so a step allocates nothing once warm.
   std::vector<std::vector<BlockId>> scratch_;  // per group: blocks taken in one Schedule

@@ -43,13 +43,13 @@ TEST(StateManagerMpiTest, OneRankWithAnInvalidManagerConfigFailsEveryRank) {
   auto comm = MpiCommunicator::Create(MPI_COMM_WORLD);
   ASSERT_TRUE(comm.ok()) << comm.status();
   StateManagerConfig config = ReserveConfig();
-  if (WorldRank() == 0) config.offload = true;  // rejected by the manager, before the cache
+  if (WorldRank() == 0) config.offload = true;  // no host tier size: rejected before the cache
   const std::vector<KVCacheConfig> kv = {
       KVCacheConfig{.block_size = 16, .cache_shape = {2, 2, 32}}};
   auto manager = StateManager::Create(config, kv, CpuDevice(8 << 20), comm->get());
   ASSERT_FALSE(manager.ok());
   EXPECT_EQ(manager.status().code(),
-            WorldRank() == 0 ? StatusCode::kUnimplemented : StatusCode::kResourceExhausted)
+            WorldRank() == 0 ? StatusCode::kInvalidArgument : StatusCode::kResourceExhausted)
       << manager.status();
   EXPECT_TRUE((*comm)->Barrier().ok());
 }

@@ -94,11 +94,11 @@ TEST(StateManagerConfig, RejectsSequenceCountAboveBatchOrTracked) {
   EXPECT_NE(s.message().find("max_tracked_sequences (512)"), std::string::npos) << s;
 }
 
-TEST(StateManagerCreate, RejectsOffloadAndSeveralAllocationGroups) {
+TEST(StateManagerCreate, RejectsOffloadWithoutATierAndSeveralAllocationGroups) {
   StateManagerConfig offload = Config(8);
-  offload.offload = true;
+  offload.offload = true;  // and no host tier size in offload_config
   EXPECT_EQ(StateManager::Create(offload, {SmallModel()}, CpuDevice(1 << 20)).status().code(),
-            StatusCode::kUnimplemented);
+            StatusCode::kInvalidArgument);
   KVCacheConfig two = SmallModel();
   two.num_allocation_groups = 2;
   EXPECT_EQ(StateManager::Create(Config(8), {two}, CpuDevice(1 << 20)).status().code(),
@@ -476,9 +476,9 @@ TEST(StateManagerCreate, ARankWithABadConfigStillEntersTheCollectives) {
   StateManagerConfig config = Config(8);
   config.memory_config.mode = AllocationMode::kReserve;
   config.memory_config.size = 1024;
-  config.offload = true;
+  config.offload = true;  // without a host tier size: invalid
   const auto m = StateManager::Create(config, {SmallModel()}, CpuDevice(1 << 20), &comm);
-  EXPECT_EQ(m.status().code(), StatusCode::kUnimplemented);
+  EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(comm.barriers, 1);
   EXPECT_EQ(comm.reduced, (std::vector<int64_t>{0}));  // "I can hold nothing": the others fail
 }

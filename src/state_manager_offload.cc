@@ -1,0 +1,212 @@
+// StateManager's preemption through the offload tiers: PreemptSequence, ResumeSequence, and the
+// waits the rest of the manager does for a resume in flight. The store is in offload.cc.
+#include <algorithm>
+#include <vector>
+
+#include "blockkv/state_manager.h"
+#include "internal/check.h"
+#include "internal/strings.h"
+#include "internal/uid_map.h"
+#include "state_manager_keys.h"
+#include "state_manager_offload.h"
+
+namespace blockkv {
+
+using internal::StrCat;
+
+void StateManager::PoolOwner::Release(int group, std::span<const BlockId> blocks) {
+  const Status released = (*pools_)[group].Release(blocks);
+  BLOCKKV_CHECK(released.ok(), "the offload store gave back a block it held no reference to");
+}
+
+Status StateManager::EnableOffload() {
+  pool_owner_ = std::make_unique<PoolOwner>(&pools_);
+  Result<std::unique_ptr<OffloadStore>> store =
+      OffloadStore::Create(cache_.get(), config_.offload_config, pool_owner_.get());
+  if (!store.ok()) {
+    return {store.status().code(),
+            StrCat("StateManagerConfig.offload_config: ", store.status().message())};
+  }
+  offload_ = std::move(*store);
+  parked_.reset(new Parked[static_cast<size_t>(config_.max_tracked_sequences)]);
+  return Status::Ok();
+}
+
+Result<OffloadTicket> StateManager::PreemptSequence(SeqId uid) {
+  if (offload_ == nullptr) {
+    return FailedPreconditionError(
+        StrCat("PreemptSequence(", uid, "): offload is off (StateManagerConfig.offload)"));
+  }
+  Sequence* seq = Find(uid);
+  if (seq == nullptr)
+    return NotFoundError(StrCat("PreemptSequence: sequence ", uid, " is not tracked"));
+  if (seq->preempted_) {
+    return FailedPreconditionError(
+        StrCat("PreemptSequence: sequence ", uid, " is preempted already"));
+  }
+  BLOCKKV_RETURN_IF_ERROR(SettleRestore(*seq));
+  if (seq->in_flight_tokens_ != 0) {
+    return FailedPreconditionError(StrCat("PreemptSequence: sequence ", uid, " has ",
+                                          seq->in_flight_tokens_,
+                                          " tokens in flight; preempt after PostForward"));
+  }
+  // Each group's blocks go to the host tier, or to the disk when the host tier is full.
+  const int groups = num_groups();
+  std::vector<Tier> tiers(static_cast<size_t>(groups));
+  for (int g = 0; g < groups; ++g) {
+    const Sequence::GroupState& state = seq->groups_[g];
+    const int32_t held = state.allocated - state.released;
+    if (offload_->free_host_blocks(g) >= held) {
+      tiers[g] = Tier::kHost;
+    } else if (offload_->free_disk_blocks(g) >= held) {
+      tiers[g] = Tier::kDisk;
+    } else {
+      return ResourceExhaustedError(
+          StrCat("PreemptSequence: sequence ", uid, " holds ", held, " blocks of group ", g,
+                 "; the host tier has ", offload_->free_host_blocks(g), " free and the disk tier ",
+                 offload_->free_disk_blocks(g)));
+    }
+  }
+  Parked& parked = parked_[seq->slot_];
+  parked.counts.assign(static_cast<size_t>(groups), 0);
+  parked.handles.clear();
+  OffloadTicket ticket;
+  for (int g = 0; g < groups; ++g) {
+    Sequence::GroupState& state = seq->groups_[g];
+    const int32_t held = state.allocated - state.released;
+    parked.counts[g] = held;
+    const size_t first = parked.handles.size();
+    parked.handles.resize(first + static_cast<size_t>(held));
+    Result<OffloadTicket> copied =
+        offload_->Offload(std::span<const BlockId>(state.row + state.released, held), g,
+                          std::span(parked.handles).subspan(first), tiers[g]);
+    BLOCKKV_CHECK(copied.ok(), "PreemptSequence: an offload that was checked failed");
+    ticket = OffloadTicket::Join(ticket, *copied);
+    // The store holds the sequence's references now.
+    std::fill(state.row + state.released, state.row + state.allocated, kNoBlock);
+  }
+  if (prefix_ != nullptr) {
+    // Its blocks are no longer cached blocks of its own: publishing starts again from block 0
+    // once it is resumed (the restored copies are published as duplicates of their keys).
+    for (SequenceKeys::Group& keys : keys_[seq->slot_].groups) keys.published = 0;
+  }
+  seq->preempted_ = true;
+  seq->table_version_ = ++last_table_version_;
+  return ticket;
+}
+
+Result<OffloadTicket> StateManager::ResumeSequence(SeqId uid) {
+  if (offload_ == nullptr) {
+    return FailedPreconditionError(
+        StrCat("ResumeSequence(", uid, "): offload is off (StateManagerConfig.offload)"));
+  }
+  Sequence* seq = Find(uid);
+  if (seq == nullptr)
+    return NotFoundError(StrCat("ResumeSequence: sequence ", uid, " is not tracked"));
+  if (!seq->preempted_) {
+    return FailedPreconditionError(StrCat("ResumeSequence: sequence ", uid, " is not preempted"));
+  }
+  Parked& parked = parked_[seq->slot_];
+  for (int g = 0; g < num_groups(); ++g) {
+    if (pools_[g].free_blocks() < parked.counts[g]) {
+      return ResourceExhaustedError(StrCat("ResumeSequence: sequence ", uid, " needs ",
+                                           parked.counts[g], " blocks of group ", g, ", ",
+                                           pools_[g].free_blocks(), " are free"));
+    }
+  }
+  std::vector<BlockId>& blocks = tail_scratch_;
+  blocks.resize(parked.handles.size());
+  Result<OffloadTicket> copied = offload_->Restore(parked.handles, OffloadStore::kAnyGroup, blocks);
+  if (!copied.ok()) return copied.status();  // nothing changed
+  size_t next = 0;
+  for (int g = 0; g < num_groups(); ++g) {
+    Sequence::GroupState& state = seq->groups_[g];
+    std::copy_n(blocks.begin() + static_cast<std::ptrdiff_t>(next), parked.counts[g],
+                state.row + state.released);
+    next += static_cast<size_t>(parked.counts[g]);
+  }
+  parked.restore = *copied;
+  parked.resuming = true;
+  ++resuming_;
+  seq->preempted_ = false;
+  seq->table_version_ = ++last_table_version_;
+  return *copied;
+}
+
+Status StateManager::SettleRestore(Sequence& seq) {
+  if (parked_ == nullptr) return Status::Ok();
+  Parked& parked = parked_[seq.slot_];
+  if (!parked.resuming) return Status::Ok();
+  const Status copied = parked.restore.Wait();
+  parked.resuming = false;
+  --resuming_;
+  if (copied.ok()) {
+    parked.handles.clear();
+    if (prefix_ != nullptr) PublishFullBlocks(seq);  // the contents are there now
+    return Status::Ok();
+  }
+  // The copy failed: its handles are kept, its blocks hold nothing. Park it again.
+  for (int g = 0; g < num_groups(); ++g) {
+    Sequence::GroupState& state = seq.groups_[g];
+    const Status released = pools_[g].Release(
+        std::span<const BlockId>(state.row + state.released, state.allocated - state.released));
+    BLOCKKV_CHECK(released.ok(), "a resumed sequence held a block without a reference");
+    std::fill(state.row + state.released, state.row + state.allocated, kNoBlock);
+  }
+  seq.preempted_ = true;
+  seq.table_version_ = ++last_table_version_;
+  return {copied.code(), StrCat("sequence ", seq.uid_,
+                                " could not be resumed, it stays preempted: ", copied.message())};
+}
+
+Status StateManager::SettleRestores(std::span<const SeqId> uids) {
+  if (resuming_ == 0) return Status::Ok();
+  for (const SeqId uid : uids) {
+    if (Sequence* seq = Find(uid)) BLOCKKV_RETURN_IF_ERROR(SettleRestore(*seq));
+  }
+  return Status::Ok();
+}
+
+void StateManager::DropParked(Sequence& seq) {
+  if (parked_ == nullptr) return;
+  SettleRestore(seq).IgnoreError();  // a failed resume parks it again: dropped below
+  Parked& parked = parked_[seq.slot_];
+  if (!seq.preempted_) return;
+  const Status dropped = offload_->Drop(parked.handles);
+  BLOCKKV_CHECK(dropped.ok(), "a preempted sequence's handles were not live");
+  parked.handles.clear();
+  for (int g = 0; g < num_groups(); ++g) {
+    seq.groups_[g].allocated = seq.groups_[g].released = 0;
+  }
+  seq.preempted_ = false;
+}
+
+Status StateManager::CheckParked(const Sequence& seq, int group) const {
+  const Parked* parked = parked_ == nullptr ? nullptr : &parked_[seq.slot_];
+  const bool has_handles = parked != nullptr && !parked->handles.empty();
+  if (!seq.preempted_) {
+    if (has_handles && !parked->resuming) {
+      return InternalError(StrCat("sequence ", seq.uid_, " is not preempted but has ",
+                                  parked->handles.size(), " offload handles"));
+    }
+    return Status::Ok();
+  }
+  const Sequence::GroupState& state = seq.groups_[group];
+  if (parked == nullptr || parked->counts.size() != static_cast<size_t>(num_groups()) ||
+      parked->counts[group] != state.allocated - state.released) {
+    return InternalError(StrCat("preempted sequence ", seq.uid_, " group ", group, ": ",
+                                state.allocated - state.released, " table entries but ",
+                                parked == nullptr ? 0 : parked->counts[group], " handles"));
+  }
+  size_t first = 0;
+  for (int g = 0; g < group; ++g) first += static_cast<size_t>(parked->counts[g]);
+  for (int32_t i = 0; i < parked->counts[group]; ++i) {
+    if (!offload_->tier(parked->handles[first + static_cast<size_t>(i)]).ok()) {
+      return InternalError(StrCat("preempted sequence ", seq.uid_, " group ", group, ": handle ", i,
+                                  " is not live"));
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace blockkv

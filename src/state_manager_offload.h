@@ -1,0 +1,35 @@
+// StateManager's offload types, shared by state_manager.cc (which owns them) and
+// state_manager_offload.cc (which uses them).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "blockkv/offload.h"
+#include "blockkv/state_manager.h"
+
+namespace blockkv {
+
+// Device blocks for the offload store come from, and go back to, the manager's pools: a block
+// being offloaded keeps the sequence's reference until its copy is done.
+class StateManager::PoolOwner final : public OffloadStore::BlockOwner {
+ public:
+  explicit PoolOwner(std::vector<BlockPool>* pools) : pools_(pools) {}
+  Status Take(int group, std::span<BlockId> out) override {
+    return (*pools_)[group].Take(static_cast<int32_t>(out.size()), out);
+  }
+  void Release(int group, std::span<const BlockId> blocks) override;
+
+ private:
+  std::vector<BlockPool>* pools_;
+};
+
+// A preempted sequence's handles (or a resuming one's, until its copy settles), by slot.
+struct StateManager::Parked {
+  std::vector<OffloadHandle> handles;  // group after group, table order within a group
+  std::vector<int32_t> counts;         // [num_groups]: handles of each group
+  OffloadTicket restore;               // the resume copy, while `resuming`
+  bool resuming = false;
+};
+
+}  // namespace blockkv

@@ -1,0 +1,311 @@
+// StateManager::PreemptSequence / ResumeSequence through the offload tiers: contents survive a
+// preempt-resume round trip byte for byte at new block ids, failures keep everything, and the
+// manager's invariants hold throughout (the offload store itself is tested in offload_test.cc).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include "blockkv/state_manager.h"
+#include "unit/test_util.h"
+
+namespace blockkv {
+namespace {
+
+constexpr int32_t kBlockSize = 4;
+
+KVCacheConfig Group(int64_t layers, int32_t block_size = kBlockSize) {
+  return KVCacheConfig{.block_size = block_size,
+                       .cache_shape = {layers, 2, 8},
+                       .cache_dtype = DType::kFloat32,
+                       .max_blocks_per_allocation_group = 32};
+}
+
+StateManagerConfig Config(int32_t num_blocks, OffloadConfig offload) {
+  StateManagerConfig config;
+  config.max_tracked_sequences = 16;
+  config.max_ragged_batch_size = 256;
+  config.max_ragged_sequence_count = 16;
+  config.memory_config = {.mode = AllocationMode::kAllocate, .size = num_blocks};
+  config.offload = true;
+  config.offload_config = std::move(offload);
+  return config;
+}
+
+class PreemptTest : public ::testing::Test {
+ protected:
+  void Make(int32_t num_blocks, OffloadConfig offload,
+            std::vector<KVCacheConfig> groups = {Group(3)}) {
+    auto mgr = StateManager::Create(Config(num_blocks, std::move(offload)), std::move(groups),
+                                    CpuDevice(64 << 20));
+    ASSERT_TRUE(mgr.ok()) << mgr.status();
+    mgr_ = std::move(*mgr);
+  }
+
+  // Every byte of block `b` of group g in every layer.
+  std::vector<uint8_t> Bytes(int g, BlockId b) const {
+    std::vector<uint8_t> out;
+    const KVCacheConfig& c = mgr_->kv_cache().config(g);
+    for (int64_t layer = 0; layer < c.num_caches(); ++layer) {
+      const TensorView view = *mgr_->GetCache(layer, g);
+      const size_t bytes = static_cast<size_t>(view.stride(0)) * ElementSize(view.dtype);
+      const auto* base = static_cast<const uint8_t*>(view.data) + static_cast<size_t>(b) * bytes;
+      out.insert(out.end(), base, base + bytes);
+    }
+    return out;
+  }
+  void Fill(int g, BlockId b, uint32_t salt) {
+    const KVCacheConfig& c = mgr_->kv_cache().config(g);
+    for (int64_t layer = 0; layer < c.num_caches(); ++layer) {
+      const TensorView view = *mgr_->GetCache(layer, g);
+      const size_t bytes = static_cast<size_t>(view.stride(0)) * ElementSize(view.dtype);
+      auto* base = static_cast<uint8_t*>(view.data) + static_cast<size_t>(b) * bytes;
+      for (size_t i = 0; i < bytes; ++i) base[i] = static_cast<uint8_t>(salt * 37 + layer * 11 + i);
+    }
+  }
+  // Schedules `tokens` for `uid`, fills its blocks with distinct bytes and advances.
+  std::vector<std::vector<std::vector<uint8_t>>> Run(SeqId uid, int64_t tokens) {
+    const SeqId uids[] = {uid};
+    const int64_t lengths[] = {tokens};
+    EXPECT_TRUE(mgr_->Schedule(uids, lengths).ok());
+    EXPECT_TRUE(mgr_->PostForward(uids).ok());
+    std::vector<std::vector<std::vector<uint8_t>>> contents(mgr_->num_groups());
+    for (int g = 0; g < mgr_->num_groups(); ++g) {
+      for (const BlockId b : mgr_->GetSequence(uid)->block_table(g)) {
+        Fill(g, b, static_cast<uint32_t>(uid * 1000 + b));
+        contents[g].push_back(Bytes(g, b));
+      }
+    }
+    return contents;
+  }
+  void ExpectContents(SeqId uid, const std::vector<std::vector<std::vector<uint8_t>>>& want) {
+    for (int g = 0; g < mgr_->num_groups(); ++g) {
+      const std::span<const BlockId> table = mgr_->GetSequence(uid)->block_table(g);
+      ASSERT_EQ(table.size(), want[g].size());
+      for (size_t i = 0; i < table.size(); ++i) {
+        EXPECT_EQ(Bytes(g, table[i]), want[g][i]) << "group " << g << " block " << i;
+      }
+    }
+  }
+  void ExpectInvariants() {
+    const Status s = mgr_->CheckInvariants();
+    EXPECT_TRUE(s.ok()) << s;
+  }
+
+  std::unique_ptr<StateManager> mgr_;
+};
+
+TEST_F(PreemptTest, RoundTripThroughTheHostTier) {
+  Make(16, {.host_blocks = 16}, {Group(3), Group(2, 8)});
+  const auto before = Run(1, 21);  // 6 blocks of group 0, 3 of group 1
+  const std::vector<int32_t> free_before = mgr_->free_blocks();
+  Result<OffloadTicket> out = mgr_->PreemptSequence(1);
+  ASSERT_TRUE(out.ok()) << out.status();
+  ExpectInvariants();
+  EXPECT_TRUE(mgr_->GetSequence(1)->preempted());
+  for (const BlockId b : mgr_->GetSequence(1)->block_table(0)) EXPECT_EQ(b, kNoBlock);
+  ASSERT_TRUE(out->Wait().ok());
+  EXPECT_TRUE(out->Poll());
+  ExpectInvariants();
+  EXPECT_EQ(mgr_->free_blocks()[0], free_before[0] + 6);
+  EXPECT_EQ(mgr_->free_blocks()[1], free_before[1] + 3);
+  EXPECT_EQ(mgr_->offload_store()->live_handles(), 9);
+
+  // Another sequence takes the freed blocks and overwrites them.
+  Run(2, 40);
+  const SeqId two[] = {2};
+  ASSERT_TRUE(mgr_->FlushSequence(2).ok());
+  static_cast<void>(two);
+
+  Result<OffloadTicket> in = mgr_->ResumeSequence(1);
+  ASSERT_TRUE(in.ok()) << in.status();
+  EXPECT_FALSE(mgr_->GetSequence(1)->preempted());
+  ASSERT_TRUE(in->Wait().ok());
+  ExpectInvariants();
+  ExpectContents(1, before);
+  EXPECT_EQ(mgr_->GetSequence(1)->seen_tokens(), 21);
+  EXPECT_EQ(mgr_->offload_store()->live_handles(), 0);
+  // It runs on where it stopped.
+  const SeqId uids[] = {1};
+  const int64_t lengths[] = {5};
+  ASSERT_TRUE(mgr_->Schedule(uids, lengths).ok());
+  ASSERT_TRUE(mgr_->PostForward(uids).ok());
+  EXPECT_EQ(mgr_->GetSequence(1)->seen_tokens(), 26);
+  ExpectInvariants();
+}
+
+TEST_F(PreemptTest, APreemptedSequenceCannotRunUntilResumed) {
+  Make(16, {.host_blocks = 16});
+  Run(1, 10);
+  ASSERT_TRUE(mgr_->PreemptSequence(1).ok());
+  const SeqId uids[] = {1};
+  const int64_t lengths[] = {1};
+  EXPECT_EQ(mgr_->Schedule(uids, lengths).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(mgr_->CanSchedule(uids, lengths).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(mgr_->Fork(1, 2).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(mgr_->FreeLeadingBlocks(1, 1).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(mgr_->PreemptSequence(1).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(mgr_->ResumeSequence(7).status().code(), StatusCode::kNotFound);
+  ExpectInvariants();
+}
+
+TEST_F(PreemptTest, ErrorsChangeNothing) {
+  Make(8, {.host_blocks = 2});
+  Run(1, 12);  // 3 blocks: more than the host tier holds
+  const std::vector<int32_t> free = mgr_->free_blocks();
+  EXPECT_EQ(mgr_->PreemptSequence(1).status().code(), StatusCode::kResourceExhausted);
+  EXPECT_FALSE(mgr_->GetSequence(1)->preempted());
+  EXPECT_EQ(mgr_->free_blocks(), free);
+  EXPECT_EQ(mgr_->offload_store()->live_handles(), 0);
+  // Tokens in flight.
+  const SeqId uids[] = {1};
+  const int64_t lengths[] = {1};
+  ASSERT_TRUE(mgr_->Schedule(uids, lengths).ok());
+  EXPECT_EQ(mgr_->PreemptSequence(1).status().code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(mgr_->PostForward(uids).ok());
+  ExpectInvariants();
+
+  // Resume with too few free blocks: the sequence stays preempted with its handles.
+  Make(8, {.host_blocks = 8});
+  const auto before = Run(1, 16);  // 4 blocks
+  ASSERT_TRUE(mgr_->PreemptSequence(1)->Wait().ok());
+  Run(2, 32);  // all 8 blocks
+  EXPECT_EQ(mgr_->ResumeSequence(1).status().code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(mgr_->GetSequence(1)->preempted());
+  EXPECT_EQ(mgr_->offload_store()->live_handles(), 4);
+  ExpectInvariants();
+  ASSERT_TRUE(mgr_->FlushSequence(2).ok());
+  ASSERT_TRUE(mgr_->ResumeSequence(1)->Wait().ok());
+  ExpectContents(1, before);
+  ExpectInvariants();
+}
+
+TEST_F(PreemptTest, FullHostTierSpillsToDisk) {
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("blockkv_preempt_" + std::to_string(::getpid())))
+          .string();
+  Make(16, {.host_blocks = 2, .disk_path = path, .disk_blocks = 8});
+  const auto before = Run(1, 12);
+  ASSERT_TRUE(mgr_->PreemptSequence(1)->Wait().ok());
+  EXPECT_EQ(mgr_->offload_store()->free_disk_blocks(0), 5);
+  ExpectInvariants();
+  ASSERT_TRUE(mgr_->ResumeSequence(1)->Wait().ok());
+  ExpectContents(1, before);
+  ExpectInvariants();
+}
+
+TEST_F(PreemptTest, FlushDropsHandlesAndResumesInFlight) {
+  Make(16, {.host_blocks = 16});
+  Run(1, 9);
+  Run(2, 9);
+  ASSERT_TRUE(mgr_->PreemptSequence(1).ok());  // not waited for
+  ASSERT_TRUE(mgr_->FlushSequence(1).ok());
+  EXPECT_EQ(mgr_->offload_store()->live_handles(), 0);
+  ExpectInvariants();
+  ASSERT_TRUE(mgr_->PreemptSequence(2)->Wait().ok());
+  ASSERT_TRUE(mgr_->ResumeSequence(2).ok());  // flushed while its copy may be in flight
+  ASSERT_TRUE(mgr_->FlushSequence(2).ok());
+  ExpectInvariants();
+  EXPECT_EQ(mgr_->free_blocks()[0], 16);
+}
+
+TEST_F(PreemptTest, SharedBlocksStayWithTheirOtherHolders) {
+  Make(16, {.host_blocks = 16});
+  const auto before = Run(1, 10);  // 2 full blocks + a partial one
+  ASSERT_TRUE(mgr_->Fork(1, 2).ok());
+  const std::vector<BlockId> child(mgr_->GetSequence(2)->block_table(0).begin(),
+                                   mgr_->GetSequence(2)->block_table(0).end());
+  ASSERT_TRUE(mgr_->PreemptSequence(1)->Wait().ok());
+  ExpectInvariants();
+  // The child still holds the shared full blocks; only the parent's private tail was freed.
+  EXPECT_EQ(mgr_->pool(0).ref_count(child[0]), 1);
+  EXPECT_EQ(Bytes(0, child[0]), before[0][0]);
+  ASSERT_TRUE(mgr_->ResumeSequence(1)->Wait().ok());
+  ExpectContents(1, before);
+  ExpectInvariants();
+}
+
+// A disk tier whose reads come back flipped: the resume fails with kDataLoss naming the block,
+// the sequence stays preempted with its handles, nothing else changes.
+class FlippingFile final : public BlockFile {
+ public:
+  explicit FlippingFile(std::unique_ptr<BlockFile> file) : file_(std::move(file)) {}
+  Status Write(int64_t offset, std::span<const std::byte> data) override {
+    return file_->Write(offset, data);
+  }
+  Status Read(int64_t offset, std::span<std::byte> data) override {
+    BLOCKKV_RETURN_IF_ERROR(file_->Read(offset, data));
+    data[data.size() / 2] ^= std::byte{0x20};
+    return Status::Ok();
+  }
+
+ private:
+  std::unique_ptr<BlockFile> file_;
+};
+
+TEST_F(PreemptTest, ACorruptDiskSlotFailsTheResumeAndKeepsTheSequencePreempted) {
+  const std::string path =
+      (std::filesystem::temp_directory_path() / ("blockkv_flip_" + std::to_string(::getpid())))
+          .string();
+  OffloadConfig offload{.host_blocks = 1, .disk_path = path, .disk_blocks = 8};
+  offload.open_file = [](const std::string& p) -> Result<std::unique_ptr<BlockFile>> {
+    BLOCKKV_ASSIGN_OR_RETURN(std::unique_ptr<BlockFile> file, OpenPosixBlockFile(p));
+    return std::unique_ptr<BlockFile>(std::make_unique<FlippingFile>(std::move(file)));
+  };
+  Make(16, std::move(offload));
+  Run(1, 8);  // 2 blocks: to disk
+  ASSERT_TRUE(mgr_->PreemptSequence(1)->Wait().ok());
+  Result<OffloadTicket> in = mgr_->ResumeSequence(1);
+  ASSERT_TRUE(in.ok());
+  const Status copied = in->Wait();
+  EXPECT_EQ(copied.code(), StatusCode::kDataLoss) << copied;
+  EXPECT_NE(copied.message().find("checksum"), std::string::npos) << copied;
+  const SeqId uids[] = {1};
+  const int64_t lengths[] = {1};
+  const Status scheduled = mgr_->Schedule(uids, lengths);
+  EXPECT_EQ(scheduled.code(), StatusCode::kDataLoss) << scheduled;
+  EXPECT_TRUE(mgr_->GetSequence(1)->preempted());
+  EXPECT_EQ(mgr_->offload_store()->live_handles(), 2);
+  ExpectInvariants();
+  EXPECT_EQ(mgr_->free_blocks()[0], 16);
+  ASSERT_TRUE(mgr_->FlushSequence(1).ok());
+  ExpectInvariants();
+}
+
+TEST_F(PreemptTest, DiskFullKeepsTheDeviceBlocks) {
+  if (!std::filesystem::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
+  OffloadConfig offload{.host_blocks = 1, .disk_path = "/dev/full", .disk_blocks = 8};
+  auto mgr = StateManager::Create(Config(16, offload), {Group(3)}, CpuDevice(64 << 20));
+  if (!mgr.ok()) GTEST_SKIP() << "cannot open /dev/full: " << mgr.status();
+  mgr_ = std::move(*mgr);
+  const auto before = Run(1, 8);
+  Result<OffloadTicket> out = mgr_->PreemptSequence(1);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->Wait().code(), StatusCode::kResourceExhausted);
+  ExpectInvariants();
+  EXPECT_EQ(mgr_->free_blocks()[0], 14);  // the device blocks were kept
+  ASSERT_TRUE(mgr_->ResumeSequence(1)->Wait().ok());
+  ExpectContents(1, before);
+  ExpectInvariants();
+}
+
+TEST(PreemptConfigTest, OffloadIsOffByDefaultAndABadTierIsRefused) {
+  StateManagerConfig config;
+  config.memory_config = {.mode = AllocationMode::kAllocate, .size = 8};
+  auto mgr = StateManager::Create(config, {Group(1)}, CpuDevice(16 << 20));
+  ASSERT_TRUE(mgr.ok());
+  EXPECT_EQ((*mgr)->offload_store(), nullptr);
+  EXPECT_EQ((*mgr)->PreemptSequence(1).status().code(), StatusCode::kFailedPrecondition);
+  config.offload = true;  // and no host tier size
+  EXPECT_EQ(StateManager::Create(config, {Group(1)}, CpuDevice(16 << 20)).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace blockkv
