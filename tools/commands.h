@@ -1,0 +1,163 @@
+// The subcommands of the `blockkv` tool as functions, so that tests call them without a process:
+// each takes its options (parsed by main.cc) and returns a report or the Status that main.cc
+// turns into exit code 1. Arguments that are wrong whatever the machine (exit code 2) are
+// rejected by main.cc and by the Check* functions here before anything runs.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "blockkv/dtype.h"
+#include "blockkv/status.h"
+#include "engine.h"
+
+namespace blockkv::tool {
+
+// ---- sizes ----
+
+// "80GiB", "1.5 TiB", "512MB", "4096" (bytes): binary units KiB/MiB/GiB/TiB, decimal KB/MB/GB/TB,
+// case-insensitive, fractions rounded down to a byte. kInvalidArgument names the text.
+Result<int64_t> ParseSize(std::string_view text);
+// "2.00 MiB", "512 B".
+std::string FormatBytes(int64_t bytes);
+// A non-negative integer; kInvalidArgument otherwise.
+Result<int64_t> ParseCount(std::string_view text);
+
+// ---- plan ----
+
+// The attention shape of a model, which is all the KV cache depends on.
+struct ModelShape {
+  std::string name;  // a preset's name, or "custom"
+  int64_t layers = 0;
+  int64_t kv_heads = 0;
+  int64_t head_size = 0;
+  int64_t max_context = 4096;  // the default --context
+  int64_t sliding_window = 0;  // 0: full attention
+};
+// Llama-3-8B, Llama-3-70B, Llama-2-13B, Mistral-7B, Qwen2.5-7B, GPT-NeoX-20B, Phi-3-mini.
+std::span<const ModelShape> ModelPresets();
+// Case-insensitive; nullptr when there is no such preset.
+const ModelShape* FindModelPreset(std::string_view name);
+
+// Where the cache's memory comes from: a size, "host" (CpuDevice()), or "cuda:N".
+struct MemorySpec {
+  enum class Kind { kBytes, kHost, kCuda };
+  Kind kind = Kind::kBytes;
+  int64_t bytes = 0;  // kBytes
+  int ordinal = 0;    // kCuda
+  std::string text;   // as given
+};
+Result<MemorySpec> ParseMemory(std::string_view text);
+
+struct PlanOptions {
+  ModelShape shape;
+  MemorySpec memory;
+  int64_t slack = int64_t{1} << 30;  // bytes left free (MemoryConfig::size in RESERVE mode)
+  int32_t block_size = 16;
+  DType dtype = DType::kFloat16;
+  int64_t tp = 1;       // tensor-parallel ranks: KV heads split across them
+  int64_t context = 0;  // tokens per sequence; 0: the model's max_context
+};
+
+struct PlanReport {
+  PlanOptions options;
+  int64_t kv_heads_per_rank = 0;  // kv_heads / tp, or 1 when tp > kv_heads (heads replicated)
+  int64_t context = 0;
+  int64_t available_bytes = 0;  // memory the plan sees, per rank
+  int64_t bytes_per_token = 0;  // per rank
+  int64_t bytes_per_block = 0;  // per rank
+  int64_t num_blocks = 0;
+  int64_t cache_bytes = 0;  // num_blocks · bytes_per_block, per rank
+  int64_t tokens = 0;       // num_blocks · block_size
+  int64_t blocks_per_sequence = 0;
+  int64_t sequences = 0;  // of `context` tokens
+};
+
+// kInvalidArgument for shapes, block sizes and tp that no machine could plan (exit code 2).
+Status CheckPlanOptions(const PlanOptions& options);
+// PlanKVCache over the resolved memory. kUnavailable for cuda:N without CUDA or that GPU;
+// kResourceExhausted when not one block fits.
+Result<PlanReport> Plan(const PlanOptions& options);
+std::string FormatPlan(const PlanReport& report, bool json);
+
+// ---- simulate ----
+
+struct WorkloadOptions {
+  int64_t requests = 200;
+  int64_t prefix_groups = 8;     // distinct system prompts
+  double shared_fraction = 0.8;  // requests that start with one of them
+  double rate = 0.5;             // mean arrivals per step (Poisson)
+  uint64_t seed = 1;
+};
+// ShareGPT-like: system prompts of 128-1024 tokens; user turns and outputs log-normal (medians
+// 150 and 200 tokens, clipped to [4, 2048] and [1, 1024]).
+std::vector<EngineRequest> GenerateWorkload(const WorkloadOptions& options);
+
+// One request a line: {"arrival": 3, "prompt": [1, 2, 3], "output_len": 16} or
+// {"arrival": 3, "prompt_len": 700, "prefix_group": 2, "prefix_len": 512, "output_len": 128}.
+// kNotFound for a missing file; kInvalidArgument "path:line: ..." naming the bad field.
+Result<std::vector<EngineRequest>> ReadTrace(const std::string& path);
+
+struct SimulateOptions {
+  EngineOptions engine;
+  bool progress = false;  // a progress bar on stderr
+};
+// Per forward step, for the plot.
+struct StepSample {
+  int64_t step = 0;
+  double occupancy = 0;  // blocks held by sequences / all blocks
+  double hit_rate = 0;   // prefix-cache hit tokens / queried tokens so far
+};
+struct SimulateReport {
+  std::string source;  // "trace.jsonl" or "generated (seed 1)", for the report
+  EngineStats stats;
+  double seconds = 0;
+  std::vector<StepSample> samples;
+};
+Result<SimulateReport> Simulate(std::vector<EngineRequest> requests,
+                                const SimulateOptions& options);
+std::string FormatSimulate(const SimulateReport& report, const EngineOptions& engine, bool json);
+
+// Two polylines, occupancy and hit rate against the step, in a standalone SVG document.
+std::string PlotSvg(std::span<const StepSample> samples, std::string_view title);
+// Writes `text` to `path`; kInternal names the path and the reason.
+Status WriteFile(const std::string& path, std::string_view text);
+// Whether the progress bar can be drawn.
+bool StderrIsTerminal();
+
+// ---- demo ----
+
+struct DemoOptions {
+  std::string model_path;  // a llama2.c checkpoint; empty: the built-in random model
+  uint64_t seed = 7;
+  int64_t requests = 16;
+  int64_t prompt_groups = 4;  // shared system prompts
+  int64_t system_len = 64;    // tokens of each
+  int64_t output_len = 32;    // greedy tokens per request
+  // Cache and batching; num_blocks 0: a third of what every request at once would hold (at
+  // least the largest request), so that requests are preempted.
+  EngineOptions engine{.block_size = 16, .num_blocks = 0, .token_budget = 128, .max_seqs = 16};
+  bool check = true;  // compare with the dense-cache run
+};
+struct DemoReport {
+  EngineStats stats;
+  std::string model;         // what ran
+  double paged_seconds = 0;  // the engine, state manager and kernels
+  double dense_seconds = 0;  // the same requests one by one on a dense cache
+  int64_t dense_tokens = 0;  // tokens the dense run computed
+  int64_t generated = 0;     // greedy tokens per run
+  bool checked = false;
+  bool identical = false;                     // every greedy token equal
+  double max_logit_diff = 0;                  // over every sampled position
+  double min_margin = 0;                      // smallest top-1 − top-2 logit gap of the paged run
+  std::string mismatch;                       // the first difference, when not identical
+  std::vector<std::vector<int32_t>> outputs;  // per request, the paged run's tokens
+};
+Result<DemoReport> Demo(const DemoOptions& options);
+std::string FormatDemo(const DemoReport& report, const DemoOptions& options, bool json);
+
+}  // namespace blockkv::tool

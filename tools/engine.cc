@@ -1,0 +1,291 @@
+#include "engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "blockkv/device.h"
+
+namespace blockkv::tool {
+namespace {
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+std::string Where(const EngineRequest& request, size_t index) {
+  return request.line > 0 ? "line " + std::to_string(request.line)
+                          : "request " + std::to_string(index);
+}
+
+uint64_t Mix(uint64_t x) {  // splitmix64's finalizer
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+Status NullRunner::Run(const RaggedBatch& batch, std::span<const size_t> requests,
+                       std::span<const uint8_t> sample, std::span<TokenId> next) {
+  for (size_t i = 0; i < requests.size(); ++i) {
+    if (sample[i] == 0) continue;
+    const RaggedBatch::Inserted entry = batch.inserted(static_cast<int32_t>(i));
+    const auto position = static_cast<uint64_t>(entry.seen_tokens) + entry.tokens.size();
+    next[i] = static_cast<TokenId>(Mix(requests[i] * 1000003ULL + position) % 32000);
+  }
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
+  if (options.block_size <= 0 || options.num_blocks <= 0 || options.token_budget <= 0 ||
+      options.max_seqs <= 0 || options.max_context <= 0) {
+    return InvalidArgumentError(
+        "block size, blocks, token budget, sequences and context must "
+        "all be > 0");
+  }
+  KVCacheConfig kv;
+  kv.block_size = options.block_size;
+  kv.cache_shape = options.cache_shape;
+  kv.cache_dtype = options.cache_dtype;
+  const int64_t table = CeilDiv(options.max_context, options.block_size);
+  if (table > std::numeric_limits<int32_t>::max()) {
+    return InvalidArgumentError("--max-context / --block-size is too large");
+  }
+  kv.max_blocks_per_allocation_group = static_cast<int32_t>(table);
+  StateManagerConfig config;
+  // Preempted (recomputed) requests give their slots back, so the running ones need only
+  // max_seqs slots; admission checks the count, so a few spare slots are enough.
+  config.max_ragged_sequence_count = std::min(options.max_seqs, options.token_budget);
+  config.max_tracked_sequences = config.max_ragged_sequence_count + 1;
+  config.max_ragged_batch_size = options.token_budget;
+  config.max_context = options.max_context;
+  config.memory_config.mode = AllocationMode::kAllocate;
+  config.memory_config.size = options.num_blocks;
+  config.prefix_cache.enabled = options.prefix_cache;
+  BLOCKKV_ASSIGN_OR_RETURN(std::unique_ptr<StateManager> manager,
+                           StateManager::Create(config, {kv}, CpuDevice()));
+  BLOCKKV_ASSIGN_OR_RETURN(std::unique_ptr<RaggedBatch> batch, RaggedBatch::Create(*manager));
+  return std::unique_ptr<Engine>(new Engine(options, std::move(manager), std::move(batch)));
+}
+
+Engine::Engine(EngineOptions options, std::unique_ptr<StateManager> manager,
+               std::unique_ptr<RaggedBatch> batch)
+    : options_(options), manager_(std::move(manager)), batch_(std::move(batch)) {
+  stats_.num_blocks = manager_->pool().num_blocks();
+  watermark_blocks_ =
+      std::max<int32_t>(1, static_cast<int32_t>(std::ceil(options_.watermark * stats_.num_blocks)));
+}
+
+int32_t Engine::used_blocks() const {
+  return manager_->pool().num_blocks() - manager_->pool().free_blocks();
+}
+
+Status Engine::CheckRequest(const EngineRequest& request, size_t index) const {
+  const std::string where = Where(request, index);
+  if (request.prompt.empty()) return InvalidArgumentError(where + ": empty prompt");
+  if (request.output_len < 1) return InvalidArgumentError(where + ": output_len must be >= 1");
+  // The last generated token is never run: a request holds prompt + output − 1 tokens.
+  const int64_t held = std::ssize(request.prompt) + request.output_len - 1;
+  if (held > options_.max_context) {
+    return InvalidArgumentError(where + ": " + std::to_string(held) +
+                                " tokens (prompt + output - 1) exceed the context limit of " +
+                                std::to_string(options_.max_context));
+  }
+  if (CeilDiv(held, options_.block_size) > stats_.num_blocks) {
+    return InvalidArgumentError(where + ": " + std::to_string(held) + " tokens need " +
+                                std::to_string(CeilDiv(held, options_.block_size)) +
+                                " blocks, more than the cache's " +
+                                std::to_string(stats_.num_blocks));
+  }
+  return Status::Ok();
+}
+
+Status Engine::Run(std::span<const EngineRequest> requests, StepRunner& runner,
+                   const std::function<void(const Engine&)>& after_step) {
+  requests_ = requests;
+  outputs_.assign(requests.size(), {});
+  stats_.requests = std::ssize(requests);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    BLOCKKV_RETURN_IF_ERROR(CheckRequest(requests[i], i));
+  }
+  std::vector<size_t> order(requests.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return requests[a].arrival < requests[b].arrival; });
+  size_t arrived = 0;
+  std::vector<Entry> entries;
+  while (stats_.finished < stats_.requests) {
+    for (; arrived < order.size() && requests[order[arrived]].arrival <= stats_.clock; ++arrived) {
+      auto live = std::make_unique<Live>();
+      live->index = order[arrived];
+      live->uid = static_cast<SeqId>(order[arrived]);
+      live->tokens = requests[order[arrived]].prompt;
+      live->prompt_len = std::ssize(live->tokens);
+      waiting_.push_back(std::move(live));
+    }
+    if (running_.empty() && waiting_.empty()) {  // idle until the next arrival
+      stats_.clock = requests[order[arrived]].arrival;
+      continue;
+    }
+    BLOCKKV_RETURN_IF_ERROR(PlanStep(&entries));
+    BLOCKKV_RETURN_IF_ERROR(ScheduleStep(&entries));
+    BLOCKKV_RETURN_IF_ERROR(RunStep(entries, runner));
+    RecordStep();
+    if (after_step) after_step(*this);
+  }
+  return Status::Ok();
+}
+
+Status Engine::PlanStep(std::vector<Entry>* entries) {
+  entries->clear();
+  int64_t budget = options_.token_budget;
+  const auto max_seqs = static_cast<size_t>(manager_->config().max_ragged_sequence_count);
+  // Decodes first (one token each), then prefill chunks of running requests.
+  for (const bool decode : {true, false}) {
+    for (const auto& live : running_) {
+      const int64_t remaining = std::ssize(live->tokens) - live->computed;
+      if ((remaining == 1) != decode || budget == 0 || entries->size() == max_seqs) continue;
+      const int64_t n = std::min(remaining, budget);
+      entries->push_back({live.get(), n, false});
+      budget -= n;
+    }
+  }
+  // Admissions, oldest first, while the cache keeps its reserve (a request's first chunk is cut
+  // to the room left; prefix hits make the estimate conservative). CanSchedule has the last word.
+  const int32_t bs = options_.block_size;
+  while (!waiting_.empty() && budget > 0 && running_.size() < max_seqs &&
+         manager_->n_tracked_sequences() < manager_->config().max_tracked_sequences) {
+    Live& next = *waiting_.front();
+    int64_t n = std::min<int64_t>(std::ssize(next.tokens), budget);
+    if (!running_.empty()) {
+      const int64_t room =
+          (static_cast<int64_t>(manager_->free_blocks()[0]) - watermark_blocks_) * bs;
+      if (room < std::min<int64_t>(n, bs)) {
+        ++stats_.deferred_steps;
+        break;
+      }
+      n = std::min(n, room);
+    }
+    BLOCKKV_RETURN_IF_ERROR(manager_->AddSequence(next.uid, next.tokens).status());
+    entries->push_back({&next, n, true});
+    uids_.clear();
+    lengths_.clear();
+    for (const Entry& e : *entries) {
+      uids_.push_back(e.live->uid);
+      lengths_.push_back(e.length);
+    }
+    BLOCKKV_ASSIGN_OR_RETURN(SchedulingResult fits, manager_->CanSchedule(uids_, lengths_));
+    if (fits != SchedulingResult::kSuccess) {
+      entries->pop_back();
+      BLOCKKV_RETURN_IF_ERROR(manager_->FlushSequence(next.uid));
+      ++stats_.deferred_steps;
+      break;
+    }
+    running_.push_back(std::move(waiting_.front()));
+    waiting_.pop_front();
+    budget -= n;
+  }
+  return Status::Ok();
+}
+
+Status Engine::ScheduleStep(std::vector<Entry>* entries) {
+  while (true) {
+    uids_.clear();
+    lengths_.clear();
+    for (const Entry& e : *entries) {
+      uids_.push_back(e.live->uid);
+      lengths_.push_back(e.length);
+    }
+    SchedulingResult why = SchedulingResult::kSuccess;
+    Status status = manager_->Schedule(uids_, lengths_, &why);
+    if (status.ok() || why != SchedulingResult::kKVCacheLimitExceeded) return status;
+    // Too few blocks: give back this step's admissions (newest first), then preempt the newest
+    // running request.
+    if (!entries->empty() && entries->back().admitted) {
+      Live* last = entries->back().live;
+      entries->pop_back();
+      BLOCKKV_RETURN_IF_ERROR(manager_->FlushSequence(last->uid));
+      waiting_.push_front(std::move(running_.back()));
+      running_.pop_back();
+      continue;
+    }
+    if (running_.size() <= 1) {
+      return InternalError("a single request does not fit the cache alone: " + status.message());
+    }
+    Live* victim = running_.back().get();
+    std::erase_if(*entries, [&](const Entry& e) { return e.live == victim; });
+    BLOCKKV_RETURN_IF_ERROR(Preempt(victim));
+  }
+}
+
+Status Engine::Preempt(Live* victim) {
+  // Recompute: drop its blocks (the ones it published stay cached, evictable, and usually come
+  // back as prefix hits) and queue it first, with its generated tokens as part of its prompt.
+  BLOCKKV_RETURN_IF_ERROR(manager_->FlushSequence(victim->uid));
+  victim->computed = 0;
+  auto it = std::find_if(running_.begin(), running_.end(),
+                         [&](const std::unique_ptr<Live>& l) { return l.get() == victim; });
+  waiting_.push_front(std::move(*it));
+  running_.erase(it);
+  ++stats_.recomputations;
+  return Status::Ok();
+}
+
+Status Engine::RunStep(std::vector<Entry>& entries, StepRunner& runner) {
+  batch_->Clear();
+  const size_t n = entries.size();
+  entry_requests_.resize(n);
+  sample_.resize(n);
+  next_.assign(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    Live& live = *entries[i].live;
+    const Sequence& seq = *manager_->GetSequence(live.uid);
+    // A first schedule may start after a cached prefix and run fewer tokens: the sequence says.
+    const auto from = live.tokens.begin() + seq.seen_tokens();
+    ids_.assign(from, from + seq.in_flight_tokens());
+    BLOCKKV_RETURN_IF_ERROR(batch_->InsertSequence(seq, ids_));
+    entry_requests_[i] = live.index;
+    sample_[i] = seq.seen_tokens() + seq.in_flight_tokens() == std::ssize(live.tokens) ? 1 : 0;
+  }
+  BLOCKKV_RETURN_IF_ERROR(batch_->Finalize());
+  BLOCKKV_RETURN_IF_ERROR(runner.Run(*batch_, entry_requests_, sample_, next_));
+  BLOCKKV_RETURN_IF_ERROR(manager_->PostForward(*batch_));
+  for (size_t i = 0; i < n; ++i) {
+    Live& live = *entries[i].live;
+    const RaggedBatch::Inserted ran = batch_->inserted(static_cast<int32_t>(i));
+    const int64_t end = ran.seen_tokens + std::ssize(ran.tokens);
+    const int64_t prompt_part =
+        std::max<int64_t>(0, std::min(end, live.prompt_len) - ran.seen_tokens);
+    stats_.prompt_tokens += prompt_part;
+    stats_.decode_tokens += std::ssize(ran.tokens) - prompt_part;
+    live.computed = end;
+    if (sample_[i] == 0) continue;
+    live.tokens.push_back(next_[i]);
+    outputs_[live.index].push_back(next_[i]);
+    ++stats_.generated;
+    if (std::ssize(outputs_[live.index]) == requests_[live.index].output_len) {
+      BLOCKKV_RETURN_IF_ERROR(manager_->FlushSequence(live.uid));
+      ++stats_.finished;
+      live.computed = -1;  // marks it for removal below
+    }
+  }
+  std::erase_if(running_, [](const std::unique_ptr<Live>& l) { return l->computed < 0; });
+  return Status::Ok();
+}
+
+void Engine::RecordStep() {
+  ++stats_.steps;
+  ++stats_.clock;
+  const int32_t used = used_blocks();
+  stats_.peak_used_blocks = std::max(stats_.peak_used_blocks, used);
+  stats_.occupancy_sum += static_cast<double>(used) / stats_.num_blocks;
+  if (const PrefixCache* cache = manager_->prefix_cache()) {
+    const PrefixCacheStats total = cache->total_stats();
+    stats_.queried_tokens = total.queried_tokens;
+    stats_.hit_tokens = total.hit_tokens;
+    stats_.evictions = total.evictions;
+  }
+}
+
+}  // namespace blockkv::tool

@@ -1,0 +1,164 @@
+// Engine: the continuous-batching loop the `simulate` and `demo` subcommands share — requests
+// arrive, are admitted while the cache keeps a reserve, prefilled in chunks under a token budget
+// with their shared prefixes taken from the prefix cache, decoded one token a step, preempted
+// (newest first) when the cache runs out, and flushed when done. Every block and table goes
+// through the real StateManager and RaggedBatch; what a step computes is a StepRunner's business:
+// nothing but made-up tokens for `simulate`, the tiny Llama for `demo`.
+//
+//   auto engine = *Engine::Create(options);
+//   NullRunner runner;                       // or demo's model
+//   Status s = engine->Run(requests, runner, [](const Engine& e) { ... after each step ... });
+//   engine->stats().steps, engine->outputs()[i]
+//
+// Preemption is behind one seam, Engine::Preempt: a victim's blocks are flushed and the request
+// is queued again to be recomputed (its own cached blocks usually come back as prefix hits).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "blockkv/dtype.h"
+#include "blockkv/prefix_cache.h"
+#include "blockkv/ragged_batch.h"
+#include "blockkv/state_manager.h"
+#include "blockkv/status.h"
+
+namespace blockkv::tool {
+
+struct EngineRequest {
+  int64_t arrival = 0;  // the step at which it arrives
+  std::vector<TokenId> prompt;
+  int64_t output_len = 1;  // tokens to generate (>= 1)
+  int64_t line = 0;        // its trace line, for messages (0: not from a file)
+};
+
+struct EngineOptions {
+  int32_t block_size = 16;
+  int32_t num_blocks = 2048;
+  int32_t token_budget = 2048;  // tokens per forward (max_ragged_batch_size)
+  int32_t max_seqs = 256;       // sequences per forward
+  int64_t max_context = 32768;
+  bool prefix_cache = true;
+  double watermark = 0.01;  // admit only while this fraction of the blocks stays free
+  // The cache's layer shape {layers, kv heads, head size} and dtype: the bookkeeping of
+  // `simulate` needs one tiny layer; `demo` gives its model's.
+  std::array<int64_t, 3> cache_shape = {1, 1, 8};
+  DType cache_dtype = DType::kFloat16;
+};
+
+struct EngineStats {
+  int64_t requests = 0;
+  int64_t finished = 0;
+  int64_t steps = 0;           // forward steps
+  int64_t clock = 0;           // steps including idle gaps between arrivals
+  int64_t prompt_tokens = 0;   // prompt tokens computed (a recomputed request's again)
+  int64_t decode_tokens = 0;   // generated tokens run through the model
+  int64_t generated = 0;       // tokens sampled
+  int64_t queried_tokens = 0;  // prefix cache: prompt tokens looked up
+  int64_t hit_tokens = 0;      // ... and taken from the cache instead of computed
+  int64_t evictions = 0;       // cached blocks taken for reuse
+  int64_t recomputations = 0;  // running requests flushed and queued again (cache full)
+  int64_t deferred_steps = 0;  // steps at which a waiting request was not admitted
+  int32_t num_blocks = 0;
+  int32_t peak_used_blocks = 0;  // blocks held by sequences (not counting cached, evictable)
+  double occupancy_sum = 0;      // Σ per step of used / num_blocks
+
+  double hit_rate() const {
+    return queried_tokens == 0
+               ? 0
+               : static_cast<double>(hit_tokens) / static_cast<double>(queried_tokens);
+  }
+  double mean_occupancy() const {
+    return steps == 0 ? 0 : occupancy_sum / static_cast<double>(steps);
+  }
+};
+
+// What one forward computes. Called after the batch is finalized and before PostForward.
+class StepRunner {
+ public:
+  virtual ~StepRunner() = default;
+  // Entry i of `batch` belongs to request requests[i]; for each i with sample[i] != 0 (it ran
+  // its last known token), writes the token it generates into next[i].
+  virtual Status Run(const RaggedBatch& batch, std::span<const size_t> requests,
+                     std::span<const uint8_t> sample, std::span<TokenId> next) = 0;
+};
+
+// For `simulate`: no arithmetic; the "sampled" token is a hash of the request and position.
+class NullRunner : public StepRunner {
+ public:
+  Status Run(const RaggedBatch& batch, std::span<const size_t> requests,
+             std::span<const uint8_t> sample, std::span<TokenId> next) override;
+};
+
+class Engine {
+ public:
+  // The state manager (ALLOCATE mode, options.num_blocks blocks on the host) and its batch.
+  static Result<std::unique_ptr<Engine>> Create(const EngineOptions& options);
+
+  // Runs every request to completion. kInvalidArgument (naming the request's trace line) for a
+  // request that could never fit (longer than max_context or the whole cache); any blockkv
+  // error is returned as it is.
+  Status Run(std::span<const EngineRequest> requests, StepRunner& runner,
+             const std::function<void(const Engine&)>& after_step = {});
+
+  const EngineStats& stats() const { return stats_; }
+  const StateManager& manager() const { return *manager_; }
+  const EngineOptions& options() const { return options_; }
+  // Blocks held by sequences now (the rest are free or cached and evictable).
+  int32_t used_blocks() const;
+  // Per request, the tokens it generated.
+  const std::vector<std::vector<TokenId>>& outputs() const { return outputs_; }
+
+ private:
+  // A request between admission and completion.
+  struct Live {
+    size_t index = 0;  // into the requests
+    SeqId uid = 0;
+    std::vector<TokenId> tokens;  // prompt, then the generated tokens
+    int64_t prompt_len = 0;
+    int64_t computed = 0;  // tokens whose keys and values are in the cache
+  };
+  struct Entry {
+    Live* live;
+    int64_t length;
+    bool admitted;  // admitted this step
+  };
+
+  Engine(EngineOptions options, std::unique_ptr<StateManager> manager,
+         std::unique_ptr<RaggedBatch> batch);
+  Status CheckRequest(const EngineRequest& request, size_t index) const;
+  // This step's decodes and prefill chunks of running requests, then admissions.
+  Status PlanStep(std::vector<Entry>* entries);
+  // Schedules `entries`, shrinking them (admissions first, then preempting the newest running
+  // request) until it fits.
+  Status ScheduleStep(std::vector<Entry>* entries);
+  // The seam: frees a running request's blocks under pressure.
+  Status Preempt(Live* victim);
+  Status RunStep(std::vector<Entry>& entries, StepRunner& runner);
+  void RecordStep();
+
+  EngineOptions options_;
+  std::unique_ptr<StateManager> manager_;
+  std::unique_ptr<RaggedBatch> batch_;
+  std::span<const EngineRequest> requests_;
+  std::deque<std::unique_ptr<Live>> waiting_;   // arrived, not running (front first)
+  std::vector<std::unique_ptr<Live>> running_;  // in admission order
+  std::vector<std::vector<TokenId>> outputs_;
+  EngineStats stats_;
+  int32_t watermark_blocks_ = 1;
+  // Per step, reused.
+  std::vector<SeqId> uids_;
+  std::vector<int64_t> lengths_;
+  std::vector<int64_t> ids_;
+  std::vector<size_t> entry_requests_;
+  std::vector<uint8_t> sample_;
+  std::vector<TokenId> next_;
+};
+
+}  // namespace blockkv::tool

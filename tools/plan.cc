@@ -1,0 +1,303 @@
+// `blockkv plan`: how many blocks, tokens and sequences of a model's KV cache fit in memory —
+// PlanKVCache (the library's own arithmetic) over a preset or custom attention shape.
+#include <algorithm>
+#include <array>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+
+#include "blockkv/device.h"
+#include "blockkv/kv_cache.h"
+#include "commands.h"
+#include "json.h"
+
+namespace blockkv::tool {
+namespace {
+
+bool EqualsIgnoreCase(std::string_view a, std::string_view b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
+           return std::tolower(static_cast<unsigned char>(x)) ==
+                  std::tolower(static_cast<unsigned char>(y));
+         });
+}
+
+// From each model's Hugging Face config.json (num_hidden_layers, num_key_value_heads,
+// hidden_size / num_attention_heads, max_position_embeddings, sliding_window).
+// Phi-3-mini-4k's config lists sliding_window 2047, which its released kernels ignore; it is
+// planned as full attention.
+constexpr int64_t kNoWindow = 0;
+const std::array<ModelShape, 7>& Presets() {
+  static const std::array<ModelShape, 7> presets = {{
+      {"Llama-3-8B", 32, 8, 128, 8192, kNoWindow},
+      {"Llama-3-70B", 80, 8, 128, 8192, kNoWindow},
+      {"Llama-2-13B", 40, 40, 128, 4096, kNoWindow},
+      {"Mistral-7B", 32, 8, 128, 32768, 4096},
+      {"Qwen2.5-7B", 28, 4, 128, 32768, kNoWindow},
+      {"GPT-NeoX-20B", 44, 64, 96, 2048, kNoWindow},
+      {"Phi-3-mini", 32, 32, 96, 4096, kNoWindow},
+  }};
+  return presets;
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+std::span<const ModelShape> ModelPresets() { return Presets(); }
+
+const ModelShape* FindModelPreset(std::string_view name) {
+  for (const ModelShape& shape : Presets()) {
+    if (EqualsIgnoreCase(shape.name, name)) return &shape;
+  }
+  return nullptr;
+}
+
+Result<int64_t> ParseCount(std::string_view text) {
+  if (text.empty() || text.size() > 18 ||
+      !std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    return InvalidArgumentError("'" + std::string(text) + "' is not a non-negative integer");
+  }
+  int64_t value = 0;
+  for (const char c : text) value = value * 10 + (c - '0');
+  return value;
+}
+
+Result<int64_t> ParseSize(std::string_view text) {
+  const auto bad = [&](std::string_view why) {
+    return InvalidArgumentError("bad size '" + std::string(text) + "': " + std::string(why) +
+                                " (e.g. 80GiB, 512MiB, 40GB, 4096)");
+  };
+  size_t i = 0;
+  while (i < text.size() && ((text[i] >= '0' && text[i] <= '9') || text[i] == '.')) ++i;
+  const std::string number(text.substr(0, i));
+  if (number.empty() || std::count(number.begin(), number.end(), '.') > 1 || number == ".") {
+    return bad("no number");
+  }
+  std::string_view unit = text.substr(i);
+  while (!unit.empty() && unit.front() == ' ') unit.remove_prefix(1);
+  static constexpr std::array<std::pair<std::string_view, long double>, 10> kUnits = {{
+      {"", 1.0L},
+      {"b", 1.0L},
+      {"kib", 1024.0L},
+      {"mib", 1048576.0L},
+      {"gib", 1073741824.0L},
+      {"tib", 1099511627776.0L},
+      {"kb", 1e3L},
+      {"mb", 1e6L},
+      {"gb", 1e9L},
+      {"tb", 1e12L},
+  }};
+  for (const auto& [name, scale] : kUnits) {
+    if (!EqualsIgnoreCase(unit, name)) continue;
+    const long double bytes = std::strtold(number.c_str(), nullptr) * scale;
+    if (bytes >= static_cast<long double>(std::numeric_limits<int64_t>::max())) {
+      return bad("too large");
+    }
+    return static_cast<int64_t>(std::floor(bytes));
+  }
+  return bad("unknown unit '" + std::string(unit) + "'");
+}
+
+std::string FormatBytes(int64_t bytes) {
+  static constexpr std::array<const char*, 5> kNames = {"B", "KiB", "MiB", "GiB", "TiB"};
+  auto value = static_cast<double>(bytes);
+  size_t unit = 0;
+  while (value >= 1024 && unit + 1 < kNames.size()) {
+    value /= 1024;
+    ++unit;
+  }
+  char text[48];
+  if (unit == 0) {
+    std::snprintf(text, sizeof(text), "%lld B", static_cast<long long>(bytes));
+  } else {
+    std::snprintf(text, sizeof(text), "%.2f %s", value, kNames[unit]);
+  }
+  return text;
+}
+
+Result<MemorySpec> ParseMemory(std::string_view text) {
+  MemorySpec spec;
+  spec.text = std::string(text);
+  if (text == "host") {
+    spec.kind = MemorySpec::Kind::kHost;
+    return spec;
+  }
+  if (text.starts_with("cuda:")) {
+    Result<int64_t> ordinal = ParseCount(text.substr(5));
+    if (!ordinal.ok() || *ordinal > 1024) {
+      return InvalidArgumentError("bad device '" + spec.text + "': expected cuda:N");
+    }
+    spec.kind = MemorySpec::Kind::kCuda;
+    spec.ordinal = static_cast<int>(*ordinal);
+    return spec;
+  }
+  BLOCKKV_ASSIGN_OR_RETURN(spec.bytes, ParseSize(text));
+  if (spec.bytes <= 0) return InvalidArgumentError("--memory must be more than 0 bytes");
+  return spec;
+}
+
+Status CheckPlanOptions(const PlanOptions& options) {
+  const ModelShape& s = options.shape;
+  if (s.layers <= 0 || s.kv_heads <= 0 || s.head_size <= 0) {
+    return InvalidArgumentError(
+        "the shape needs --layers, --kv-heads and --head-size > 0 (or "
+        "--model)");
+  }
+  if (options.block_size <= 0) return InvalidArgumentError("--block-size must be > 0");
+  if (options.tp <= 0) return InvalidArgumentError("--tp must be > 0");
+  if (s.kv_heads % options.tp != 0 && options.tp % s.kv_heads != 0) {
+    return InvalidArgumentError("--tp " + std::to_string(options.tp) + " cannot split " +
+                                std::to_string(s.kv_heads) +
+                                " KV heads: tp must divide them or be a multiple of them");
+  }
+  if (options.slack < 0) return InvalidArgumentError("--slack must be >= 0");
+  const DType d = options.dtype;
+  if (d == DType::kInt32 || d == DType::kInt64) {
+    return InvalidArgumentError("--dtype must be a cache dtype: fp32, fp16, bf16, fp8_e4m3, int8");
+  }
+  return Status::Ok();
+}
+
+namespace {
+
+Result<int64_t> AvailableBytes(const MemorySpec& memory) {
+  switch (memory.kind) {
+    case MemorySpec::Kind::kBytes:
+      return memory.bytes;
+    case MemorySpec::Kind::kHost:
+      return CpuDevice()->available_memory();
+    case MemorySpec::Kind::kCuda: {
+      BLOCKKV_ASSIGN_OR_RETURN(std::shared_ptr<Device> gpu, CudaDevice(memory.ordinal));
+      return gpu->available_memory();
+    }
+  }
+  return InternalError("unknown memory kind");
+}
+
+}  // namespace
+
+Result<PlanReport> Plan(const PlanOptions& options) {
+  BLOCKKV_RETURN_IF_ERROR(CheckPlanOptions(options));
+  PlanReport report;
+  report.options = options;
+  const ModelShape& shape = options.shape;
+  report.kv_heads_per_rank = std::max<int64_t>(1, shape.kv_heads / options.tp);
+  report.context = options.context > 0 ? options.context : shape.max_context;
+  BLOCKKV_ASSIGN_OR_RETURN(report.available_bytes, AvailableBytes(options.memory));
+
+  KVCacheConfig config;
+  config.block_size = options.block_size;
+  config.cache_shape = {shape.layers, report.kv_heads_per_rank, shape.head_size};
+  config.cache_dtype = options.dtype;
+  // RESERVE keeps MemoryConfig::size bytes free and must be > 0; with --slack 0 the same
+  // quotient comes from one more available byte kept free.
+  MemoryConfig memory;
+  memory.size = std::max<int64_t>(options.slack, 1);
+  int64_t available = report.available_bytes;
+  if (options.slack == 0) {
+    if (available == std::numeric_limits<int64_t>::max()) {
+      return OutOfRangeError("--memory is too large");
+    }
+    ++available;
+  }
+  const std::array<KVCacheConfig, 1> configs = {config};
+  BLOCKKV_ASSIGN_OR_RETURN(KVCachePlan plan, PlanKVCache(configs, memory, available));
+
+  report.bytes_per_block = plan.bytes_per_block;
+  report.bytes_per_token = plan.bytes_per_block / options.block_size;
+  report.num_blocks = plan.num_blocks;
+  report.cache_bytes = plan.total_bytes;
+  report.tokens = report.num_blocks * options.block_size;
+  // A sliding-window sequence holds only the blocks its window touches: ceil(W / bs), plus one
+  // when the window straddles a block boundary.
+  report.blocks_per_sequence = CeilDiv(report.context, options.block_size);
+  if (shape.sliding_window > 0 && report.context > shape.sliding_window) {
+    report.blocks_per_sequence =
+        std::min(report.blocks_per_sequence, CeilDiv(shape.sliding_window, options.block_size) + 1);
+  }
+  report.sequences = report.num_blocks / report.blocks_per_sequence;
+  return report;
+}
+
+std::string FormatPlan(const PlanReport& r, bool json) {
+  const PlanOptions& o = r.options;
+  const ModelShape& s = o.shape;
+  const std::string dtype(DTypeName(o.dtype));
+  if (json) {
+    JsonWriter w;
+    w.BeginObject()
+        .Key("model")
+        .String(s.name)
+        .Key("layers")
+        .Int(s.layers)
+        .Key("kv_heads")
+        .Int(s.kv_heads)
+        .Key("kv_heads_per_rank")
+        .Int(r.kv_heads_per_rank)
+        .Key("head_size")
+        .Int(s.head_size)
+        .Key("sliding_window")
+        .Int(s.sliding_window)
+        .Key("dtype")
+        .String(dtype)
+        .Key("block_size")
+        .Int(o.block_size)
+        .Key("tp")
+        .Int(o.tp)
+        .Key("memory")
+        .String(o.memory.text)
+        .Key("available_bytes")
+        .Int(r.available_bytes)
+        .Key("slack_bytes")
+        .Int(o.slack)
+        .Key("bytes_per_token")
+        .Int(r.bytes_per_token)
+        .Key("bytes_per_block")
+        .Int(r.bytes_per_block)
+        .Key("num_blocks")
+        .Int(r.num_blocks)
+        .Key("cache_bytes")
+        .Int(r.cache_bytes)
+        .Key("tokens")
+        .Int(r.tokens)
+        .Key("context")
+        .Int(r.context)
+        .Key("blocks_per_sequence")
+        .Int(r.blocks_per_sequence)
+        .Key("sequences")
+        .Int(r.sequences)
+        .EndObject();
+    return w.str();
+  }
+  char text[2048];
+  std::string window;
+  if (s.sliding_window > 0) {
+    window = ", sliding window " + std::to_string(s.sliding_window);
+  }
+  std::string ranks;
+  if (o.tp > 1) {
+    ranks = "; tp " + std::to_string(o.tp) + ": " + std::to_string(r.kv_heads_per_rank) +
+            " KV head" + (r.kv_heads_per_rank == 1 ? "" : "s") + " per rank, numbers per rank";
+  }
+  std::snprintf(text, sizeof(text),
+                "model      %s: %lld layers, %lld KV heads x %lld, %s, block %d tokens%s%s\n"
+                "memory     %s available (%s), %s kept free\n"
+                "per token  %s\n"
+                "per block  %s (%lld bytes)\n"
+                "blocks     %lld (%s)\n"
+                "tokens     %lld\n"
+                "sequences  %lld of %lld tokens (%lld blocks each)\n",
+                s.name.c_str(), static_cast<long long>(s.layers),
+                static_cast<long long>(s.kv_heads), static_cast<long long>(s.head_size),
+                dtype.c_str(), o.block_size, window.c_str(), ranks.c_str(),
+                FormatBytes(r.available_bytes).c_str(), o.memory.text.c_str(),
+                FormatBytes(o.slack).c_str(), FormatBytes(r.bytes_per_token).c_str(),
+                FormatBytes(r.bytes_per_block).c_str(), static_cast<long long>(r.bytes_per_block),
+                static_cast<long long>(r.num_blocks), FormatBytes(r.cache_bytes).c_str(),
+                static_cast<long long>(r.tokens), static_cast<long long>(r.sequences),
+                static_cast<long long>(r.context), static_cast<long long>(r.blocks_per_sequence));
+  return text;
+}
+
+}  // namespace blockkv::tool
