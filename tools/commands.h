@@ -140,7 +140,9 @@ struct DemoOptions {
   int64_t output_len = 32;    // greedy tokens per request
   // Cache and batching; num_blocks 0: a third of what every request at once would hold (at
   // least the largest request), so that requests are preempted.
-  EngineOptions engine{.block_size = 16, .num_blocks = 0, .token_budget = 128, .max_seqs = 16};
+  // host_blocks -1: a host tier as large as the cache.
+  EngineOptions engine{
+      .block_size = 16, .num_blocks = 0, .token_budget = 128, .max_seqs = 16, .host_blocks = -1};
   bool check = true;  // compare with the dense-cache run
 };
 struct DemoReport {
@@ -150,6 +152,7 @@ struct DemoReport {
   double dense_seconds = 0;  // the same requests one by one on a dense cache
   int64_t dense_tokens = 0;  // tokens the dense run computed
   int64_t generated = 0;     // greedy tokens per run
+  int32_t host_blocks = 0;   // the host tier used
   bool checked = false;
   bool identical = false;                     // every greedy token equal
   double max_logit_diff = 0;                  // over every sampled position

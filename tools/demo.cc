@@ -154,6 +154,8 @@ Result<DemoReport> Demo(const DemoOptions& options) {
     }
     engine_options.num_blocks = static_cast<int32_t>(std::max(largest + 2, all / 3));
   }
+  if (engine_options.host_blocks < 0) engine_options.host_blocks = engine_options.num_blocks;
+  report.host_blocks = engine_options.host_blocks;
   BLOCKKV_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(engine_options));
   ModelRunner runner(model, *engine, requests.size());
   const Clock::time_point paged_start = Clock::now();
@@ -223,7 +225,11 @@ std::string FormatDemo(const DemoReport& r, const DemoOptions& options, bool jso
     w.Key("peak_occupancy").Double(peak).Key("mean_occupancy").Double(s.mean_occupancy());
     w.Key("hit_rate").Double(s.hit_rate()).Key("hit_tokens").Int(s.hit_tokens);
     w.Key("queried_tokens").Int(s.queried_tokens).Key("evictions").Int(s.evictions);
-    w.Key("preemptions").Int(s.recomputations).Key("preemption_mode").String("recompute");
+    w.Key("preemptions").Int(s.preemptions).Key("resumes").Int(s.resumes);
+    w.Key("preempted_blocks").Int(s.preempted_blocks);
+    w.Key("host_tier_blocks_out").Int(s.offloaded_blocks);
+    w.Key("host_tier_blocks_in").Int(s.restored_blocks);
+    w.Key("recomputations").Int(s.recomputations).Key("host_blocks").Int(r.host_blocks);
     w.Key("checked").Bool(r.checked).Key("identical").Bool(r.identical);
     if (r.checked) {
       w.Key("dense_seconds").Double(r.dense_seconds).Key("dense_tokens").Int(r.dense_tokens);
@@ -253,8 +259,9 @@ std::string FormatDemo(const DemoReport& r, const DemoOptions& options, bool jso
   add("prefix cache  %.1f%% hit: %lld of %lld prompt tokens reused, %lld blocks evicted\n",
       100 * s.hit_rate(), static_cast<long long>(s.hit_tokens),
       static_cast<long long>(s.queried_tokens), static_cast<long long>(s.evictions));
-  add("preemption    %lld (recompute: flushed and queued again)\n",
-      static_cast<long long>(s.recomputations));
+  add("preemption    %lld to the host tier of %d blocks (%lld blocks moved), %lld recomputed\n",
+      static_cast<long long>(s.preemptions), r.host_blocks,
+      static_cast<long long>(s.preempted_blocks), static_cast<long long>(s.recomputations));
   if (r.checked) {
     add("dense run     %lld tokens computed in %.3f s: %.0f tokens/s (paged/dense %.2fx)\n",
         static_cast<long long>(r.dense_tokens), r.dense_seconds, dense_rate,

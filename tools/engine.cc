@@ -54,15 +54,19 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   }
   kv.max_blocks_per_allocation_group = static_cast<int32_t>(table);
   StateManagerConfig config;
-  // Preempted (recomputed) requests give their slots back, so the running ones need only
-  // max_seqs slots; admission checks the count, so a few spare slots are enough.
+  // Running requests need max_seqs slots; preempted ones keep theirs until resumed (nothing is
+  // admitted while any waits), so twice that is enough.
   config.max_ragged_sequence_count = std::min(options.max_seqs, options.token_budget);
-  config.max_tracked_sequences = config.max_ragged_sequence_count + 1;
+  config.max_tracked_sequences = 2 * config.max_ragged_sequence_count;
   config.max_ragged_batch_size = options.token_budget;
   config.max_context = options.max_context;
   config.memory_config.mode = AllocationMode::kAllocate;
   config.memory_config.size = options.num_blocks;
   config.prefix_cache.enabled = options.prefix_cache;
+  if (options.host_blocks > 0) {
+    config.offload = true;
+    config.offload_config.host_blocks = options.host_blocks;
+  }
   BLOCKKV_ASSIGN_OR_RETURN(std::unique_ptr<StateManager> manager,
                            StateManager::Create(config, {kv}, CpuDevice()));
   BLOCKKV_ASSIGN_OR_RETURN(std::unique_ptr<RaggedBatch> batch, RaggedBatch::Create(*manager));
@@ -124,7 +128,7 @@ Status Engine::Run(std::span<const EngineRequest> requests, StepRunner& runner,
       live->prompt_len = std::ssize(live->tokens);
       waiting_.push_back(std::move(live));
     }
-    if (running_.empty() && waiting_.empty()) {  // idle until the next arrival
+    if (running_.empty() && waiting_.empty() && preempted_.empty()) {  // idle until an arrival
       stats_.clock = requests[order[arrived]].arrival;
       continue;
     }
@@ -139,6 +143,7 @@ Status Engine::Run(std::span<const EngineRequest> requests, StepRunner& runner,
 
 Status Engine::PlanStep(std::vector<Entry>* entries) {
   entries->clear();
+  BLOCKKV_RETURN_IF_ERROR(Resume());
   int64_t budget = options_.token_budget;
   const auto max_seqs = static_cast<size_t>(manager_->config().max_ragged_sequence_count);
   // Decodes first (one token each), then prefill chunks of running requests.
@@ -154,7 +159,7 @@ Status Engine::PlanStep(std::vector<Entry>* entries) {
   // Admissions, oldest first, while the cache keeps its reserve (a request's first chunk is cut
   // to the room left; prefix hits make the estimate conservative). CanSchedule has the last word.
   const int32_t bs = options_.block_size;
-  while (!waiting_.empty() && budget > 0 && running_.size() < max_seqs &&
+  while (preempted_.empty() && !waiting_.empty() && budget > 0 && running_.size() < max_seqs &&
          manager_->n_tracked_sequences() < manager_->config().max_tracked_sequences) {
     Live& next = *waiting_.front();
     int64_t n = std::min<int64_t>(std::ssize(next.tokens), budget);
@@ -220,15 +225,52 @@ Status Engine::ScheduleStep(std::vector<Entry>* entries) {
 }
 
 Status Engine::Preempt(Live* victim) {
+  auto it = std::find_if(running_.begin(), running_.end(),
+                         [&](const std::unique_ptr<Live>& l) { return l.get() == victim; });
+  if (manager_->offload_store() != nullptr) {
+    const Sequence& seq = *manager_->GetSequence(victim->uid);
+    const int32_t held = seq.cur_allocated_blocks() - seq.released_blocks();
+    Result<OffloadTicket> ticket = manager_->PreemptSequence(victim->uid);
+    if (ticket.ok()) {
+      stats_.preempted_blocks += held;
+      // Its device blocks come back to the pool once the copy is done.
+      BLOCKKV_RETURN_IF_ERROR(ticket->Wait());
+      preempted_.push_back(std::move(*it));
+      running_.erase(it);
+      ++stats_.preemptions;
+      return Status::Ok();
+    }
+    if (ticket.status().code() != StatusCode::kResourceExhausted) return ticket.status();
+    // The host tier is full: recompute this one.
+  }
   // Recompute: drop its blocks (the ones it published stay cached, evictable, and usually come
   // back as prefix hits) and queue it first, with its generated tokens as part of its prompt.
   BLOCKKV_RETURN_IF_ERROR(manager_->FlushSequence(victim->uid));
   victim->computed = 0;
-  auto it = std::find_if(running_.begin(), running_.end(),
-                         [&](const std::unique_ptr<Live>& l) { return l.get() == victim; });
   waiting_.push_front(std::move(*it));
   running_.erase(it);
   ++stats_.recomputations;
+  return Status::Ok();
+}
+
+Status Engine::Resume() {
+  const auto max_seqs = static_cast<size_t>(manager_->config().max_ragged_sequence_count);
+  while (!preempted_.empty() && running_.size() < max_seqs) {
+    Live& next = *preempted_.front();
+    const Sequence& seq = *manager_->GetSequence(next.uid);
+    // Its blocks back, and one to grow into, with the reserve kept (unless nothing runs).
+    const int32_t needed = seq.cur_allocated_blocks() - seq.released_blocks() + 1;
+    if (!running_.empty() && manager_->free_blocks()[0] < needed + watermark_blocks_) break;
+    Result<OffloadTicket> ticket = manager_->ResumeSequence(next.uid);
+    if (!ticket.ok()) {
+      if (ticket.status().code() == StatusCode::kResourceExhausted) break;
+      return ticket.status();
+    }
+    // Not waited for: the next Schedule naming it waits for the copy.
+    running_.push_back(std::move(preempted_.front()));
+    preempted_.pop_front();
+    ++stats_.resumes;
+  }
   return Status::Ok();
 }
 
@@ -280,6 +322,10 @@ void Engine::RecordStep() {
   const int32_t used = used_blocks();
   stats_.peak_used_blocks = std::max(stats_.peak_used_blocks, used);
   stats_.occupancy_sum += static_cast<double>(used) / stats_.num_blocks;
+  if (const OffloadStore* store = manager_->offload_store()) {
+    stats_.offloaded_blocks = store->stats().offloaded_blocks;
+    stats_.restored_blocks = store->stats().restored_blocks;
+  }
   if (const PrefixCache* cache = manager_->prefix_cache()) {
     const PrefixCacheStats total = cache->total_stats();
     stats_.queried_tokens = total.queried_tokens;

@@ -10,8 +10,11 @@
 //   Status s = engine->Run(requests, runner, [](const Engine& e) { ... after each step ... });
 //   engine->stats().steps, engine->outputs()[i]
 //
-// Preemption is behind one seam, Engine::Preempt: a victim's blocks are flushed and the request
-// is queued again to be recomputed (its own cached blocks usually come back as prefix hits).
+// Preemption is behind one seam, Engine::Preempt: with a host tier (EngineOptions::host_blocks),
+// StateManager::PreemptSequence moves the victim's blocks there and ResumeSequence brings them
+// back before anything new is admitted; without one, or when the tier is full, the victim's
+// blocks are flushed and the request is queued again to be recomputed (its own cached blocks
+// usually come back as prefix hits).
 #pragma once
 
 #include <array>
@@ -46,6 +49,7 @@ struct EngineOptions {
   int64_t max_context = 32768;
   bool prefix_cache = true;
   double watermark = 0.01;  // admit only while this fraction of the blocks stays free
+  int32_t host_blocks = 0;  // host tier for preemption (0: none; preempted requests recompute)
   // The cache's layer shape {layers, kv heads, head size} and dtype: the bookkeeping of
   // `simulate` needs one tiny layer; `demo` gives its model's.
   std::array<int64_t, 3> cache_shape = {1, 1, 8};
@@ -55,15 +59,21 @@ struct EngineOptions {
 struct EngineStats {
   int64_t requests = 0;
   int64_t finished = 0;
-  int64_t steps = 0;           // forward steps
-  int64_t clock = 0;           // steps including idle gaps between arrivals
-  int64_t prompt_tokens = 0;   // prompt tokens computed (a recomputed request's again)
-  int64_t decode_tokens = 0;   // generated tokens run through the model
-  int64_t generated = 0;       // tokens sampled
-  int64_t queried_tokens = 0;  // prefix cache: prompt tokens looked up
-  int64_t hit_tokens = 0;      // ... and taken from the cache instead of computed
-  int64_t evictions = 0;       // cached blocks taken for reuse
-  int64_t recomputations = 0;  // running requests flushed and queued again (cache full)
+  int64_t steps = 0;             // forward steps
+  int64_t clock = 0;             // steps including idle gaps between arrivals
+  int64_t prompt_tokens = 0;     // prompt tokens computed (a recomputed request's again)
+  int64_t decode_tokens = 0;     // generated tokens run through the model
+  int64_t generated = 0;         // tokens sampled
+  int64_t queried_tokens = 0;    // prefix cache: prompt tokens looked up
+  int64_t hit_tokens = 0;        // ... and taken from the cache instead of computed
+  int64_t evictions = 0;         // cached blocks taken for reuse
+  int64_t preemptions = 0;       // PreemptSequence calls: a running request moved to the host
+  int64_t resumes = 0;           // ResumeSequence calls
+  int64_t preempted_blocks = 0;  // blocks those requests held (each comes back on resume)
+  // The offload store's own counts: every block it copied out and back, preemption included.
+  int64_t offloaded_blocks = 0;
+  int64_t restored_blocks = 0;
+  int64_t recomputations = 0;  // running requests flushed and queued again (no room on the host)
   int64_t deferred_steps = 0;  // steps at which a waiting request was not admitted
   int32_t num_blocks = 0;
   int32_t peak_used_blocks = 0;  // blocks held by sequences (not counting cached, evictable)
@@ -140,6 +150,8 @@ class Engine {
   Status ScheduleStep(std::vector<Entry>* entries);
   // The seam: frees a running request's blocks under pressure.
   Status Preempt(Live* victim);
+  // Brings preempted requests back, oldest first, while the cache keeps its reserve.
+  Status Resume();
   Status RunStep(std::vector<Entry>& entries, StepRunner& runner);
   void RecordStep();
 
@@ -147,8 +159,9 @@ class Engine {
   std::unique_ptr<StateManager> manager_;
   std::unique_ptr<RaggedBatch> batch_;
   std::span<const EngineRequest> requests_;
-  std::deque<std::unique_ptr<Live>> waiting_;   // arrived, not running (front first)
-  std::vector<std::unique_ptr<Live>> running_;  // in admission order
+  std::deque<std::unique_ptr<Live>> waiting_;    // arrived, not running (front first)
+  std::vector<std::unique_ptr<Live>> running_;   // in admission order
+  std::deque<std::unique_ptr<Live>> preempted_;  // on the host tier, oldest first
   std::vector<std::vector<TokenId>> outputs_;
   EngineStats stats_;
   int32_t watermark_blocks_ = 1;

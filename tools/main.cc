@@ -224,6 +224,8 @@ constexpr FlagSpec kSimulateFlags[] = {
     {"max-seqs", "N", "sequences per step (default 256)"},
     {"max-context", "N", "tokens per sequence (default 32768)"},
     {"watermark", "F", "fraction of blocks kept free when admitting (default 0.01)"},
+    {"host-blocks", "N",
+     "host tier for preemption, in blocks (default: as many as --blocks; 0: none, recompute)"},
     {"no-prefix-cache", nullptr, "turn prefix caching off"},
     {"plot", "FILE", "write an SVG of occupancy and hit rate per step"},
     {"no-progress", nullptr, "no progress bar (it is drawn only when stderr is a terminal)"},
@@ -245,6 +247,8 @@ int RunSimulate(const Command& c, Flags& flags) {
   EngineFlags(flags, &options.engine);
   flags.Int("max-context", 1, &options.engine.max_context);
   flags.Double("watermark", 0, 0.5, &options.engine.watermark);
+  options.engine.host_blocks = options.engine.num_blocks;
+  flags.Int("host-blocks", 0, &options.engine.host_blocks);
   flags.Int("requests", 1, &workload.requests);
   flags.Int("prefix-groups", 0, &workload.prefix_groups);
   flags.Double("shared-fraction", 0, 1, &workload.shared_fraction);
@@ -273,7 +277,11 @@ int RunSimulate(const Command& c, Flags& flags) {
     source = "generated (seed " + std::to_string(workload.seed) + ")";
   }
   Result<SimulateReport> report = Simulate(std::move(requests), options);
-  if (!report.ok()) return Failed(c, report.status());
+  if (!report.ok()) {
+    // A request that cannot run names its line: say which file.
+    const Status& s = report.status();
+    return Failed(c, flags.Has("trace") ? Status(s.code(), trace + ": " + s.message()) : s);
+  }
   report->source = source;
   if (!plot.empty()) {
     if (Status s = WriteFile(plot, PlotSvg(report->samples, "blockkv simulate: " + source));
@@ -298,6 +306,7 @@ constexpr FlagSpec kDemoFlags[] = {
     {"block-size", "N", "tokens per block (default 16)"},
     {"token-budget", "N", "tokens per step (default 128)"},
     {"max-seqs", "N", "sequences per step (default 16)"},
+    {"host-blocks", "N", "host tier for preemption (default: as many as --blocks; 0: none)"},
     {"no-check", nullptr, "skip the dense-cache comparison"},
     {"json", nullptr, "print JSON"},
     {"help", nullptr, "this text"},
@@ -312,6 +321,7 @@ int RunDemo(const Command& c, Flags& flags) {
   flags.Int("system-len", 1, &options.system_len);
   flags.Int("output-len", 1, &options.output_len);
   EngineFlags(flags, &options.engine);
+  flags.Int("host-blocks", 0, &options.engine.host_blocks);
   if (!flags.error().ok()) return BadArguments(c, flags.error().message());
   options.check = !flags.Has("no-check");
   Result<DemoReport> report = Demo(options);

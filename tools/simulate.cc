@@ -120,9 +120,19 @@ std::string FormatSimulate(const SimulateReport& report, const EngineOptions& en
         .Key("evictions")
         .Int(s.evictions)
         .Key("preemptions")
+        .Int(s.preemptions)
+        .Key("resumes")
+        .Int(s.resumes)
+        .Key("preempted_blocks")
+        .Int(s.preempted_blocks)
+        .Key("host_tier_blocks_out")
+        .Int(s.offloaded_blocks)
+        .Key("host_tier_blocks_in")
+        .Int(s.restored_blocks)
+        .Key("recomputations")
         .Int(s.recomputations)
-        .Key("preemption_mode")
-        .String("recompute")
+        .Key("host_blocks")
+        .Int(engine.host_blocks)
         .Key("deferred_steps")
         .Int(s.deferred_steps)
         .Key("num_blocks")
@@ -138,25 +148,28 @@ std::string FormatSimulate(const SimulateReport& report, const EngineOptions& en
         .EndObject();
     return w.str();
   }
-  char text[2048];
-  std::snprintf(
-      text, sizeof(text),
-      "workload      %s: %lld requests, %lld finished\n"
-      "steps         %lld forward steps (clock %lld) in %.2f s: %.0f steps/s\n"
-      "tokens        %lld prompt tokens computed, %lld decoded, %lld generated\n"
-      "prefix cache  %.1f%% hit: %lld of %lld prompt tokens reused; %lld cached blocks evicted\n"
-      "cache         %d blocks of %d tokens, %d-token budget per step; held at peak %.1f%%, "
-      "mean %.1f%%\n"
-      "pressure      %lld preemptions (recompute: flushed and queued again), admission "
-      "deferred at %lld steps\n",
-      report.source.c_str(), static_cast<long long>(s.requests), static_cast<long long>(s.finished),
-      static_cast<long long>(s.steps), static_cast<long long>(s.clock), report.seconds,
-      steps_per_second, static_cast<long long>(s.prompt_tokens),
-      static_cast<long long>(s.decode_tokens), static_cast<long long>(s.generated),
-      100 * s.hit_rate(), static_cast<long long>(s.hit_tokens),
-      static_cast<long long>(s.queried_tokens), static_cast<long long>(s.evictions), s.num_blocks,
-      engine.block_size, engine.token_budget, 100 * peak, 100 * s.mean_occupancy(),
-      static_cast<long long>(s.recomputations), static_cast<long long>(s.deferred_steps));
+  std::string text;
+  char line[512];
+  const auto add = [&](const char* format, auto... args) {
+    std::snprintf(line, sizeof(line), format, args...);
+    text += line;
+  };
+  const auto ll = [](int64_t x) { return static_cast<long long>(x); };
+  add("workload      %s: %lld requests, %lld finished\n", report.source.c_str(), ll(s.requests),
+      ll(s.finished));
+  add("steps         %lld forward steps (clock %lld) in %.2f s: %.0f steps/s\n", ll(s.steps),
+      ll(s.clock), report.seconds, steps_per_second);
+  add("tokens        %lld prompt tokens computed, %lld decoded, %lld generated\n",
+      ll(s.prompt_tokens), ll(s.decode_tokens), ll(s.generated));
+  add("prefix cache  %.1f%% hit: %lld of %lld prompt tokens reused; %lld cached blocks evicted\n",
+      100 * s.hit_rate(), ll(s.hit_tokens), ll(s.queried_tokens), ll(s.evictions));
+  add("cache         %d blocks of %d tokens, %d-token budget per step; held at peak %.1f%%, "
+      "mean %.1f%%\n",
+      s.num_blocks, engine.block_size, engine.token_budget, 100 * peak, 100 * s.mean_occupancy());
+  add("preemption    %lld to the host tier of %d blocks (%lld blocks moved), %lld recomputed; "
+      "admission deferred at %lld steps\n",
+      ll(s.preemptions), engine.host_blocks, ll(s.preempted_blocks), ll(s.recomputations),
+      ll(s.deferred_steps));
   return text;
 }
 

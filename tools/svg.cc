@@ -7,7 +7,6 @@
 #include <fstream>
 
 #include "commands.h"
-#include "json.h"
 
 namespace blockkv::tool {
 namespace {
@@ -20,6 +19,29 @@ std::string Fixed(double x) {
   char text[32];
   std::snprintf(text, sizeof(text), "%.1f", x);
   return text;
+}
+
+std::string XmlEscape(std::string_view text) {
+  std::string out;
+  for (const char c : text) {
+    switch (c) {
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '&':
+        out += "&amp;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += c;
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -37,7 +59,7 @@ std::string PlotSvg(std::span<const StepSample> samples, std::string_view title)
       "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"800\" height=\"360\" "
       "viewBox=\"0 0 800 360\" font-family=\"sans-serif\" font-size=\"12\">\n"
       "<rect width=\"800\" height=\"360\" fill=\"white\"/>\n";
-  svg += "<text x=\"400\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">" + JsonEscape(title) +
+  svg += "<text x=\"400\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">" + XmlEscape(title) +
          "</text>\n";
   // Grid and axes: 0-100 % on the left, steps below.
   for (int i = 0; i <= 4; ++i) {
