@@ -175,8 +175,8 @@ struct OffloadStore::Impl {
     }
     return Status::Ok();
   }
-  // Checks `handles` (live, not repeated, of `group` unless group < 0) and waits for copies in
-  // flight on them.
+  // Waits for copies in flight on `handles`, then checks them (live, not repeated, of `group`
+  // unless group < 0).
   Status CheckHandles(std::span<const OffloadHandle> handles, int group, const char* what);
   int32_t NewEntry();
   void FreeEntry(int32_t index);
@@ -409,6 +409,14 @@ void OffloadStore::Impl::FreeEntry(int32_t index) {
 
 Status OffloadStore::Impl::CheckHandles(std::span<const OffloadHandle> handles, int group,
                                         const char* what) {
+  // Copies in flight on these handles finish first, so that the checks see what they did: a
+  // restore that succeeds releases its handles, which are then stale here, not used again.
+  for (const OffloadHandle& h : handles) {
+    if (h.index >= 0 && h.index < static_cast<int32_t>(entries.size()) &&
+        entries[h.index].job != 0) {
+      WaitFor(entries[h.index].job);
+    }
+  }
   if (++mark_epoch == 0) {
     std::fill(handle_marks.begin(), handle_marks.end(), 0);
     mark_epoch = 1;
@@ -429,10 +437,6 @@ Status OffloadStore::Impl::CheckHandles(std::span<const OffloadHandle> handles, 
           StrCat(what, ": handles[", i, "] (index ", h.index, ") is repeated"));
     }
     handle_marks[h.index] = mark_epoch;
-  }
-  // Copies in flight on these handles finish first; whatever they did is then settled.
-  for (const OffloadHandle& h : handles) {
-    if (entries[h.index].job != 0) WaitFor(entries[h.index].job);
   }
   return Status::Ok();
 }
