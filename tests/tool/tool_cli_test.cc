@@ -1,0 +1,119 @@
+// The `blockkv` binary: exit codes (0 success, 2 bad arguments with usage, 1 runtime failure with
+// the status), and the messages that name a bad file's line.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+namespace {
+
+struct ToolRun {
+  int code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+ToolRun Blockkv(const std::string& args) {
+  const std::string command = std::string(BLOCKKV_TOOL_BINARY) + " " + args + " 2>&1";
+  ToolRun run;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return run;
+  std::array<char, 4096> buffer;
+  size_t n = 0;
+  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0)
+    run.output.append(buffer.data(), n);
+  const int status = pclose(pipe);
+  run.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return run;
+}
+
+std::string WriteTemp(const std::string& name, const std::string& text) {
+  const std::string path = testing::TempDir() + "/" + name;
+  std::ofstream(path) << text;
+  return path;
+}
+
+#define EXPECT_RUN(args, expected_code, expected_text)                              \
+  do {                                                                              \
+    const ToolRun run_ = Blockkv(args);                                                 \
+    EXPECT_EQ(run_.code, expected_code) << (args) << "\n" << run_.output;           \
+    EXPECT_NE(run_.output.find(expected_text), std::string::npos) << (args) << "\n" \
+                                                                  << run_.output;   \
+  } while (false)
+
+TEST(Cli, BadArgumentsExitTwoWithUsage) {
+  EXPECT_RUN("", 2, "usage: blockkv <command>");
+  EXPECT_RUN("frobnicate", 2, "unknown command 'frobnicate'");
+  EXPECT_RUN("plan --model Llama-3-8B", 2, "--memory is required");
+  EXPECT_RUN("plan --model Llama-3-8B", 2, "usage: blockkv plan");
+  EXPECT_RUN("plan --model Llama-3-8B --memory 80XB", 2, "unknown unit 'XB'");
+  EXPECT_RUN("plan --model Llama-3-8B --memory 80GiB --bogus", 2, "unknown flag --bogus");
+  EXPECT_RUN("plan --model Llama-3-8B --memory 80GiB --tp 3", 2, "cannot split 8 KV heads");
+  EXPECT_RUN("plan --model Llama-9 --memory 80GiB", 2, "unknown model 'Llama-9'");
+  EXPECT_RUN("plan --layers 32 --memory 80GiB", 2, "--kv-heads and --head-size");
+  EXPECT_RUN("plan --model Llama-3-8B --memory 80GiB --block-size 0", 2, "--block-size '0'");
+  EXPECT_RUN("plan --model Llama-3-8B --memory 80GiB --dtype fp64", 2, "--dtype");
+  EXPECT_RUN("plan --model Llama-3-8B --memory", 2, "--memory needs a value");
+  EXPECT_RUN("plan --model Llama-3-8B --memory 1GiB --json=yes", 2, "--json takes no value");
+  EXPECT_RUN("simulate --blocks -4", 2, "--blocks '-4'");
+  EXPECT_RUN("simulate --trace t.jsonl --requests 5", 2, "generator's flags do not apply");
+  EXPECT_RUN("simulate --watermark 2", 2, "--watermark '2': expected a number in [0, 0.5]");
+  EXPECT_RUN("demo --requests 0", 2, "usage: blockkv demo");
+  EXPECT_RUN("demo extra", 2, "unexpected argument 'extra'");
+}
+
+TEST(Cli, HelpExitsZero) {
+  EXPECT_RUN("--help", 0, "commands:");
+  EXPECT_RUN("plan --help", 0, "--memory SIZE|host|cuda:N");
+  EXPECT_RUN("simulate --help", 0, "--trace FILE");
+  EXPECT_RUN("demo --help", 0, "--model PATH");
+}
+
+TEST(Cli, PlanPrintsTextAndJson) {
+  EXPECT_RUN("plan --model Llama-3-8B --memory 80GiB", 0, "blocks     40448 (79.00 GiB)");
+  EXPECT_RUN("plan --model Llama-3-8B --memory 80GiB --json", 0, "\"num_blocks\": 40448");
+  EXPECT_RUN("plan --layers 32 --kv-heads 8 --head-size 128 --memory=80GiB --context 8192", 0,
+             "sequences  79 of 8192 tokens");
+  EXPECT_RUN("plan --model Llama-3-8B --memory host --slack 0", 0, "available (host)");
+}
+
+TEST(Cli, RuntimeFailuresExitOneWithTheStatus) {
+  EXPECT_RUN("plan --model Llama-3-70B --memory 1MiB --slack 0", 1, "RESOURCE_EXHAUSTED");
+  const ToolRun cuda = Blockkv("plan --model Llama-3-8B --memory cuda:0");
+  if (cuda.code != 0) {  // no GPU here
+    EXPECT_EQ(cuda.code, 1) << cuda.output;
+    EXPECT_NE(cuda.output.find("UNAVAILABLE"), std::string::npos) << cuda.output;
+  }
+  EXPECT_RUN("simulate --trace " + testing::TempDir() + "/absent.jsonl", 1, "cannot open");
+  EXPECT_RUN("demo --model " + testing::TempDir() + "/absent.bin", 1, "NOT_FOUND");
+}
+
+TEST(Cli, BadTraceFilesNameTheLine) {
+  const std::string malformed = WriteTemp(
+      "malformed.jsonl", "{\"prompt_len\": 8, \"output_len\": 2}\n\n{\"prompt_len\": 8 \"x\"}\n");
+  EXPECT_RUN("simulate --trace " + malformed, 1, "malformed.jsonl:3: expected ',' or '}'");
+  const std::string missing = WriteTemp("missing.jsonl", "{\"prompt_len\": 8}\n");
+  EXPECT_RUN("simulate --trace " + missing, 1, "missing.jsonl:1: missing \"output_len\"");
+  const std::string too_long = WriteTemp("too_long.jsonl",
+                                         "{\"prompt_len\": 8, \"output_len\": 1}\n"
+                                         "{\"prompt_len\": 900, \"output_len\": 1}\n");
+  EXPECT_RUN("simulate --blocks 32 --trace " + too_long, 1, "too_long.jsonl: line 2: 900 tokens");
+}
+
+TEST(Cli, SimulateWritesJsonAndPlot) {
+  const std::string plot = testing::TempDir() + "/simulate.svg";
+  std::remove(plot.c_str());
+  EXPECT_RUN("simulate --requests 30 --blocks 256 --json --plot " + plot, 0, "\"finished\": 30");
+  std::ifstream svg(plot);
+  const std::string text((std::istreambuf_iterator<char>(svg)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("<polyline"), std::string::npos);
+  EXPECT_RUN("simulate --requests 5 --plot /nonexistent-dir/x.svg", 1, "cannot write");
+}
+
+TEST(Cli, DemoChecksItself) {
+  EXPECT_RUN("demo --requests 3 --system-len 16 --output-len 4", 0, "check         identical");
+}
+
+}  // namespace

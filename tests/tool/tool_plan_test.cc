@@ -1,0 +1,158 @@
+// `blockkv plan`: golden numbers worked out by hand, checked against what PlanKVCache gives.
+#include <gtest/gtest.h>
+
+#include "blockkv/status.h"
+#include "commands.h"
+
+namespace blockkv::tool {
+namespace {
+
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+PlanOptions Preset(const char* name, int64_t memory, int64_t slack) {
+  PlanOptions options;
+  options.shape = *FindModelPreset(name);
+  options.memory.kind = MemorySpec::Kind::kBytes;
+  options.memory.bytes = memory;
+  options.memory.text = "test";
+  options.slack = slack;
+  return options;
+}
+
+TEST(Plan, Llama3_8BOn80GiB) {
+  // 32 layers x 16 tokens x 2 (K and V) x 8 KV heads x 128 x 2 bytes (fp16) = 2,097,152 bytes
+  // per block (128 KiB per token). 80 GiB - 1 GiB kept free = 79 GiB = 79 x 512 blocks of 2 MiB
+  // = 40,448 blocks = 647,168 tokens. A sequence of 8,192 tokens (the default context) takes
+  // 512 blocks: 40,448 / 512 = 79 sequences (79.0 exactly).
+  Result<PlanReport> r = Plan(Preset("Llama-3-8B", 80 * kGiB, 1 * kGiB));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->bytes_per_token, 131072);
+  EXPECT_EQ(r->bytes_per_block, 2097152);
+  EXPECT_EQ(r->num_blocks, 40448);
+  EXPECT_EQ(r->cache_bytes, 79 * kGiB);
+  EXPECT_EQ(r->tokens, 647168);
+  EXPECT_EQ(r->context, 8192);
+  EXPECT_EQ(r->blocks_per_sequence, 512);
+  EXPECT_EQ(r->sequences, 79);
+}
+
+TEST(Plan, Llama2_13BSplitOverTwoRanks) {
+  // 40 KV heads (no GQA), tp 2: 20 per rank. 40 layers x 16 x 2 x 20 x 128 x 2 bytes =
+  // 6,553,600 bytes per block per rank. 24 GiB - 2 GiB = 23,622,320,128 bytes;
+  // / 6,553,600 = 3,604.48 -> 3,604 blocks = 57,664 tokens. Context 4,096 = 256 blocks:
+  // 3,604 / 256 = 14.08 -> 14 sequences.
+  PlanOptions options = Preset("Llama-2-13B", 24 * kGiB, 2 * kGiB);
+  options.tp = 2;
+  Result<PlanReport> r = Plan(options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->kv_heads_per_rank, 20);
+  EXPECT_EQ(r->bytes_per_block, 6553600);
+  EXPECT_EQ(r->num_blocks, 3604);
+  EXPECT_EQ(r->tokens, 57664);
+  EXPECT_EQ(r->blocks_per_sequence, 256);
+  EXPECT_EQ(r->sequences, 14);
+}
+
+TEST(Plan, SlidingWindowHoldsOnlyTheWindowsBlocks) {
+  // Mistral-7B: 2 MiB per block as Llama-3-8B. 16 GiB, nothing kept free: 8,192 blocks. A
+  // 32,768-token sequence under a 4,096-token window holds 4,096 / 16 = 256 blocks, plus one
+  // when the window straddles a block boundary: 257; 8,192 / 257 = 31.9 -> 31 sequences.
+  // Without the window it would be 2,048 blocks each: 4 sequences.
+  Result<PlanReport> r = Plan(Preset("Mistral-7B", 16 * kGiB, 0));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->num_blocks, 8192);
+  EXPECT_EQ(r->context, 32768);
+  EXPECT_EQ(r->blocks_per_sequence, 257);
+  EXPECT_EQ(r->sequences, 31);
+  // A context inside the window needs all its blocks: 2,048 tokens = 128 blocks -> 64.
+  PlanOptions shorter = Preset("Mistral-7B", 16 * kGiB, 0);
+  shorter.context = 2048;
+  EXPECT_EQ(Plan(shorter)->sequences, 64);
+}
+
+TEST(Plan, CustomShapeFp8AndReplicatedHeads) {
+  // 2 layers x 8 tokens x 2 x 4 heads x 64 x 1 byte (fp8) = 8,192 bytes: 1 MiB -> 128 blocks.
+  PlanOptions options;
+  options.shape = {"custom", 2, 4, 64, 4096, 0};
+  options.memory = *ParseMemory("1MiB");
+  options.slack = 0;
+  options.block_size = 8;
+  options.dtype = DType::kFloat8E4M3;
+  Result<PlanReport> r = Plan(options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->bytes_per_block, 8192);
+  EXPECT_EQ(r->num_blocks, 128);
+  // tp 8 over 4 KV heads: each rank keeps one head (replicated), not half of one.
+  options.tp = 8;
+  r = Plan(options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->kv_heads_per_rank, 1);
+  EXPECT_EQ(r->bytes_per_block, 2048);
+}
+
+TEST(Plan, PresetsAreFoundWhateverTheCase) {
+  EXPECT_EQ(ModelPresets().size(), 7u);
+  ASSERT_NE(FindModelPreset("qwen2.5-7b"), nullptr);
+  EXPECT_EQ(FindModelPreset("qwen2.5-7b")->kv_heads, 4);
+  EXPECT_EQ(FindModelPreset("gpt-neox-20b")->head_size, 96);
+  EXPECT_EQ(FindModelPreset("Llama-4"), nullptr);
+}
+
+TEST(Plan, BadArgumentsAreInvalidArgument) {
+  PlanOptions options = Preset("Llama-3-8B", 80 * kGiB, 1);
+  options.tp = 3;  // 8 KV heads
+  EXPECT_EQ(CheckPlanOptions(options).code(), StatusCode::kInvalidArgument);
+  options.tp = 1;
+  options.block_size = 0;
+  EXPECT_EQ(CheckPlanOptions(options).code(), StatusCode::kInvalidArgument);
+  options.block_size = 16;
+  options.dtype = DType::kInt64;
+  EXPECT_EQ(CheckPlanOptions(options).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(Plan, TooLittleMemoryIsResourceExhausted) {
+  Result<PlanReport> r = Plan(Preset("Llama-3-70B", 1 << 20, 0));
+  EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+}
+
+TEST(Plan, CudaWithoutAGpuIsUnavailable) {
+  PlanOptions options = Preset("Llama-3-8B", 0, 1);
+  options.memory = *ParseMemory("cuda:0");
+  Result<PlanReport> r = Plan(options);
+  if (r.ok()) GTEST_SKIP() << "a GPU is present";
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status();
+}
+
+TEST(Sizes, ParseBinaryAndDecimalUnits) {
+  EXPECT_EQ(*ParseSize("80GiB"), 80 * kGiB);
+  EXPECT_EQ(*ParseSize("80gib"), 80 * kGiB);
+  EXPECT_EQ(*ParseSize("40GB"), 40'000'000'000);
+  EXPECT_EQ(*ParseSize("1.5KiB"), 1536);
+  EXPECT_EQ(*ParseSize("2 TiB"), 2 * 1024 * kGiB);
+  EXPECT_EQ(*ParseSize("512MB"), 512'000'000);
+  EXPECT_EQ(*ParseSize("4096"), 4096);
+  EXPECT_EQ(*ParseSize("0"), 0);
+  for (const char* bad : {"", "GiB", "12XB", "1.2.3GB", "-1GiB", "99999999TiB"}) {
+    EXPECT_EQ(ParseSize(bad).status().code(), StatusCode::kInvalidArgument) << bad;
+  }
+  EXPECT_EQ(FormatBytes(2097152), "2.00 MiB");
+  EXPECT_EQ(FormatBytes(512), "512 B");
+}
+
+TEST(Sizes, MemoryIsASizeHostOrCuda) {
+  EXPECT_EQ(ParseMemory("host")->kind, MemorySpec::Kind::kHost);
+  EXPECT_EQ(ParseMemory("cuda:1")->ordinal, 1);
+  EXPECT_EQ(ParseMemory("cuda:x").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseMemory("0").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseMemory("8GiB")->bytes, 8 * kGiB);
+}
+
+TEST(Plan, JsonHasEveryNumber) {
+  const std::string json = FormatPlan(*Plan(Preset("Llama-3-8B", 80 * kGiB, kGiB)), true);
+  EXPECT_NE(json.find("\"num_blocks\": 40448"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"sequences\": 79"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"bytes_per_block\": 2097152"), std::string::npos) << json;
+}
+
+}  // namespace
+}  // namespace blockkv::tool
