@@ -265,50 +265,100 @@ PrefixCache::Published PrefixCache::Publish(int group, BlockId block, const Publ
                                             std::span<const TokenId> block_tokens, int32_t ns_id,
                                             const BlockKeyExtras& extras, size_t index,
                                             int32_t priority) {
-  Group& g = *groups_[group];
-  Group::Record& r = g.records[block];
-  BLOCKKV_CHECK(r.chain_id == 0 && !pools_[group].is_cached(block),
-                "PrefixCache::Publish: the block is cached already");
-  BLOCKKV_CHECK(block_tokens.size() == static_cast<size_t>(g.block_size),
-                "PrefixCache::Publish: a block is published full");
   BLOCKKV_CHECK(parent == nullptr || parent->id != 0, "PrefixCache::Publish: a parent without id");
   const uint64_t parent_id = parent == nullptr ? 0 : parent->id;
   // An exact copy already cached lends its chain id, so children of either are found from both.
   const BlockId copy = Find(group, key, parent_id, block_tokens, ns_id, extras, index);
-  pools_[group].MarkCached(block, priority);
-  const std::string_view extra = BlockBytes(extras, index);
-  const BlockId head = g.Head(key);
-  const bool stored_before = g.HasKey(key);  // then routers know it already
-  r = Group::Record{.hash = key,
-                    .chain_id = copy != kNoBlock ? g.records[copy].chain_id : ++last_chain_id_,
-                    .parent_id = parent_id,
-                    .adapter = extras.adapter_id,
+  const uint64_t id = copy != kNoBlock ? groups_[group]->records[copy].chain_id : ++last_chain_id_;
+  Insert(group,
+         {.block = block,
+          .chain_id = id,
+          .parent_id = parent_id,
+          .key = key,
+          .parent_key = parent == nullptr ? BlockHash{} : parent->key,
+          .adapter_id = extras.adapter_id,
+          .ns = ns_names_[static_cast<size_t>(ns_id)],
+          .bytes = BlockBytes(extras, index),
+          .tokens = block_tokens},
+         ns_id, priority);
+  return {id, key};
+}
+
+void PrefixCache::Restore(int group, const CachedBlock& b, int32_t priority) {
+  BLOCKKV_CHECK(b.parent_id < b.chain_id, "PrefixCache::Restore: a parent id after its child's");
+  last_chain_id_ = std::max(last_chain_id_, b.chain_id);
+  Insert(group, b, InternNamespace(b.ns), priority);
+}
+
+void PrefixCache::Insert(int group, const CachedBlock& b, int32_t ns_id, int32_t priority) {
+  Group& g = *groups_[group];
+  Group::Record& r = g.records[b.block];
+  BLOCKKV_CHECK(r.chain_id == 0 && !pools_[group].is_cached(b.block),
+                "PrefixCache: publishing a block that is cached already");
+  BLOCKKV_CHECK(b.tokens.size() == static_cast<size_t>(g.block_size),
+                "PrefixCache: a block is published full");
+  pools_[group].MarkCached(b.block, priority);
+  const BlockId head = g.Head(b.key);
+  const bool stored_before = g.HasKey(b.key);  // then routers know it already
+  r = Group::Record{.hash = b.key,
+                    .chain_id = b.chain_id,
+                    .parent_id = b.parent_id,
+                    .adapter = b.adapter_id,
                     .next = head,
                     .prev = kNoBlock,
                     .ns = ns_id,
-                    .has_bytes = !extra.empty()};
-  g.parent_hash[block] = parent == nullptr ? BlockHash{} : parent->key;
-  g.bytes[block] = extra;
-  std::copy(block_tokens.begin(), block_tokens.end(),
-            g.tokens.begin() + static_cast<std::ptrdiff_t>(block) * g.block_size);
+                    .has_bytes = !b.bytes.empty()};
+  g.parent_hash[b.block] = b.parent_key;
+  g.bytes[b.block] = b.bytes;
+  std::copy(b.tokens.begin(), b.tokens.end(),
+            g.tokens.begin() + static_cast<std::ptrdiff_t>(b.block) * g.block_size);
   // Newest first in its bucket.
-  const auto bucket = static_cast<int64_t>(key.lo);
+  const auto bucket = static_cast<int64_t>(b.key.lo);
   if (head != kNoBlock) {
-    g.records[head].prev = block;
+    g.records[head].prev = b.block;
     g.index.Erase(bucket);
   }
-  g.index.Insert(bucket, block);
+  g.index.Insert(bucket, b.block);
   ++g.cached;
   if (config_.max_events > 0 && !stored_before) {
-    Emit(BlockStored{.hash = key,
-                     .has_parent = parent != nullptr,
-                     .parent = g.parent_hash[block],
-                     .tokens = std::vector<TokenId>(block_tokens.begin(), block_tokens.end()),
+    Emit(BlockStored{.hash = b.key,
+                     .has_parent = b.parent_id != 0,
+                     .parent = b.parent_key,
+                     .tokens = std::vector<TokenId>(b.tokens.begin(), b.tokens.end()),
                      .ns = ns_names_[static_cast<size_t>(ns_id)],
-                     .adapter_id = extras.adapter_id,
+                     .adapter_id = b.adapter_id,
                      .group = group});
   }
-  return {r.chain_id, key};
+}
+
+std::vector<PrefixCache::CachedBlock> PrefixCache::CachedBlocks(int group) const {
+  const Group& g = *groups_[group];
+  std::vector<CachedBlock> blocks;
+  blocks.reserve(static_cast<size_t>(g.cached));
+  // Each bucket from its tail (its oldest block) to its head: restoring blocks in this order
+  // rebuilds every bucket as it is, and with it which of several exact copies a hit takes.
+  for (BlockId tail = 0; tail < pools_[group].num_blocks(); ++tail) {
+    if (g.records[tail].chain_id == 0 || g.records[tail].next != kNoBlock) continue;
+    for (BlockId b = tail; b != kNoBlock; b = g.records[b].prev) {
+      blocks.push_back(cached_block(group, b));
+    }
+  }
+  return blocks;
+}
+
+PrefixCache::CachedBlock PrefixCache::cached_block(int group, BlockId block) const {
+  const Group& g = *groups_[group];
+  const Group::Record& r = g.records[block];
+  BLOCKKV_CHECK(r.chain_id != 0, "PrefixCache::cached_block: the block is not cached");
+  return {.block = block,
+          .chain_id = r.chain_id,
+          .parent_id = r.parent_id,
+          .key = r.hash,
+          .parent_key = g.parent_hash[block],
+          .adapter_id = r.adapter,
+          .ns = ns_names_[static_cast<size_t>(r.ns)],
+          .bytes = g.bytes[block],
+          .tokens = g.Tokens(block)};
 }
 
 PrefixCache::Published PrefixCache::published(int group, BlockId block) const {

@@ -95,6 +95,15 @@ class BlockPool {
   // Blocks Take can hand out: allocator-free + evictable.
   int32_t free_blocks() const;
   int32_t evictable_blocks() const { return evictable_; }
+  // Calls f(block) for every evictable block in the order Take would evict them: lowest
+  // priority first, least recently used first within a priority. Releasing blocks in this order
+  // rebuilds the same order (what a snapshot relies on). `f` must not change the pool.
+  template <class F>
+  void ForEachEvictable(F&& f) const {
+    for (int p = 0; p < kPriorities; ++p) {
+      for (BlockId b = heads_[p]; b != kNoBlock; b = blocks_[b].next) f(b);
+    }
+  }
   int32_t num_blocks() const { return static_cast<int32_t>(blocks_.size()); }
   int group() const { return group_; }
   void set_eviction_listener(EvictionListener* listener) { listener_ = listener; }

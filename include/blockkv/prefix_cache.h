@@ -167,6 +167,31 @@ class PrefixCache : public BlockPool::EvictionListener {
   // What `block` was published as (chain id 0 when it is not cached).
   Published published(int group, BlockId block) const;
 
+  // One cached block as the index holds it: what StateManager::SaveSnapshot writes and
+  // LoadSnapshot gives back to Restore. Views are valid until the cache next changes.
+  struct CachedBlock {
+    BlockId block = kNoBlock;
+    uint64_t chain_id = 0;   // shared by exact copies, never given to other contents
+    uint64_t parent_id = 0;  // the parent's chain id (0 for block 0); the parent may be evicted
+    BlockHash key;
+    BlockHash parent_key;  // the key it was chained from (zeros for block 0)
+    int64_t adapter_id = 0;
+    std::string_view ns;              // its publisher's namespace
+    std::string_view bytes;           // its extra bytes ("" for none)
+    std::span<const TokenId> tokens;  // [block_size]
+  };
+  // Every cached block of `group`, oldest first among blocks whose keys share a bucket, so that
+  // Restore-ing them in this order rebuilds the index as it is (which of several exact copies a
+  // hit takes included).
+  std::vector<CachedBlock> CachedBlocks(int group) const;
+  // One of them. REQUIRES: `block` is cached.
+  CachedBlock cached_block(int group, BlockId block) const;
+  // Indexes `b.block` exactly as `b` describes it — chain ids included, so that a restored
+  // cache matches (and chains on) as the saved one did — cached at `priority`, and queues
+  // BlockStored as Publish does. Later publishes get chain ids above b's. REQUIRES: the block is
+  // held and not cached, b.tokens holds block_size ids, 0 <= parent_id < chain_id.
+  void Restore(int group, const CachedBlock& b, int32_t priority);
+
   // Forgets every cached block no one references (they go back to the allocators); returns
   // how many. Queues BlockRemoved for each hash whose last copy went, and AllCleared when nothing
   // is cached any more.
@@ -194,6 +219,9 @@ class PrefixCache : public BlockPool::EvictionListener {
                int32_t ns_id, const BlockKeyExtras& extras, size_t index) const;
   // Drops the key; queues BlockRemoved when `announce` and no other copy of the key is left.
   void Forget(int group, BlockId block, bool announce);
+  // Publish and Restore: marks `b.block` cached at `priority` and indexes it under b's ids,
+  // queueing BlockStored unless another block holds b.key already.
+  void Insert(int group, const CachedBlock& b, int32_t ns_id, int32_t priority);
   void Emit(CacheEvent event);
 
   PrefixCacheConfig config_;
