@@ -26,6 +26,7 @@
 // kUnimplemented.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -46,6 +47,7 @@ namespace blockkv {
 class RaggedBatch;
 namespace internal {
 class BlockSize;
+class SnapshotCodec;
 class UidMap;
 }  // namespace internal
 
@@ -140,6 +142,7 @@ class Sequence {
 
  private:
   friend class StateManager;
+  friend class internal::SnapshotCodec;  // LoadSnapshot puts sequences back in their slots
   Sequence() = default;
   struct GroupState {
     BlockId* row = nullptr;  // [max_blocks_per_allocation_group] in the manager's table
@@ -258,6 +261,42 @@ class StateManager {
   // Drops every cached block no sequence references; returns how many.
   int64_t ResetPrefixCache();
 
+  // ---- snapshots (state_manager_snapshot.cc; format and guarantees in docs/snapshots.md) ----
+  // A snapshot is the whole cache: the configs it needs, the contents of every referenced or
+  // cached block, every sequence (slot, seen tokens, tables, known tokens and keys) and the
+  // prefix-cache index with its eviction order, in a versioned file where every section and the
+  // whole file carry an XXH3-64 checksum.
+  //
+  // Writes the snapshot to `path` atomically: into `path`.tmp, fsync, rename over `path`, fsync
+  // of the directory; on failure no file is left at `path`.tmp and `path` is as it was.
+  // kFailedPrecondition (nothing written) while a sequence has tokens in flight or is preempted
+  // (or its resume is not settled, or offload copies are in flight), or when
+  // prefix_cache.hash_function is a custom one; an I/O error names the file and errno's text:
+  // kNotFound (no such directory), kResourceExhausted (disk full, file too large), kUnavailable
+  // (any other).
+  Status SaveSnapshot(const std::string& path) const;
+  // The same bytes in memory. kFailedPrecondition as above; kResourceExhausted when host memory
+  // cannot hold them.
+  Result<std::vector<std::byte>> SaveSnapshot() const;
+  // LoadSnapshot(bytes) of the file at `path`. kNotFound (no such file), kInvalidArgument (not a
+  // regular file), kResourceExhausted (larger than the available host memory), kDataLoss (a
+  // read error, EIO), kUnavailable (any other I/O error); the manager is unchanged.
+  Status LoadSnapshot(const std::string& path);
+  // Replaces this manager's whole state with the snapshot's. The manager must have been created
+  // with the configs the snapshot was saved with: a difference is kInvalidArgument naming the
+  // field, this manager's value and the snapshot's. A truncated or corrupt snapshot (a checksum,
+  // the magic or format version wrong) or content no manager could hold (a block id out of
+  // range, a table entry naming a block the snapshot does not hold, duplicate uids, counts that
+  // do not add up) is kDataLoss naming the section and offset. Everything is parsed and checked
+  // before anything changes: on any of these errors the manager is as it was. After a load every
+  // sequence keeps its uid, tracking slot, seen tokens, tables and block contents, and the prefix
+  // cache hits and evicts as the saved one did; the order in which free blocks are handed out,
+  // the prefix-cache stats and undrained events are not part of a snapshot (docs/snapshots.md).
+  // Events: AllCleared, then BlockStored for every cached key. A device error writing the block
+  // contents is kInternal, and leaves the manager empty (no sequences, nothing cached), since
+  // its blocks' contents are then unspecified.
+  Status LoadSnapshot(std::span<const std::byte> bytes);
+
   // ---- offload (state_manager_offload.cc; StateManagerConfig.offload) ----
   // Moves the blocks `uid` holds to the host tier (the disk tier for a group whose host tier is
   // full), so that its device blocks are freed once the copy is done (the ticket) — preemption
@@ -375,6 +414,13 @@ class StateManager {
   void ResetKeys(int32_t slot);
   void ForkKeys(const Sequence& from, const Sequence& to);
   Status CheckKeys(const Sequence& seq) const;
+
+  // ---- snapshots (state_manager_snapshot.cc) ----
+  friend class internal::SnapshotCodec;  // reads this state into a snapshot and rebuilds it
+  // kFailedPrecondition naming the first sequence (by slot) whose state a snapshot cannot hold —
+  // tokens in flight (their forward is not recorded), preempted or resuming (its blocks are in
+  // the offload tiers, which a snapshot does not hold) — or the offload copies in flight.
+  Status CheckSnapshotable() const;
 
   StateManagerConfig config_;
   std::unique_ptr<BlockedKVCache> cache_;
