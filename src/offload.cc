@@ -137,6 +137,8 @@ struct OffloadStore::Impl {
   uint64_t next_job = 1;
   std::unordered_map<uint64_t, Status> failed;
 
+  std::unique_ptr<internal::BlockMover> sync_mover;  // CopyToHost / CopyToDevice
+
   // Worker side.
   std::unique_ptr<internal::BlockMover> mover;
   internal::HostBuffer staging;  // one block of the largest group: disk reads and writes
@@ -518,12 +520,14 @@ Result<std::unique_ptr<OffloadStore>> OffloadStore::Create(BlockedKVCache* cache
     impl->groups.push_back(std::move(group));
   }
 
-  if (device.kind() == DeviceKind::kCuda) {
-    Result<std::unique_ptr<internal::BlockMover>> mover = internal::MakeCudaBlockMover(device);
-    if (!mover.ok()) return mover.status();
-    impl->mover = std::move(*mover);
-  } else {
-    impl->mover = internal::MakeHostBlockMover();
+  for (std::unique_ptr<internal::BlockMover>* mover : {&impl->mover, &impl->sync_mover}) {
+    if (device.kind() == DeviceKind::kCuda) {
+      Result<std::unique_ptr<internal::BlockMover>> made = internal::MakeCudaBlockMover(device);
+      if (!made.ok()) return made.status();
+      *mover = std::move(*made);
+    } else {
+      *mover = internal::MakeHostBlockMover();
+    }
   }
   if (!config.disk_path.empty()) {
     Result<internal::HostBuffer> staging = internal::AllocateHostBuffer(device, largest);
@@ -727,9 +731,57 @@ Result<OffloadTicket> OffloadStore::Spill(std::span<const OffloadHandle> handles
   return OffloadTicket(this, m.Submit(Op::kSpill, std::move(copies)));
 }
 
+Result<OffloadHandle> OffloadStore::CopyToHost(int group, BlockId block) {
+  Impl& m = *impl_;
+  if (group < 0 || group >= num_groups() || block < 0 || block >= m.cache->num_blocks()) {
+    return OutOfRangeError(
+        StrCat("CopyToHost: block ", block, " of group ", group, " does not exist"));
+  }
+  Impl::Group& g = m.groups[group];
+  BLOCKKV_CHECK(g.busy[block] == 0, "CopyToHost: a copy is in flight on the block");
+  if (g.free_host.empty()) {
+    return ResourceExhaustedError(StrCat("CopyToHost: the host tier of group ", group, " is full (",
+                                         m.host_blocks, " slots)"));
+  }
+  const int32_t slot = g.free_host.back();
+  Status copied = m.sync_mover->ToHost(g.layout, block, m.HostSlot(group, slot));
+  if (copied.ok()) copied = m.sync_mover->Finish();
+  if (!copied.ok()) return copied;
+  g.free_host.pop_back();
+  const int32_t index = m.NewEntry();
+  Impl::Entry& e = m.entries[index];
+  e.group = group;
+  e.tier = Tier::kHost;
+  e.host_slot = slot;
+  m.stats.offloaded_blocks += 1;
+  m.stats.bytes_written += g.layout.block_bytes();
+  return OffloadHandle{index, e.generation};
+}
+
+Status OffloadStore::CopyToDevice(OffloadHandle handle, BlockId block) {
+  Impl& m = *impl_;
+  BLOCKKV_ASSIGN_OR_RETURN(const Tier where, tier(handle));
+  Impl::Entry& e = m.entries[handle.index];
+  if (where != Tier::kHost || e.job != 0) {
+    return FailedPreconditionError(StrCat("CopyToDevice: handle ", handle.index, " is on the ",
+                                          TierName(where), " tier",
+                                          e.job != 0 ? " with a copy in flight" : ""));
+  }
+  if (block < 0 || block >= m.cache->num_blocks()) {
+    return OutOfRangeError(StrCat("CopyToDevice: block ", block, " does not exist"));
+  }
+  Impl::Group& g = m.groups[e.group];
+  BLOCKKV_CHECK(g.busy[block] == 0, "CopyToDevice: a copy is in flight on the block");
+  BLOCKKV_RETURN_IF_ERROR(
+      m.sync_mover->FromHost(g.layout, m.HostSlot(e.group, e.host_slot), block));
+  BLOCKKV_RETURN_IF_ERROR(m.sync_mover->Finish());
+  m.stats.restored_blocks += 1;
+  m.stats.bytes_read += g.layout.block_bytes();
+  return Status::Ok();
+}
+
 Status OffloadStore::Drop(std::span<const OffloadHandle> handles) {
   Impl& m = *impl_;
-  m.Reap();
   BLOCKKV_RETURN_IF_ERROR(m.CheckHandles(handles, -1, "Drop"));
   for (const OffloadHandle& h : handles) {
     Impl::Entry& e = m.entries[h.index];

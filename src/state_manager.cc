@@ -15,6 +15,7 @@
 #include "internal/strings.h"
 #include "internal/uid_map.h"
 #include "internal/validate.h"
+#include "prefix_host_tier.h"
 #include "state_manager_keys.h"
 #include "state_manager_offload.h"
 
@@ -421,6 +422,8 @@ SchedulingResult StateManager::Check(std::span<const SeqId> uids, std::span<cons
     hits_.clear();
     hit_blocks_.clear();
     hit_starts_.clear();
+    promote_entries_.clear();
+    promoted_ = 0;
   }
   int64_t tracked = n_tracked_sequences();
   int64_t tokens = 0;
@@ -531,15 +534,22 @@ Status StateManager::Schedule(std::span<const SeqId> uids, std::span<const int64
         StrCat("cannot schedule the batch: ", SchedulingResultName(verdict), ": ", why));
   }
   // Prefix hits first: taking new blocks may evict evictable ones, never those being hit.
-  if (prefix_ != nullptr) ShareHitBlocks();
+  if (prefix_ != nullptr) ShareHitBlocks(/*share=*/true);
   // Take every group's blocks at once; Check counted them and guaranteed they are there.
   const auto groups = static_cast<size_t>(num_groups());
   for (size_t g = 0; g < groups; ++g) {
-    int64_t total = 0;
+    int64_t total = g == 0 && prefix_ != nullptr ? promoted_ : 0;  // promotions last
     for (size_t i = 0; i < uids.size(); ++i) total += need_scratch_[i * groups + g];
     scratch_[g].resize(static_cast<size_t>(total));
     const Status taken = pools_[g].Take(static_cast<int32_t>(total), scratch_[g]);
     BLOCKKV_CHECK(taken.ok(), "Schedule: blocks that Check counted were not there");
+  }
+  if (prefix_ != nullptr && promoted_ > 0) {
+    const std::span<const BlockId> fresh(scratch_[0]);
+    if (Status s = PromoteHits(fresh.last(static_cast<size_t>(promoted_))); !s.ok()) {
+      UndoSchedule();  // a device error copying from the host: nothing scheduled
+      return s;
+    }
   }
   std::vector<size_t>& next = next_scratch_;
   next.assign(groups, 0);

@@ -6,6 +6,7 @@
 #include "blockkv/state_manager.h"
 #include "internal/strings.h"
 #include "internal/uid_map.h"
+#include "prefix_host_tier.h"
 
 namespace blockkv {
 
@@ -79,6 +80,7 @@ Status StateManager::CheckInvariants() const {
   }
   if (prefix_ != nullptr) BLOCKKV_RETURN_IF_ERROR(prefix_->CheckInvariants());
   if (offload_ != nullptr) BLOCKKV_RETURN_IF_ERROR(offload_->CheckInvariants());
+  if (host_prefix_ != nullptr) BLOCKKV_RETURN_IF_ERROR(host_prefix_->CheckInvariants());
   // Rows of free slots are empty.
   for (int32_t slot = 0; slot < config_.max_tracked_sequences; ++slot) {
     if (slots_.IsUsed(slot)) continue;

@@ -7,6 +7,7 @@
 #include "internal/check.h"
 #include "internal/strings.h"
 #include "internal/uid_map.h"
+#include "prefix_host_tier.h"
 #include "state_manager_keys.h"
 #include "state_manager_offload.h"
 
@@ -29,7 +30,21 @@ Status StateManager::EnableOffload() {
   }
   offload_ = std::move(*store);
   parked_.reset(new Parked[static_cast<size_t>(config_.max_tracked_sequences)]);
+  // Promotion continues a run of whole blocks, which needs one group without a window.
+  if (prefix_ != nullptr && num_groups() == 1 && SlidingWindow(0) == 0) {
+    host_prefix_ = std::make_unique<internal::PrefixHostTier>(prefix_.get(), offload_.get(),
+                                                              std::span<BlockPool>(pools_));
+  }
   return Status::Ok();
+}
+
+StateManager::HostPrefixStats StateManager::host_prefix_stats() const {
+  if (host_prefix_ == nullptr) return {};
+  const internal::PrefixHostTier::Stats& s = host_prefix_->stats();
+  return {.entries = host_prefix_->size(),
+          .demoted = s.demoted,
+          .promoted = s.promoted,
+          .dropped = s.dropped};
 }
 
 Result<OffloadTicket> StateManager::PreemptSequence(SeqId uid) {
@@ -56,7 +71,10 @@ Result<OffloadTicket> StateManager::PreemptSequence(SeqId uid) {
   for (int g = 0; g < groups; ++g) {
     const Sequence::GroupState& state = seq->groups_[g];
     const int32_t held = state.allocated - state.released;
-    if (offload_->free_host_blocks(g) >= held) {
+    // Cached blocks on the host level make room for a preempted sequence.
+    const int32_t room =
+        offload_->free_host_blocks(g) + (host_prefix_ != nullptr ? host_prefix_->droppable(g) : 0);
+    if (room >= held) {
       tiers[g] = Tier::kHost;
     } else if (offload_->free_disk_blocks(g) >= held) {
       tiers[g] = Tier::kDisk;
@@ -75,6 +93,7 @@ Result<OffloadTicket> StateManager::PreemptSequence(SeqId uid) {
     Sequence::GroupState& state = seq->groups_[g];
     const int32_t held = state.allocated - state.released;
     parked.counts[g] = held;
+    if (tiers[g] == Tier::kHost && host_prefix_ != nullptr) host_prefix_->MakeRoom(g, held);
     const size_t first = parked.handles.size();
     parked.handles.resize(first + static_cast<size_t>(held));
     Result<OffloadTicket> copied =

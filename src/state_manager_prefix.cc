@@ -9,6 +9,7 @@
 #include "internal/block_size.h"
 #include "internal/check.h"
 #include "internal/strings.h"
+#include "prefix_host_tier.h"
 #include "state_manager_keys.h"
 
 namespace blockkv {
@@ -157,6 +158,8 @@ const StateManager::PrefixHit* StateManager::LookupPrefix(size_t i, const Sequen
   // Each group's matches: a full-attention group's leading run bounds the hit; a windowed
   // group's matches are checked per candidate below.
   int64_t most = cap;
+  int32_t promoted = 0;  // blocks of the run found on the host level
+  size_t promote_first = 0;
   for (int g = 0; g < num_groups(); ++g) {
     std::vector<BlockId>& blocks = match_blocks_[static_cast<size_t>(g)];
     const auto limit = static_cast<int32_t>(cap / kv_block_size(g));
@@ -166,8 +169,20 @@ const StateManager::PrefixHit* StateManager::LookupPrefix(size_t i, const Sequen
       prefix_->MatchWindow(g, keys.tokens, keys.ns_id, keys.extras, limit, blocks, match_keys_);
     } else {
       BlockHash last;
-      const int32_t run =
-          prefix_->Match(g, keys.tokens, keys.ns_id, keys.extras, limit, blocks, &last);
+      int32_t run = prefix_->Match(g, keys.tokens, keys.ns_id, keys.extras, limit, blocks, &last);
+      if (host_prefix_ != nullptr && run < limit && free_scratch_[g] > 0) {
+        // The host level continues the device's run (one group, so g == 0); each block it
+        // promotes takes a fresh block, so it goes no further than the free blocks do.
+        const PrefixCache::Published parent =
+            run > 0 ? prefix_->published(g, blocks[static_cast<size_t>(run) - 1])
+                    : PrefixCache::Published{};
+        promote_first = promote_entries_.size();
+        promoted = host_prefix_->Match(
+            g, keys.tokens, keys.ns_id, keys.extras, run, run > 0 ? &parent : nullptr,
+            static_cast<int32_t>(std::min<int64_t>(limit - run, free_scratch_[g])),
+            &promote_entries_);
+        run += promoted;
+      }
       most = std::min(most, int64_t{run} * kv_block_size(g));
     }
   }
@@ -188,7 +203,13 @@ const StateManager::PrefixHit* StateManager::LookupPrefix(size_t i, const Sequen
   hit_index_[i] = static_cast<int32_t>(hits_.size());
   hits_.push_back({.tokens = tokens,
                    .in_flight = tokens > 0 ? std::min(length, known - tokens) : length,
-                   .first = hit_blocks_.size()});
+                   .first = hit_blocks_.size(),
+                   .promoted = promoted,
+                   .promote_first = promote_first});
+  if (promoted > 0) {
+    free_scratch_[0] -= promoted;
+    promoted_ += promoted;
+  }
   for (int g = 0; g < num_groups(); ++g) {
     const auto n = static_cast<int32_t>(tokens / kv_block_size(g));
     const int32_t start = WindowStart(g, n);
@@ -196,6 +217,7 @@ const StateManager::PrefixHit* StateManager::LookupPrefix(size_t i, const Sequen
     for (int32_t b = start; b < n; ++b) {
       const BlockId block = match_blocks_[static_cast<size_t>(g)][static_cast<size_t>(b)];
       hit_blocks_.push_back(block);
+      if (block == kNoBlock) continue;  // promoted from the host level
       if (pools_[g].is_evictable(block) && block_marks_[g][block] != mark_epoch_) {
         block_marks_[g][block] = mark_epoch_;
         --free_scratch_[g];
@@ -230,18 +252,40 @@ void StateManager::TakePrefix(size_t i, Sequence& seq) {
   prefix_->RecordLookup(keys.ns_id, static_cast<int64_t>(keys.tokens.size()), hit.tokens);
 }
 
-void StateManager::ShareHitBlocks() {
+void StateManager::ShareHitBlocks(bool share) {
   for (size_t h = 0; h < hits_.size(); ++h) {
     size_t at = hits_[h].first;
     for (int g = 0; g < num_groups(); ++g) {
       const auto n = static_cast<size_t>(hits_[h].tokens / kv_block_size(g));
       const auto start =
           static_cast<size_t>(hit_starts_[h * static_cast<size_t>(num_groups()) + g]);
-      const Status shared = pools_[g].AddRef(std::span(hit_blocks_).subspan(at, n - start));
+      const size_t on_device = n - start - (g == 0 ? static_cast<size_t>(hits_[h].promoted) : 0);
+      const std::span<const BlockId> blocks = std::span(hit_blocks_).subspan(at, on_device);
+      const Status shared = share ? pools_[g].AddRef(blocks) : pools_[g].Release(blocks);
       BLOCKKV_CHECK(shared.ok(), "Schedule: a prefix hit found a block that is not cached");
       at += n - start;
     }
   }
+}
+
+Status StateManager::PromoteHits(std::span<const BlockId> blocks) {
+  size_t next = 0;
+  for (size_t i = 0; i < hit_index_.size(); ++i) {
+    if (hit_index_[i] < 0) continue;
+    const PrefixHit& hit = hits_[static_cast<size_t>(hit_index_[i])];
+    if (hit.promoted == 0) continue;
+    const auto count = static_cast<size_t>(hit.promoted);
+    const std::span<const BlockId> into = blocks.subspan(next, count);
+    BLOCKKV_RETURN_IF_ERROR(
+        host_prefix_->Promote(0, std::span(promote_entries_).subspan(hit.promote_first, count),
+                              into, keys_[slot_scratch_[i]].priority));
+    // One group, no window: the hit's blocks are table entries [0, n), the promoted ones last.
+    const auto n = static_cast<size_t>(hit.tokens / kv_block_size(0));
+    std::copy(into.begin(), into.end(),
+              hit_blocks_.begin() + static_cast<std::ptrdiff_t>(hit.first + n - count));
+    next += count;
+  }
+  return Status::Ok();
 }
 
 void StateManager::PublishFullBlocks(Sequence& seq) {
@@ -278,7 +322,18 @@ CacheEventBatch StateManager::DrainCacheEvents() {
   return prefix_ != nullptr ? prefix_->DrainEvents() : CacheEventBatch{};
 }
 
-int64_t StateManager::ResetPrefixCache() { return prefix_ != nullptr ? prefix_->Reset() : 0; }
+int64_t StateManager::ResetPrefixCache() {
+  if (prefix_ == nullptr) return 0;
+  return prefix_->Reset() + (host_prefix_ != nullptr ? host_prefix_->Clear() : 0);
+}
+
+void StateManager::UndoSchedule() {
+  for (size_t g = 0; g < scratch_.size(); ++g) {
+    const Status released = pools_[g].Release(scratch_[g]);
+    BLOCKKV_CHECK(released.ok(), "Schedule: giving back blocks it took");
+  }
+  ShareHitBlocks(/*share=*/false);
+}
 
 Status StateManager::CheckKeys(const Sequence& seq) const {
   if (prefix_ == nullptr) return Status::Ok();

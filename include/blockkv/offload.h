@@ -170,6 +170,16 @@ class OffloadStore {
   // kFailedPrecondition without a disk tier, kResourceExhausted when it is too full, kNotFound
   // for a stale handle; nothing changes on failure.
   Result<OffloadTicket> Spill(std::span<const OffloadHandle> handles);
+  // Synchronous copies on the calling thread, for the prefix cache's host level: device block
+  // `block` of `group` (which stays the caller's) into a new host handle; and a host handle's
+  // bytes into device block `block` of its group (the handle stays). Neither may touch a block
+  // with a copy in flight (REQUIRES: !busy). kOutOfRange (bad group or id), kResourceExhausted
+  // (no free host slot), kNotFound (a stale handle), kFailedPrecondition (a handle not on the
+  // host); a device error is kInternal and changes nothing.
+  Result<OffloadHandle> CopyToHost(int group, BlockId block);
+  Status CopyToDevice(OffloadHandle handle, BlockId block);
+  // (These two and Drop do not reap finished copies unless they wait for a handle's, so they
+  // may be called while the owner is inside Take: from an eviction listener.)
   // Forgets handles without restoring them (a cancelled request): their slots become free, a
   // kept device block goes back to its owner. kNotFound for a stale handle (nothing dropped).
   Status Drop(std::span<const OffloadHandle> handles);

@@ -47,6 +47,7 @@ namespace blockkv {
 class RaggedBatch;
 namespace internal {
 class BlockSize;
+class PrefixHostTier;
 class SnapshotCodec;
 class UidMap;
 }  // namespace internal
@@ -315,6 +316,16 @@ class StateManager {
   Result<OffloadTicket> ResumeSequence(SeqId uid);
   // nullptr when offload is off.
   const OffloadStore* offload_store() const { return offload_.get(); }
+  // With offload and prefix caching both on (one cache group without a sliding window), cached
+  // blocks evicted from the device are demoted to the host tier (write-back) and promoted back
+  // on a hit. Zeros without that level.
+  struct HostPrefixStats {
+    int64_t entries = 0;   // blocks held on the host now
+    int64_t demoted = 0;   // evicted blocks copied to the host
+    int64_t promoted = 0;  // host blocks copied back for a hit
+    int64_t dropped = 0;   // host blocks dropped for room or by ResetPrefixCache
+  };
+  HostPrefixStats host_prefix_stats() const;
 
   // One layer's cache, as BlockedKVCache::GetCache.
   Result<TensorView> GetCache(int64_t cache_id, int group = 0) const;
@@ -389,6 +400,10 @@ class StateManager {
     int64_t in_flight = 0;  // tokens then scheduled
     size_t first = 0;       // its blocks in hit_blocks_, group after group; group g's are
                             // table entries [hit_starts_[hit·groups + g], tokens / bs(g))
+    // The last `promoted` of group 0's blocks come from the host level: kNoBlock in
+    // hit_blocks_ until Schedule promotes them; their entries at promote_entries_[promote_first].
+    int32_t promoted = 0;
+    size_t promote_first = 0;
   };
   int64_t SlidingWindow(int group) const;  // 0: full attention
   // The first block a windowed group needs for a hit of `blocks` blocks (0 without a window).
@@ -399,8 +414,13 @@ class StateManager {
   const PrefixHit* LookupPrefix(size_t i, const Sequence* seq, int64_t length) const;
   void EnablePrefixCache();  // from the constructor
   // One reference to every block of this call's hits, before Schedule takes new blocks (which
-  // may evict evictable ones).
-  void ShareHitBlocks();
+  // may evict evictable ones); or, with share = false, drops them again (UndoSchedule).
+  void ShareHitBlocks(bool share);
+  // Gives back what Schedule took (scratch_) and shared: a failed promotion.
+  void UndoSchedule();
+  // Copies this call's host-level hits into `blocks` (fresh, taken by Schedule) and indexes
+  // them; on a device error nothing is indexed and the error is returned.
+  Status PromoteHits(std::span<const BlockId> blocks);
   // Puts the hit of the i-th uid (shared already) in the sequence's tables and moves it to the
   // hit's end.
   void TakePrefix(size_t i, Sequence& seq);
@@ -440,6 +460,11 @@ class StateManager {
   std::unique_ptr<OffloadStore> offload_;  // when offload is on
   std::unique_ptr<Parked[]> parked_;       // [max_tracked_sequences] when offload is on
   int32_t resuming_ = 0;                   // sequences whose resume copy is not yet settled
+  // The prefix cache's host level (prefix_host_tier.h): with offload and prefix caching, one
+  // cache group, no window. Destroyed before the store.
+  std::unique_ptr<internal::PrefixHostTier> host_prefix_;
+  mutable std::vector<int32_t> promote_entries_;  // this call's host-level hits
+  mutable int32_t promoted_ = 0;  // blocks of group 0 they need (Check counts them)
 
   // Scratch reused across calls so a step allocates nothing once warm.
   std::vector<std::vector<BlockId>> scratch_;  // per group: blocks taken in one Schedule

@@ -3,10 +3,12 @@
 // manager's invariants hold throughout (the offload store itself is tested in offload_test.cc).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -292,6 +294,139 @@ TEST_F(PreemptTest, DiskFullKeepsTheDeviceBlocks) {
   EXPECT_EQ(mgr_->free_blocks()[0], 14);  // the device blocks were kept
   ASSERT_TRUE(mgr_->ResumeSequence(1)->Wait().ok());
   ExpectContents(1, before);
+  ExpectInvariants();
+}
+
+// ---- the prefix cache's host level ----------------------------------------------------------
+
+class HostPrefixTest : public PreemptTest {
+ protected:
+  void MakeCached(int32_t num_blocks, int32_t host_blocks) {
+    StateManagerConfig config = Config(num_blocks, {.host_blocks = host_blocks});
+    config.prefix_cache.enabled = true;
+    auto mgr = StateManager::Create(config, {Group(2)}, CpuDevice(64 << 20));
+    ASSERT_TRUE(mgr.ok()) << mgr.status();
+    mgr_ = std::move(*mgr);
+  }
+  static uint8_t Byte(std::span<const TokenId> tokens, int64_t layer, size_t i) {
+    uint32_t h = static_cast<uint32_t>(layer) * 2654435761u + static_cast<uint32_t>(i);
+    for (const TokenId t : tokens) h = h * 31 + static_cast<uint32_t>(t);
+    return static_cast<uint8_t>(h ^ (h >> 13));
+  }
+  // What a model would write for the block holding `tokens`: a function of them alone.
+  std::vector<uint8_t> Expected(std::span<const TokenId> tokens) const {
+    std::vector<uint8_t> out;
+    for (int64_t layer = 0; layer < 2; ++layer) {
+      const TensorView view = *mgr_->GetCache(layer, 0);
+      const size_t bytes = static_cast<size_t>(view.stride(0)) * ElementSize(view.dtype);
+      for (size_t i = 0; i < bytes; ++i) out.push_back(Byte(tokens, layer, i));
+    }
+    return out;
+  }
+  void Write(BlockId b, std::span<const TokenId> tokens) {
+    const std::vector<uint8_t> bytes = Expected(tokens);
+    size_t at = 0;
+    for (int64_t layer = 0; layer < 2; ++layer) {
+      const TensorView view = *mgr_->GetCache(layer, 0);
+      const size_t n = static_cast<size_t>(view.stride(0)) * ElementSize(view.dtype);
+      std::memcpy(static_cast<uint8_t*>(view.data) + static_cast<size_t>(b) * n, &bytes[at], n);
+      at += n;
+    }
+  }
+  // Adds `uid` with `prompt`, runs its whole prompt (writing every block it computes), and
+  // returns the tokens taken from the cache.
+  int64_t Prefill(SeqId uid, const std::vector<TokenId>& prompt, std::string ns = "") {
+    EXPECT_TRUE(mgr_->AddSequence(uid, prompt, {.keys = {.ns = std::move(ns)}}).ok());
+    const SeqId uids[] = {uid};
+    const int64_t lengths[] = {static_cast<int64_t>(prompt.size())};
+    const Status s = mgr_->Schedule(uids, lengths);
+    EXPECT_TRUE(s.ok()) << s;
+    const Sequence* seq = mgr_->GetSequence(uid);
+    const int64_t cached = seq->seen_tokens();
+    const std::span<const BlockId> table = seq->block_table(0);
+    for (size_t b = static_cast<size_t>(cached / kBlockSize); b < table.size(); ++b) {
+      const size_t end = std::min(prompt.size(), (b + 1) * kBlockSize);
+      if (end == (b + 1) * kBlockSize) {
+        Write(table[b], std::span(prompt).subspan(b * kBlockSize, kBlockSize));
+      }
+    }
+    EXPECT_TRUE(mgr_->PostForward(uids).ok());
+    return cached;
+  }
+  void ExpectPrefixData(SeqId uid, const std::vector<TokenId>& prompt, size_t blocks) {
+    const std::span<const BlockId> table = mgr_->GetSequence(uid)->block_table(0);
+    for (size_t b = 0; b < blocks; ++b) {
+      EXPECT_EQ(Bytes(0, table[b]), Expected(std::span(prompt).subspan(b * kBlockSize, kBlockSize)))
+          << "block " << b;
+    }
+  }
+  static std::vector<TokenId> Prompt(TokenId first, size_t n) {
+    std::vector<TokenId> p(n);
+    for (size_t i = 0; i < n; ++i) p[i] = first + static_cast<TokenId>(i);
+    return p;
+  }
+};
+
+TEST_F(HostPrefixTest, EvictedBlocksAreDemotedAndPromotedOnAHit) {
+  MakeCached(/*num_blocks=*/8, /*host_blocks=*/16);
+  const std::vector<TokenId> a = Prompt(100, 17);  // 4 full blocks
+  EXPECT_EQ(Prefill(1, a), 0);
+  ASSERT_TRUE(mgr_->FlushSequence(1).ok());   // its 4 blocks stay cached, evictable
+  EXPECT_EQ(Prefill(2, Prompt(500, 32)), 0);  // takes all 8 blocks: A's are evicted
+  EXPECT_EQ(mgr_->host_prefix_stats().demoted, 4);
+  EXPECT_EQ(mgr_->host_prefix_stats().entries, 4);
+  ExpectInvariants();
+  ASSERT_TRUE(mgr_->FlushSequence(2).ok());
+
+  // A's prompt again: nothing on the device, all four blocks on the host.
+  EXPECT_EQ(Prefill(3, a), 16);
+  EXPECT_EQ(mgr_->GetSequence(3)->cached_prefix_tokens(), 16);
+  EXPECT_EQ(mgr_->host_prefix_stats().promoted, 4);
+  ExpectPrefixData(3, a, 4);
+  ExpectInvariants();
+  // Promoted blocks are cached on the device again: a fourth copy hits them there.
+  const int64_t promoted = mgr_->host_prefix_stats().promoted;
+  EXPECT_EQ(Prefill(4, a), 16);
+  EXPECT_EQ(mgr_->host_prefix_stats().promoted, promoted);
+  ExpectPrefixData(4, a, 4);
+  ExpectInvariants();
+}
+
+TEST_F(HostPrefixTest, HostHitsAreExact) {
+  MakeCached(8, 16);
+  const std::vector<TokenId> a = Prompt(100, 17);
+  Prefill(1, a);
+  ASSERT_TRUE(mgr_->FlushSequence(1).ok());
+  Prefill(2, Prompt(500, 32));  // evicts (demotes) A's blocks
+  ASSERT_TRUE(mgr_->FlushSequence(2).ok());
+  std::vector<TokenId> b = a;
+  b[9] = 7;                     // block 2 differs
+  EXPECT_EQ(Prefill(3, b), 8);  // blocks 0 and 1 only
+  ExpectPrefixData(3, b, 2);
+  ASSERT_TRUE(mgr_->FlushSequence(3).ok());
+  EXPECT_EQ(Prefill(4, a, "tenant-b"), 0);  // another namespace never shares
+  ExpectInvariants();
+}
+
+TEST_F(HostPrefixTest, PreemptionDropsHostBlocksForRoomAndResetClearsThem) {
+  MakeCached(8, /*host_blocks=*/4);
+  Prefill(1, Prompt(100, 17));  // 5 blocks; flushed: 4 cached, 1 free
+  ASSERT_TRUE(mgr_->FlushSequence(1).ok());
+  Prefill(2, Prompt(500, 12));  // 3 of the 4 free blocks
+  Prefill(3, Prompt(900, 12));  // the last free one and 2 of A's, evicted: demoted
+  EXPECT_EQ(mgr_->host_prefix_stats().demoted, 2);
+  EXPECT_EQ(mgr_->offload_store()->free_host_blocks(0), 2);
+  // Preempting 3 blocks needs 3 host slots: the least recently used host entry makes room.
+  ASSERT_TRUE(mgr_->PreemptSequence(3)->Wait().ok());
+  EXPECT_EQ(mgr_->host_prefix_stats().dropped, 1);
+  EXPECT_EQ(mgr_->host_prefix_stats().entries, 1);
+  ExpectInvariants();
+  ASSERT_TRUE(mgr_->ResumeSequence(3)->Wait().ok());
+  ExpectInvariants();
+  mgr_->ResetPrefixCache();
+  const StateManager::HostPrefixStats stats = mgr_->host_prefix_stats();
+  EXPECT_EQ(stats.entries, 0);
+  EXPECT_EQ(stats.dropped, stats.demoted - stats.promoted);  // every entry went one way
   ExpectInvariants();
 }
 
