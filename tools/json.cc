@@ -239,7 +239,7 @@ class Parser {
       if (!Consume(":")) return Error("expected ':'");
       JsonValue value;
       BLOCKKV_RETURN_IF_ERROR(Value(&value, depth + 1));
-      out->object.emplace_back(std::move(key), std::move(value));
+      out->object.push_back({std::move(key), std::move(value)});
       SkipSpace();
       if (Consume("}")) return Status::Ok();
       if (!Consume(",")) return Error("expected ',' or '}'");

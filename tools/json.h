@@ -23,7 +23,6 @@
 #include <fstream>
 #include <string>
 #include <string_view>
-#include <utility>
 #include <vector>
 
 #include "blockkv/status.h"
@@ -61,6 +60,8 @@ class JsonWriter {
 // `text` with JSON string escapes, without the quotes.
 std::string JsonEscape(std::string_view text);
 
+struct JsonMember;
+
 // A parsed JSON value. Objects keep their members in file order (duplicates are an error).
 struct JsonValue {
   enum class Type { kNull, kBool, kNumber, kString, kArray, kObject };
@@ -69,12 +70,17 @@ struct JsonValue {
   double number = 0;
   std::string string;
   std::vector<JsonValue> array;
-  std::vector<std::pair<std::string, JsonValue>> object;
+  std::vector<JsonMember> object;
 
   // The member `key` of an object, or nullptr (also for a value that is not an object).
   const JsonValue* Find(std::string_view key) const;
   // "null", "boolean", "number", "string", "array", "object": for messages.
   std::string_view TypeName() const;
+};
+
+struct JsonMember {
+  std::string key;
+  JsonValue value;
 };
 
 // Parses one JSON document (surrounding whitespace allowed). kInvalidArgument says what was

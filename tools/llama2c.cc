@@ -61,7 +61,7 @@ Result<Model> Model::LoadLlama2c(const std::string& path) {
   if (!in) return NotFoundError("cannot open " + path + ": " + std::strerror(errno));
   const std::streamoff size = in.tellg();
   in.seekg(0);
-  constexpr int64_t kHeaderBytes = 7 * 4;
+  constexpr int64_t kHeaderBytes = int64_t{7} * 4;
   if (size < kHeaderBytes) {
     return InvalidArgumentError(path + ": " + std::to_string(size) +
                                 " bytes, shorter than the 28-byte llama2.c header");

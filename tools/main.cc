@@ -132,7 +132,7 @@ std::string Usage(const Command& c) {
   std::string text = "usage: blockkv " + std::string(c.usage) + "\n" + c.summary + "\n\nflags:\n";
   for (const FlagSpec& f : c.flags) {
     std::string left = "  --" + std::string(f.name);
-    if (f.value != nullptr) left += " " + std::string(f.value);
+    if (f.value != nullptr) left.append(" ").append(f.value);
     left.resize(std::max<size_t>(left.size() + 2, 26), ' ');
     text += left + f.help + "\n";
   }

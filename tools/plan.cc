@@ -56,7 +56,8 @@ const ModelShape* FindModelPreset(std::string_view name) {
 Result<int64_t> ParseCount(std::string_view text) {
   if (text.empty() || text.size() > 18 ||
       !std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-    return InvalidArgumentError("'" + std::string(text) + "' is not a non-negative integer");
+    return InvalidArgumentError(
+        std::string(1, '\'').append(text).append("' is not a non-negative integer"));
   }
   int64_t value = 0;
   for (const char c : text) value = value * 10 + (c - '0');

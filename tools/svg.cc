@@ -25,6 +25,9 @@ std::string XmlEscape(std::string_view text) {
   std::string out;
   for (const char c : text) {
     switch (c) {
+      case '\'':
+        out += "&apos;";
+        break;
       case '<':
         out += "&lt;";
         break;
@@ -56,29 +59,28 @@ std::string PlotSvg(std::span<const StepSample> samples, std::string_view title)
     return kTop + (1 - std::clamp(fraction, 0.0, 1.0)) * plot_h;
   };
   std::string svg =
-      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"800\" height=\"360\" "
-      "viewBox=\"0 0 800 360\" font-family=\"sans-serif\" font-size=\"12\">\n"
-      "<rect width=\"800\" height=\"360\" fill=\"white\"/>\n";
-  svg += "<text x=\"400\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">" + XmlEscape(title) +
-         "</text>\n";
+      "<svg xmlns='http://www.w3.org/2000/svg' width='800' height='360' "
+      "viewBox='0 0 800 360' font-family='sans-serif' font-size='12'>\n"
+      "<rect width='800' height='360' fill='white'/>\n";
+  svg +=
+      "<text x='400' y='22' text-anchor='middle' font-size='14'>" + XmlEscape(title) + "</text>\n";
   // Grid and axes: 0-100 % on the left, steps below.
   for (int i = 0; i <= 4; ++i) {
     const double y = y_of(i / 4.0);
-    svg += "<line x1=\"" + Fixed(kLeft) + "\" y1=\"" + Fixed(y) + "\" x2=\"" +
-           Fixed(kLeft + plot_w) + "\" y2=\"" + Fixed(y) + "\" stroke=\"#ddd\"/>\n";
-    svg += "<text x=\"" + Fixed(kLeft - 6) + "\" y=\"" + Fixed(y + 4) + "\" text-anchor=\"end\">" +
+    svg += "<line x1='" + Fixed(kLeft) + "' y1='" + Fixed(y) + "' x2='" + Fixed(kLeft + plot_w) +
+           "' y2='" + Fixed(y) + "' stroke='#ddd'/>\n";
+    svg += "<text x='" + Fixed(kLeft - 6) + "' y='" + Fixed(y + 4) + "' text-anchor='end'>" +
            std::to_string(25 * i) + "%</text>\n";
   }
   for (int i = 0; i <= 5; ++i) {
     const double step = first + span * i / 5;
-    svg += "<text x=\"" + Fixed(x_of(step)) + "\" y=\"" + Fixed(kTop + plot_h + 18) +
-           "\" text-anchor=\"middle\">" + std::to_string(static_cast<long long>(step)) +
-           "</text>\n";
+    svg += "<text x='" + Fixed(x_of(step)) + "' y='" + Fixed(kTop + plot_h + 18) +
+           "' text-anchor='middle'>" + std::to_string(static_cast<long long>(step)) + "</text>\n";
   }
-  svg += "<text x=\"" + Fixed(kLeft + plot_w / 2) + "\" y=\"" + Fixed(kHeight - 10) +
-         "\" text-anchor=\"middle\">step</text>\n";
-  svg += "<rect x=\"" + Fixed(kLeft) + "\" y=\"" + Fixed(kTop) + "\" width=\"" + Fixed(plot_w) +
-         "\" height=\"" + Fixed(plot_h) + "\" fill=\"none\" stroke=\"#444\"/>\n";
+  svg += "<text x='" + Fixed(kLeft + plot_w / 2) + "' y='" + Fixed(kHeight - 10) +
+         "' text-anchor='middle'>step</text>\n";
+  svg += "<rect x='" + Fixed(kLeft) + "' y='" + Fixed(kTop) + "' width='" + Fixed(plot_w) +
+         "' height='" + Fixed(plot_h) + "' fill='none' stroke='#444'/>\n";
   // The two series, thinned to at most kMaxPoints points by stride.
   const size_t stride = std::max<size_t>(1, (samples.size() + kMaxPoints - 1) / kMaxPoints);
   const auto polyline = [&](const char* color, double StepSample::*field) {
@@ -91,17 +93,17 @@ std::string PlotSvg(std::span<const StepSample> samples, std::string_view title)
       points += Fixed(x_of(static_cast<double>(samples.back().step))) + "," +
                 Fixed(y_of(samples.back().*field));
     }
-    return "<polyline fill=\"none\" stroke=\"" + std::string(color) +
-           "\" stroke-width=\"1.5\" points=\"" + points + "\"/>\n";
+    return "<polyline fill='none' stroke='" + std::string(color) + "' stroke-width='1.5' points='" +
+           points + "'/>\n";
   };
   svg += polyline("#1f77b4", &StepSample::occupancy);
   svg += polyline("#ff7f0e", &StepSample::hit_rate);
   // Legend.
   svg +=
-      "<line x1=\"80\" y1=\"52\" x2=\"100\" y2=\"52\" stroke=\"#1f77b4\" stroke-width=\"2\"/>"
-      "<text x=\"105\" y=\"56\">cache occupancy (blocks held by sequences)</text>\n"
-      "<line x1=\"80\" y1=\"68\" x2=\"100\" y2=\"68\" stroke=\"#ff7f0e\" stroke-width=\"2\"/>"
-      "<text x=\"105\" y=\"72\">prefix-cache hit rate (cumulative)</text>\n";
+      "<line x1='80' y1='52' x2='100' y2='52' stroke='#1f77b4' stroke-width='2'/>"
+      "<text x='105' y='56'>cache occupancy (blocks held by sequences)</text>\n"
+      "<line x1='80' y1='68' x2='100' y2='68' stroke='#ff7f0e' stroke-width='2'/>"
+      "<text x='105' y='72'>prefix-cache hit rate (cumulative)</text>\n";
   svg += "</svg>\n";
   return svg;
 }

@@ -75,8 +75,8 @@ class LineReader {
     if (prompt != nullptr) {
       for (const char* other : {"prompt_len", "prefix_group", "prefix_len"}) {
         if (value_.Find(other) != nullptr) {
-          return InvalidArgumentError("\"prompt\" and \"" + std::string(other) +
-                                      "\" cannot both be given");
+          return InvalidArgumentError(R"("prompt" and ")" + std::string(other) +
+                                      R"(" cannot both be given)");
         }
       }
       return ReadTokens(*prompt, &request->prompt);
@@ -99,7 +99,7 @@ class LineReader {
                                     " is longer than \"prompt_len\" " + std::to_string(length));
       }
     } else if (value_.Find("prefix_len") != nullptr) {
-      return InvalidArgumentError("\"prefix_len\" needs \"prefix_group\"");
+      return InvalidArgumentError(R"("prefix_len" needs "prefix_group")");
     }
     request->prompt = MakePrompt(length, shared, group ^ kGroupSalt, own_stream_);
     return Status::Ok();
@@ -116,8 +116,8 @@ class LineReader {
     }
     if (v->type != JsonValue::Type::kNumber || v->number != std::floor(v->number) ||
         v->number < static_cast<double>(min) || v->number > 1e15) {
-      return InvalidArgumentError("\"" + std::string(name) +
-                                  "\" must be an integer >= " + std::to_string(min));
+      return InvalidArgumentError(std::string(1, '"').append(name).append(
+          "\" must be an integer >= " + std::to_string(min)));
     }
     return static_cast<int64_t>(v->number);
   }

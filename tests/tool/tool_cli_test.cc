@@ -37,7 +37,7 @@ std::string WriteTemp(const std::string& name, const std::string& text) {
 
 #define EXPECT_RUN(args, expected_code, expected_text)                              \
   do {                                                                              \
-    const ToolRun run_ = Blockkv(args);                                                 \
+    const ToolRun run_ = Blockkv(args);                                             \
     EXPECT_EQ(run_.code, expected_code) << (args) << "\n" << run_.output;           \
     EXPECT_NE(run_.output.find(expected_text), std::string::npos) << (args) << "\n" \
                                                                   << run_.output;   \

@@ -96,7 +96,8 @@ class Llama2cReference {
       MatMul(v, xb.data(), wv_ + size_t(l) * dim_ * kv_dim, dim_, kv_dim);
       for (int i = 0; i < dim_; i += 2) {  // run.c's RoPE: interleaved pairs
         const int head_dim = i % hs;
-        const float freq = 1.0f / powf(10000.0f, static_cast<float>(head_dim) / static_cast<float>(hs));
+        const float freq =
+            1.0f / powf(10000.0f, static_cast<float>(head_dim) / static_cast<float>(hs));
         const float val = static_cast<float>(pos) * freq, fcr = cosf(val), fci = sinf(val);
         for (int vi = 0; vi < (i < kv_dim ? 2 : 1); ++vi) {
           float* vec = vi == 0 ? q.data() : k;
