@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # Builds blockkv (Release) and runs the main job:
-#  1. examples/quickstart plans a KV cache for Llama-3-8B on a 2 GiB host budget, creates it, and
-#     reserves, writes and frees blocks for three sequences. Extra arguments go to it
-#     (e.g. --budget-mib 4096 --block-size 32).
-#  2. examples/engine_loop drives 40 requests through the state manager and the ragged batch as a
-#     continuous-batching engine would (chunked prefill, decode, fork, sliding window, flush).
+#  1. `blockkv demo`: a tiny Llama-style model (random weights from a fixed seed) generates for 16
+#     requests sharing 4 system prompts through the library's real path — state manager, prefix
+#     cache, chunked prefill, AppendKV, PagedAttention, preemption to the host tier — and checks
+#     its greedy tokens against the same model over a dense cache; it exits 1 if they differ.
+#     Extra arguments go to it (e.g. --requests 32 --blocks 64, --model model.bin; docs/tool.md).
+#  2. examples/quickstart (plan, create, write and free a Llama-3-8B cache on a 2 GiB budget) and
+#     examples/engine_loop (40 requests through the state manager, bookkeeping only): the API by
+#     example, a second each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
 cmake --preset default >/dev/null
-cmake --build --preset default --target quickstart engine_loop
-build/default/examples/quickstart "$@"
+cmake --build --preset default --target blockkv_cli quickstart engine_loop
+build/default/tools/blockkv demo "$@"
+echo
+build/default/examples/quickstart
 echo
 build/default/examples/engine_loop
