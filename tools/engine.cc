@@ -133,6 +133,11 @@ Status Engine::Run(std::span<const EngineRequest> requests, StepRunner& runner,
       continue;
     }
     BLOCKKV_RETURN_IF_ERROR(PlanStep(&entries));
+    if (entries.empty()) {  // a bug in the loop, not in the input: never spin
+      return InternalError("engine: nothing could be scheduled at step " +
+                           std::to_string(stats_.clock) + " with " +
+                           std::to_string(waiting_.size()) + " requests waiting");
+    }
     BLOCKKV_RETURN_IF_ERROR(ScheduleStep(&entries));
     BLOCKKV_RETURN_IF_ERROR(RunStep(entries, runner));
     RecordStep();
@@ -163,15 +168,14 @@ Status Engine::PlanStep(std::vector<Entry>* entries) {
          manager_->n_tracked_sequences() < manager_->config().max_tracked_sequences) {
     Live& next = *waiting_.front();
     int64_t n = std::min<int64_t>(std::ssize(next.tokens), budget);
-    if (!running_.empty()) {
-      const int64_t room =
-          (static_cast<int64_t>(manager_->free_blocks()[0]) - watermark_blocks_) * bs;
-      if (room < std::min<int64_t>(n, bs)) {
-        ++stats_.deferred_steps;
-        break;
-      }
-      n = std::min(n, room);
+    // With nothing running the reserve is not needed, and the first chunk only has to fit.
+    const int32_t reserve = running_.empty() ? 0 : watermark_blocks_;
+    const int64_t room = (static_cast<int64_t>(manager_->free_blocks()[0]) - reserve) * bs;
+    if (room < std::min<int64_t>(n, bs)) {
+      ++stats_.deferred_steps;
+      break;
     }
+    n = std::min(n, room);
     BLOCKKV_RETURN_IF_ERROR(manager_->AddSequence(next.uid, next.tokens).status());
     entries->push_back({&next, n, true});
     uids_.clear();
