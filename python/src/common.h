@@ -98,7 +98,8 @@ py::array_t<T> ToNumpy(const std::vector<T>& values) {
 void BindErrors(py::module_& m);        // errors.cc: ResourceExhaustedError
 void BindTensor(py::module_& m);        // tensor.cc: Tensor (DLPack), _split_kv
 void BindConfig(py::module_& m);        // config.cc: KVCacheConfig, PrefixCacheConfig, ...
-void BindKVCache(py::module_& m);       // kv_cache.cc: Device, BlockedAllocator, BlockedKVCache
+void BindKVCache(py::module_& m);       // kv_cache.cc: Device, BlockedAllocator, BlockedKVCache,
+                                        // OffloadTicket
 void BindStateManager(py::module_& m);  // state_manager.cc (+ prefix_cache.cc)
 void BindRaggedBatch(py::module_& m);   // ragged_batch.cc: RaggedBatchWrapper
 void BindKernels(py::module_& m);       // kernels.cc: append_kv, paged_attention

@@ -1,8 +1,8 @@
 // KVCacheConfig, MemoryConfig, AllocationMode and StateManagerConfig with DeepSpeed's field names
-// and defaults, and PrefixCacheConfig (StateManagerConfig.prefix_cache; DeepSpeed has none). Like
-// DeepSpeed's pydantic models (validate_assignment), every construction and every field assignment
-// is validated: an invalid value raises ValueError and leaves the config as it was. Arguments are
-// keyword-only, as a pydantic model's are.
+// and defaults, and PrefixCacheConfig and OffloadConfig (StateManagerConfig.prefix_cache and
+// .offload_config; DeepSpeed has neither). Like DeepSpeed's pydantic models (validate_assignment),
+// every construction and every field assignment is validated: an invalid value raises ValueError
+// and leaves the config as it was. Arguments are keyword-only, as a pydantic model's are.
 #include <Python.h>
 #include <pybind11/stl.h>
 
@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "blockkv/config.h"
+#include "blockkv/offload.h"
 #include "blockkv/prefix_cache.h"
 #include "blockkv/state_manager.h"
 #include "common.h"
@@ -139,6 +140,29 @@ bool operator==(const PrefixCacheConfig& a, const PrefixCacheConfig& b) {
          a.sliding_windows == b.sliding_windows && a.hash_function == b.hash_function;
 }
 
+std::string Repr(const OffloadConfig& c) {
+  std::string out = "OffloadConfig(host_blocks=" + std::to_string(c.host_blocks) +
+                    ", host_bytes=" + std::to_string(c.host_bytes);
+  if (!c.disk_path.empty()) {
+    out += ", disk_path=" + std::string(py::repr(py::str(c.disk_path))) +
+           ", disk_blocks=" + std::to_string(c.disk_blocks) +
+           ", disk_bytes=" + std::to_string(c.disk_bytes);
+  }
+  return out + ")";
+}
+
+// The C++ default (no tiers) is what offload_config=None stands for.
+bool IsDefault(const OffloadConfig& c) {
+  return c.host_bytes == 0 && c.host_blocks == 0 && c.disk_path.empty() && c.disk_bytes == 0 &&
+         c.disk_blocks == 0;
+}
+
+bool operator==(const OffloadConfig& a, const OffloadConfig& b) {
+  return a.host_bytes == b.host_bytes && a.host_blocks == b.host_blocks &&
+         a.disk_path == b.disk_path && a.disk_bytes == b.disk_bytes &&
+         a.disk_blocks == b.disk_blocks;
+}
+
 std::string Repr(const StateManagerConfig& c) {
   return "StateManagerConfig(max_tracked_sequences=" + std::to_string(c.max_tracked_sequences) +
          ", max_ragged_batch_size=" + std::to_string(c.max_ragged_batch_size) +
@@ -146,6 +170,7 @@ std::string Repr(const StateManagerConfig& c) {
          ", max_context=" + std::to_string(c.max_context) +
          ", memory_config=" + Repr(c.memory_config) +
          ", offload=" + (c.offload ? "True" : "False") +
+         ", offload_config=" + (IsDefault(c.offload_config) ? "None" : Repr(c.offload_config)) +
          ", prefix_cache=" + (IsDefault(c.prefix_cache) ? "None" : Repr(c.prefix_cache)) + ")";
 }
 
@@ -248,6 +273,88 @@ void BindPrefixCacheConfig(py::module_& m) {
       .def("__eq__", [](const P& a, const P& b) { return a == b; })
       .def("__repr__", py::overload_cast<const P&>(&Repr));
   AddValueMethods(cls, &PrefixState, &PrefixFromState);
+}
+
+py::tuple OffloadState(const OffloadConfig& c) {
+  return py::make_tuple(c.host_blocks, c.host_bytes, c.disk_path, c.disk_blocks, c.disk_bytes);
+}
+
+OffloadConfig OffloadFromState(const py::tuple& state) {
+  OffloadConfig c;
+  c.host_blocks = state[0].cast<int32_t>();
+  c.host_bytes = state[1].cast<int64_t>();
+  c.disk_path = state[2].cast<std::string>();
+  c.disk_blocks = state[3].cast<int32_t>();
+  c.disk_bytes = state[4].cast<int64_t>();
+  return c;
+}
+
+// disk_path: str, bytes or os.PathLike; None is no disk tier.
+std::string ToDiskPath(py::handle obj) {
+  if (obj.is_none()) return {};
+  return py::module_::import("os").attr("fsdecode")(obj).cast<std::string>();
+}
+
+void BindOffloadConfig(py::module_& m) {
+  using O = OffloadConfig;
+  py::class_<O> cls(m, "OffloadConfig",
+                    "The host (and optionally disk) tier of a StateManager's offload store "
+                    "(StateManagerConfig(offload=True, offload_config=...)); see docs/offload.md. "
+                    "The host tier needs host_blocks or host_bytes: it is allocated up front "
+                    "(pinned on a GPU), so it has no default size.");
+  cls.def(py::init([](int64_t host_blocks, int64_t host_bytes, py::handle disk_path,
+                      int64_t disk_blocks, int64_t disk_bytes) {
+            O c;
+            c.host_blocks = ToInt32(host_blocks, "host_blocks");
+            c.host_bytes = host_bytes;
+            c.disk_path = ToDiskPath(disk_path);
+            c.disk_blocks = ToInt32(disk_blocks, "disk_blocks");
+            c.disk_bytes = disk_bytes;
+            ThrowIfError(c.Validate());
+            return c;
+          }),
+          py::kw_only(), py::arg("host_blocks") = 0, py::arg("host_bytes") = 0,
+          py::arg("disk_path") = py::none(), py::arg("disk_blocks") = 0, py::arg("disk_bytes") = 0)
+      .def_property(
+          "host_blocks", [](const O& c) { return c.host_blocks; },
+          Int32Setter(&O::host_blocks, "host_blocks"),
+          "Host tier slots per cache group; 0: as many as host_bytes holds")
+      .def_property(
+          "host_bytes", [](const O& c) { return c.host_bytes; },
+          [](O& c, int64_t v) { SetValidated(c, [&](O& copy) { copy.host_bytes = v; }); },
+          "Host tier bytes, a block of every cache group counted together (used when "
+          "host_blocks is 0)")
+      .def_property(
+          "disk_path",
+          [](const O& c) -> py::object {
+            if (c.disk_path.empty()) return py::none();
+            return py::str(c.disk_path);
+          },
+          [](O& c, py::handle v) {
+            std::string path = ToDiskPath(v);
+            SetValidated(c, [&](O& copy) { copy.disk_path = std::move(path); });
+          },
+          "The disk tier's file (created and truncated; removed when the store goes), or None")
+      .def_property(
+          "disk_blocks", [](const O& c) { return c.disk_blocks; },
+          Int32Setter(&O::disk_blocks, "disk_blocks"),
+          "Disk tier slots per cache group; 0: as many as disk_bytes holds")
+      .def_property(
+          "disk_bytes", [](const O& c) { return c.disk_bytes; },
+          [](O& c, int64_t v) { SetValidated(c, [&](O& copy) { copy.disk_bytes = v; }); })
+      .def("__eq__", [](const O& a, const O& b) { return a == b; })
+      .def("__repr__", py::overload_cast<const O&>(&Repr));
+  AddValueMethods(cls, &OffloadState, &OffloadFromState);
+}
+
+// StateManagerConfig.offload_config: None (no tiers) or an OffloadConfig.
+OffloadConfig ToOffloadConfig(py::handle obj) {
+  if (obj.is_none()) return {};
+  if (!py::isinstance<OffloadConfig>(obj)) {
+    Throw(PyExc_TypeError, "offload_config must be None or a blockkv.OffloadConfig, got " +
+                               std::string(py::str(py::type::of(obj).attr("__name__"))));
+  }
+  return obj.cast<OffloadConfig>();
 }
 
 // StateManagerConfig.prefix_cache: None (off) or a PrefixCacheConfig.
@@ -381,7 +488,7 @@ void BindStateManagerConfig(py::module_& m) {
   cls.def(py::init([](int64_t max_tracked_sequences, int64_t max_ragged_batch_size,
                       int64_t max_ragged_sequence_count, int64_t max_context,
                       const py::object& memory_config, bool offload,
-                      const py::object& prefix_cache) {
+                      const py::object& offload_config, const py::object& prefix_cache) {
             C c;
             c.max_tracked_sequences = ToInt32(max_tracked_sequences, "max_tracked_sequences");
             c.max_ragged_batch_size = ToInt32(max_ragged_batch_size, "max_ragged_batch_size");
@@ -390,6 +497,7 @@ void BindStateManagerConfig(py::module_& m) {
             c.max_context = max_context;
             if (!memory_config.is_none()) c.memory_config = memory_config.cast<MemoryConfig>();
             c.offload = offload;
+            c.offload_config = ToOffloadConfig(offload_config);
             c.prefix_cache = ToPrefixCache(prefix_cache);
             ThrowIfError(c.Validate());
             return c;
@@ -397,7 +505,8 @@ void BindStateManagerConfig(py::module_& m) {
           py::kw_only(), py::arg("max_tracked_sequences") = 2048,
           py::arg("max_ragged_batch_size") = 768, py::arg("max_ragged_sequence_count") = 512,
           py::arg("max_context") = 8192, py::arg("memory_config") = py::none(),
-          py::arg("offload") = false, py::arg("prefix_cache") = py::none())
+          py::arg("offload") = false, py::arg("offload_config") = py::none(),
+          py::arg("prefix_cache") = py::none())
       .def_property(
           "max_tracked_sequences", [](const C& c) { return c.max_tracked_sequences; },
           Int32Setter(&C::max_tracked_sequences, "max_tracked_sequences"))
@@ -418,7 +527,22 @@ void BindStateManagerConfig(py::module_& m) {
                     }))
       .def_property(
           "offload", [](const C& c) { return c.offload; },
-          [](C& c, bool v) { SetValidated(c, [&](C& copy) { copy.offload = v; }); })
+          [](C& c, bool v) { SetValidated(c, [&](C& copy) { copy.offload = v; }); },
+          "A host (and optionally disk) tier for preempt_sequence / resume_sequence, sized by "
+          "offload_config (DeepSpeed's flag, which did nothing there)")
+      .def_property(
+          "offload_config",
+          [](const py::object& self) -> py::object {
+            C& c = self.cast<C&>();
+            if (IsDefault(c.offload_config)) return py::none();
+            return py::cast(&c.offload_config, py::return_value_policy::reference_internal, self);
+          },
+          [](C& c, py::handle v) {
+            const OffloadConfig offload = ToOffloadConfig(v);
+            SetValidated(c, [&](C& copy) { copy.offload_config = offload; });
+          },
+          "None (no tiers, the default) or the OffloadConfig, a view of this config's own (as "
+          "memory_config is); StateManager needs one when offload is True")
       .def_property(
           "prefix_cache",
           [](const py::object& self) -> py::object {
@@ -440,7 +564,7 @@ void BindStateManagerConfig(py::module_& m) {
                     a.max_context == b.max_context &&
                     a.memory_config.mode == b.memory_config.mode &&
                     a.memory_config.size == b.memory_config.size && a.offload == b.offload &&
-                    a.prefix_cache == b.prefix_cache;
+                    a.offload_config == b.offload_config && a.prefix_cache == b.prefix_cache;
            })
       .def("__repr__", py::overload_cast<const C&>(&Repr));
   AddValueMethods(
@@ -448,7 +572,8 @@ void BindStateManagerConfig(py::module_& m) {
       [](const C& c) {
         return py::make_tuple(c.max_tracked_sequences, c.max_ragged_batch_size,
                               c.max_ragged_sequence_count, c.max_context,
-                              MemoryState(c.memory_config), c.offload, PrefixState(c.prefix_cache));
+                              MemoryState(c.memory_config), c.offload, PrefixState(c.prefix_cache),
+                              OffloadState(c.offload_config));
       },
       [](const py::tuple& state) {
         C c;
@@ -460,6 +585,8 @@ void BindStateManagerConfig(py::module_& m) {
         c.offload = state[5].cast<bool>();
         // Pickles made before prefix caching was bound have six fields.
         if (state.size() > 6) c.prefix_cache = PrefixFromState(state[6].cast<py::tuple>());
+        // ... and seven before offload_config was.
+        if (state.size() > 7) c.offload_config = OffloadFromState(state[7].cast<py::tuple>());
         return c;
       });
 }
@@ -470,6 +597,7 @@ void BindConfig(py::module_& m) {
   BindKVCacheConfig(m);
   BindMemoryConfig(m);
   BindPrefixCacheConfig(m);
+  BindOffloadConfig(m);
   BindStateManagerConfig(m);
 }
 

@@ -1,6 +1,8 @@
-// Device, BlockedAllocator, BlockedKVCache and split_kv's helpers: DeepSpeed's BlockedAllocator
-// and BlockedKVCache with the same names, argument names and defaults. Block ids come back as
-// int32 NumPy arrays and are accepted as an int, a list, a NumPy array or a torch tensor.
+// Device, BlockedAllocator, BlockedKVCache and OffloadTicket: DeepSpeed's BlockedAllocator and
+// BlockedKVCache with the same names, argument names and defaults, and the offload / restore that
+// DeepSpeed leaves unimplemented (an OffloadStore over the cache, with offload=True). Block ids
+// come back as int32 NumPy arrays and are accepted as an int, a list, a NumPy array or a torch
+// tensor; offload handles are int64 (offload_ticket.h).
 #include "blockkv/kv_cache.h"
 
 #include <Python.h>
@@ -12,7 +14,9 @@
 
 #include "blockkv/block_allocator.h"
 #include "blockkv/config.h"
+#include "blockkv/offload.h"
 #include "common.h"
+#include "offload_ticket.h"
 #include "tensor.h"
 
 namespace blockkv::python {
@@ -75,98 +79,310 @@ void BindAllocator(py::module_& m) {
            [](const BlockedAllocator& a) { ThrowIfError(a.CheckInvariants()); });
 }
 
+// BlockedKVCache.offload / restore: the store, and the cache it reads and writes, which must
+// outlive it (declared first: destroyed last). Tickets hold this, so a ticket keeps its store.
+struct OffloadState {
+  std::shared_ptr<BlockedKVCache> cache;
+  std::unique_ptr<OffloadStore> store;
+};
+
+// The Python BlockedKVCache: the cache (what views from get_cache keep alive) and, with
+// offload=True, its offload state.
+struct PyCache {
+  std::shared_ptr<BlockedKVCache> cache;
+  std::shared_ptr<OffloadState> offload;  // nullptr with offload=False
+
+  OffloadStore& Store() const {
+    if (offload == nullptr) {
+      Throw(PyExc_RuntimeError,
+            "offload is off for this BlockedKVCache: create it with offload=True and "
+            "host_blocks= or host_bytes= to offload and restore blocks");
+    }
+    return *offload->store;
+  }
+};
+
+Tier ToTier(py::handle obj) {
+  if (!py::isinstance<py::str>(obj)) {
+    Throw(PyExc_TypeError, "tier must be \"host\" or \"disk\", got " +
+                               std::string(py::str(py::type::of(obj).attr("__name__"))));
+  }
+  const auto name = obj.cast<std::string>();
+  if (name == "host") return Tier::kHost;
+  if (name == "disk") return Tier::kDisk;
+  Throw(PyExc_ValueError, "tier must be \"host\" or \"disk\", got " + std::string(py::repr(obj)));
+}
+
+// A path: str, bytes or os.PathLike; None is no disk tier.
+std::string ToPath(py::handle obj) {
+  if (obj.is_none()) return {};
+  py::object path = py::module_::import("os").attr("fsdecode")(obj);
+  return path.cast<std::string>();
+}
+
+// The offload keywords of BlockedKVCache, checked against `offload`.
+struct OffloadArgs {
+  bool offload = false;
+  int64_t host_blocks = 0;
+  int64_t host_bytes = 0;
+  std::string disk_path;
+  int64_t disk_blocks = 0;
+  int64_t disk_bytes = 0;
+
+  OffloadConfig ToConfig() const {
+    if (!offload) {
+      if (host_blocks != 0 || host_bytes != 0 || !disk_path.empty() || disk_blocks != 0 ||
+          disk_bytes != 0) {
+        Throw(PyExc_ValueError,
+              "host_blocks, host_bytes, disk_path, disk_blocks and disk_bytes size the offload "
+              "store: pass offload=True with them");
+      }
+      return {};
+    }
+    // No default size: the host tier is allocated up front (pinned on a GPU), so any default
+    // would either take host memory nobody asked for or be too small to preempt anything.
+    if (host_blocks == 0 && host_bytes == 0) {
+      Throw(PyExc_ValueError,
+            "offload=True needs the host tier's size: host_blocks=N (blocks of every cache "
+            "group) or host_bytes=N");
+    }
+    OffloadConfig config;
+    config.host_blocks = ToInt32(host_blocks, "host_blocks");
+    config.host_bytes = host_bytes;
+    config.disk_path = disk_path;
+    config.disk_blocks = ToInt32(disk_blocks, "disk_blocks");
+    config.disk_bytes = disk_bytes;
+    ThrowIfError(config.Validate());
+    return config;
+  }
+};
+
+std::shared_ptr<PyCache> CreateCache(py::handle configs, const MemoryConfig& memory_config,
+                                     py::handle mp_group, const OffloadArgs& args,
+                                     py::handle device) {
+  RequireNoGroup(mp_group, "mp_group");
+  const OffloadConfig offload_config = args.ToConfig();
+  std::vector<KVCacheConfig> cache_configs = ToConfigs(configs);
+  std::shared_ptr<Device> dev = ToDevice(device);
+  Result<std::unique_ptr<BlockedKVCache>> cache = InternalError("not created");
+  Result<std::unique_ptr<OffloadStore>> store = InternalError("not created");
+  {
+    py::gil_scoped_release release;
+    cache = BlockedKVCache::Create(std::move(cache_configs), memory_config, std::move(dev));
+    if (cache.ok() && args.offload) store = OffloadStore::Create(cache->get(), offload_config);
+  }
+  auto out = std::make_shared<PyCache>();
+  out->cache = std::shared_ptr<BlockedKVCache>(ValueOrThrow(std::move(cache)));
+  if (args.offload) {
+    out->offload = std::make_shared<OffloadState>();
+    out->offload->cache = out->cache;
+    out->offload->store = ValueOrThrow(std::move(store));
+  }
+  return out;
+}
+
+void BindTicket(py::module_& m) {
+  py::class_<Ticket>(m, "OffloadTicket",
+                     "The completion of an offload, restore or spill (and of preempt_sequence / "
+                     "resume_sequence). Keeps its store alive.")
+      .def(
+          "wait", [](Ticket& t) { CallWithoutGil([&] { return t.ticket.Wait(); }); },
+          "Blocks until the copies are done (the GIL released). Raises their first failure, the "
+          "same on every call: ResourceExhaustedError (the disk full), RuntimeError (an I/O or "
+          "device error, a corrupt disk slot); returns None when they succeeded.")
+      .def(
+          "poll", [](Ticket& t) { return t.ticket.Poll(); },
+          "True when the copies are done (never raises; wait() then returns at once).")
+      .def("__repr__", [](const Ticket&) { return std::string("<blockkv.OffloadTicket>"); });
+}
+
 void BindBlockedKVCache(py::module_& m) {
   using Cache = BlockedKVCache;
-  py::class_<Cache, std::shared_ptr<Cache>>(
+  py::class_<PyCache, std::shared_ptr<PyCache>>(
       m, "BlockedKVCache",
       "The storage of a paged KV cache and one allocator per cache group (DeepSpeed's "
-      "BlockedKVCache). Views from get_cache keep it alive.")
+      "BlockedKVCache), with offload=True a host (and optionally disk) tier to offload blocks "
+      "to. Views from get_cache keep it alive.")
       .def(py::init([](py::handle configs, const MemoryConfig& memory_config, py::handle mp_group,
-                       bool offload, py::handle device) {
-             if (offload) {
-               Throw(PyExc_NotImplementedError, "Offloading of KV-caches is not yet supported.");
-             }
-             RequireNoGroup(mp_group, "mp_group");
-             std::vector<KVCacheConfig> cache_configs = ToConfigs(configs);
-             std::shared_ptr<Device> dev = ToDevice(device);
-             Result<std::unique_ptr<Cache>> cache = InternalError("not created");
-             {
-               py::gil_scoped_release release;
-               cache = Cache::Create(std::move(cache_configs), memory_config, std::move(dev));
-             }
-             return std::shared_ptr<Cache>(ValueOrThrow(std::move(cache)));
+                       bool offload, py::handle device, int64_t host_blocks, int64_t host_bytes,
+                       py::handle disk_path, int64_t disk_blocks, int64_t disk_bytes) {
+             OffloadArgs args{offload,           host_blocks, host_bytes,
+                              ToPath(disk_path), disk_blocks, disk_bytes};
+             return CreateCache(configs, memory_config, mp_group, args, device);
            }),
            py::arg("configs"), py::arg("memory_config"), py::arg("mp_group") = py::none(),
-           py::arg("offload") = false, py::arg("device") = py::none())
+           py::arg("offload") = false, py::arg("device") = py::none(), py::kw_only(),
+           py::arg("host_blocks") = 0, py::arg("host_bytes") = 0, py::arg("disk_path") = py::none(),
+           py::arg("disk_blocks") = 0, py::arg("disk_bytes") = 0)
       .def(
           "reserve",
-          [](Cache& c, int64_t num_blocks, int cache_group) {
-            return ToNumpy(ValueOrThrow(c.Reserve(ToInt32(num_blocks, "num_blocks"), cache_group)));
+          [](PyCache& c, int64_t num_blocks, int cache_group) {
+            return ToNumpy(
+                ValueOrThrow(c.cache->Reserve(ToInt32(num_blocks, "num_blocks"), cache_group)));
           },
           py::arg("num_blocks"), py::arg("cache_group") = 0,
           "`num_blocks` free blocks of the group, as an int32 NumPy array.")
       .def(
           "free",
-          [](Cache& c, py::handle blocks, int cache_group) {
-            ThrowIfError(c.Free(ToBlockIds(blocks), cache_group));
+          [](PyCache& c, py::handle blocks, int cache_group) {
+            ThrowIfError(c.cache->Free(ToBlockIds(blocks), cache_group));
           },
           py::arg("blocks"), py::arg("cache_group") = 0)
       .def(
           "copy_blocks",
-          [](Cache& c, py::handle src, py::handle dst, int cache_group) {
+          [](PyCache& c, py::handle src, py::handle dst, int cache_group) {
             const std::vector<BlockId> from = ToBlockIds(src);
             const std::vector<BlockId> to = ToBlockIds(dst);
-            CallWithoutGil([&] { return c.CopyBlocks(from, to, cache_group); });
+            CallWithoutGil([&] { return c.cache->CopyBlocks(from, to, cache_group); });
           },
           py::arg("src"), py::arg("dst"), py::arg("cache_group") = 0,
           "Copies block src[i] to dst[i] in every layer of the group.")
       .def(
           "get_cache",
-          [](const std::shared_ptr<Cache>& c, int64_t cache_id, int cache_group) {
-            return MakeTensor(ValueOrThrow(c->GetCache(cache_id, cache_group)), c);
+          [](const PyCache& c, int64_t cache_id, int cache_group) {
+            return MakeTensor(ValueOrThrow(c.cache->GetCache(cache_id, cache_group)), c.cache);
           },
           py::arg("cache_id"), py::arg("cache_group") = 0,
           "Layer `cache_id` of the group: a blockkv.Tensor [num_blocks, block_size, 2, "
           "num_kv_heads, head_size] to pass to torch.from_dlpack / numpy.from_dlpack.")
       .def(
           "get_group_storage",
-          [](const std::shared_ptr<Cache>& c, int cache_group) {
-            return MakeTensor(ValueOrThrow(c->GetGroupStorage(cache_group)), c);
+          [](const PyCache& c, int cache_group) {
+            return MakeTensor(ValueOrThrow(c.cache->GetGroupStorage(cache_group)), c.cache);
           },
           py::arg("cache_group") = 0,
           "The whole group: [num_caches, num_blocks, block_size, 2, num_kv_heads, head_size].")
       .def(
           "offload",
-          [](Cache&, py::handle, int) {
-            Throw(PyExc_NotImplementedError, "Offloading is not yet supported.");
+          [](const PyCache& c, py::handle blocks, int cache_group, py::handle tier) {
+            OffloadStore& store = c.Store();
+            const std::vector<BlockId> ids = ToBlockIds(blocks);
+            const Tier to = ToTier(tier);
+            std::vector<OffloadHandle> handles(ids.size());
+            Result<OffloadTicket> ticket =
+                ResultWithoutGil([&] { return store.Offload(ids, cache_group, handles, to); });
+            return py::make_tuple(HandlesToNumpy(handles),
+                                  MakeTicket(ValueOrThrow(std::move(ticket)), c.offload));
           },
-          py::arg("blocks"), py::arg("cache_group") = 0)
+          py::arg("blocks"), py::arg("cache_group") = 0, py::arg("tier") = "host",
+          "Copies `blocks` of the group to the host (or disk) tier: (handles, ticket), handles an "
+          "int64 NumPy array, one per block. The blocks are the store's from now on and go back "
+          "to the free list once the copy is done. All or nothing: ValueError (a bad group or id, "
+          "a repeated id, tier=\"disk\" without a disk tier), ResourceExhaustedError (too few "
+          "free slots in the tier).")
       .def(
           "restore",
-          [](Cache&, py::handle, int) {
-            Throw(PyExc_NotImplementedError, "Offloading is not yet supported.");
+          [](const PyCache& c, py::handle handles, int cache_group) {
+            OffloadStore& store = c.Store();
+            CheckStoreGroup(store, cache_group);  // -1 would be the store's kAnyGroup
+            const std::vector<OffloadHandle> from = ToHandles(handles);
+            std::vector<BlockId> blocks(from.size());
+            Result<OffloadTicket> ticket =
+                ResultWithoutGil([&] { return store.Restore(from, cache_group, blocks); });
+            return py::make_tuple(ToNumpy(blocks),
+                                  MakeTicket(ValueOrThrow(std::move(ticket)), c.offload));
           },
-          py::arg("blocks"), py::arg("cache_group") = 0)
-      .def_property_readonly("free_blocks", &Cache::free_blocks, "A list: one entry per group.")
-      .def_property_readonly("num_caches", &Cache::num_groups,
-                             "The number of cache groups (DeepSpeed's meaning).")
-      .def_property_readonly("num_blocks", &Cache::num_blocks, "Blocks in every group.")
-      .def_property_readonly("bytes_per_block",
-                             [](const Cache& c) { return c.plan().bytes_per_block; })
-      .def_property_readonly("total_bytes", [](const Cache& c) { return c.plan().total_bytes; })
-      .def_property_readonly("device", &Cache::device)
+          py::arg("handles"), py::arg("cache_group") = 0,
+          "New blocks of the group for `handles`, copied from wherever each is: (blocks, ticket), "
+          "blocks an int32 NumPy array. They hold their contents once ticket.wait() returns; the "
+          "handles are released then. All or nothing: ValueError (a stale or unknown handle, one "
+          "of another group, a repeated one), ResourceExhaustedError (too few free blocks).")
       .def(
-          "config",
-          [](const Cache& c, int cache_group) {
-            if (cache_group < 0 || cache_group >= c.num_groups()) {
-              Throw(PyExc_ValueError, "cache group " + std::to_string(cache_group) +
-                                          " is outside [0, " + std::to_string(c.num_groups()) +
-                                          ")");
-            }
-            return c.config(cache_group);
+          "spill",
+          [](const PyCache& c, py::handle handles) {
+            OffloadStore& store = c.Store();
+            const std::vector<OffloadHandle> from = ToHandles(handles);
+            Result<OffloadTicket> ticket = ResultWithoutGil([&] { return store.Spill(from); });
+            return MakeTicket(ValueOrThrow(std::move(ticket)), c.offload);
+          },
+          py::arg("handles"),
+          "Moves host handles to the disk tier, unchanged (others stay where they are): a ticket. "
+          "ValueError without a disk tier or for a stale handle, ResourceExhaustedError when the "
+          "disk tier is too full.")
+      .def(
+          "drop",
+          [](const PyCache& c, py::handle handles) {
+            OffloadStore& store = c.Store();
+            const std::vector<OffloadHandle> from = ToHandles(handles);
+            CallWithoutGil([&] { return store.Drop(from); });
+          },
+          py::arg("handles"),
+          "Forgets handles without restoring them; ValueError (nothing dropped) for a stale one.")
+      .def(
+          "handle_tier",
+          [](const PyCache& c, int64_t handle) {
+            return std::string(TierName(ValueOrThrow(c.Store().tier(UnpackHandle(handle)))));
+          },
+          py::arg("handle"),
+          "Where a handle's bytes are: \"host\", \"disk\", or \"device\" (its offload failed and "
+          "kept the device block). ValueError for a stale handle.")
+      .def(
+          "free_host_blocks",
+          [](const PyCache& c, int cache_group) {
+            const OffloadStore& store = c.Store();
+            CheckStoreGroup(store, cache_group);
+            return store.free_host_blocks(cache_group);
           },
           py::arg("cache_group") = 0)
-      .def("check_invariants", [](const Cache& c) { ThrowIfError(c.CheckInvariants()); });
+      .def(
+          "free_disk_blocks",
+          [](const PyCache& c, int cache_group) {
+            const OffloadStore& store = c.Store();
+            CheckStoreGroup(store, cache_group);
+            return store.free_disk_blocks(cache_group);
+          },
+          py::arg("cache_group") = 0)
+      .def_property_readonly(
+          "host_blocks", [](const PyCache& c) { return c.Store().host_blocks(); },
+          "Host tier slots per cache group")
+      .def_property_readonly(
+          "disk_blocks", [](const PyCache& c) { return c.Store().disk_blocks(); },
+          "Disk tier slots per cache group (0 without a disk tier)")
+      .def(
+          "offload_stats", [](const PyCache& c) { return StatsDict(c.Store()); },
+          "A dict: offloaded_blocks, restored_blocks, spilled_blocks, failed_copies, "
+          "bytes_written, bytes_read, live_handles")
+      .def_property_readonly(
+          "offload_enabled", [](const PyCache& c) { return c.offload != nullptr; },
+          "Whether the cache was created with offload=True")
+      .def(
+          "wait_all",
+          [](const PyCache& c) {
+            OffloadStore& store = c.Store();
+            py::gil_scoped_release release;
+            store.WaitAll();
+          },
+          "Waits for every copy submitted so far (the GIL released) and applies their effects.")
+      .def_property_readonly(
+          "free_blocks", [](const PyCache& c) { return c.cache->free_blocks(); },
+          "A list: one entry per group.")
+      .def_property_readonly(
+          "num_caches", [](const PyCache& c) { return c.cache->num_groups(); },
+          "The number of cache groups (DeepSpeed's meaning).")
+      .def_property_readonly(
+          "num_blocks", [](const PyCache& c) { return c.cache->num_blocks(); },
+          "Blocks in every group.")
+      .def_property_readonly("bytes_per_block",
+                             [](const PyCache& c) { return c.cache->plan().bytes_per_block; })
+      .def_property_readonly("total_bytes",
+                             [](const PyCache& c) { return c.cache->plan().total_bytes; })
+      .def_property_readonly("device", [](const PyCache& c) { return c.cache->device(); })
+      .def(
+          "config",
+          [](const PyCache& c, int cache_group) {
+            const Cache& cache = *c.cache;
+            if (cache_group < 0 || cache_group >= cache.num_groups()) {
+              Throw(PyExc_ValueError, "cache group " + std::to_string(cache_group) +
+                                          " is outside [0, " + std::to_string(cache.num_groups()) +
+                                          ")");
+            }
+            return cache.config(cache_group);
+          },
+          py::arg("cache_group") = 0)
+      .def("check_invariants", [](const PyCache& c) {
+        ThrowIfError(c.cache->CheckInvariants());
+        if (c.offload != nullptr) ThrowIfError(c.offload->store->CheckInvariants());
+      });
 }
 
 }  // namespace
@@ -174,6 +390,7 @@ void BindBlockedKVCache(py::module_& m) {
 void BindKVCache(py::module_& m) {
   BindDevice(m);
   BindAllocator(m);
+  BindTicket(m);
   BindBlockedKVCache(m);
 }
 

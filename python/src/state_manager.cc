@@ -1,16 +1,18 @@
-// StateManager (DeepSpeed's DSStateManager plus the engine's scheduling queries), its sequence
-// descriptors and SchedulingResult / SchedulingError.
+// StateManager (DeepSpeed's DSStateManager plus the engine's scheduling queries, and preemption
+// through the offload tiers), its sequence descriptors and SchedulingResult / SchedulingError.
 #include "blockkv/state_manager.h"
 
 #include <Python.h>
 #include <pybind11/stl.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "batch_wrapper.h"
 #include "common.h"
+#include "offload_ticket.h"
 #include "sequence.h"
 #include "tensor.h"
 
@@ -62,6 +64,10 @@ void BindSequence(py::module_& m) {
           "cached_prefix_tokens",
           [](const SequenceHandle& h) { return h.Get().cached_prefix_tokens(); },
           "Tokens its first schedule took from the prefix cache (0 without a hit)")
+      .def_property_readonly(
+          "preempted", [](const SequenceHandle& h) { return h.Get().preempted(); },
+          "True between preempt_sequence and resume_sequence: its blocks are in the offload "
+          "tiers and its table entries are -1")
       .def_property_readonly(
           "max_context", [](const SequenceHandle& h) { return h.manager->config().max_context; })
       .def_property_readonly(
@@ -142,14 +148,18 @@ void BindSequence(py::module_& m) {
         return "<blockkv.SequenceDescriptor uid=" + std::to_string(h.uid) +
                " seen_tokens=" + std::to_string(seq->seen_tokens()) +
                " in_flight_tokens=" + std::to_string(seq->in_flight_tokens()) +
-               " cur_allocated_blocks=" + std::to_string(seq->cur_allocated_blocks(0)) + ">";
+               " cur_allocated_blocks=" + std::to_string(seq->cur_allocated_blocks(0)) +
+               (seq->preempted() ? " preempted" : "") + ">";
       });
 }
 
 Manager Create(const StateManagerConfig& config, py::handle kv_configs, py::handle base_mp_group,
                py::handle device) {
-  if (config.offload) {
-    Throw(PyExc_NotImplementedError, "Offloading of KV-caches is not yet supported.");
+  if (config.offload && config.offload_config.host_blocks == 0 &&
+      config.offload_config.host_bytes == 0) {
+    Throw(PyExc_ValueError,
+          "StateManagerConfig.offload is True but offload_config sizes no host tier: pass "
+          "offload_config=blockkv.OffloadConfig(host_blocks=N) (or host_bytes=N)");
   }
   RequireNoGroup(base_mp_group, "base_mp_group");
   std::vector<KVCacheConfig> configs = ToConfigs(kv_configs);
@@ -160,6 +170,25 @@ Manager Create(const StateManagerConfig& config, py::handle kv_configs, py::hand
     manager = StateManager::Create(config, std::move(configs), std::move(dev));
   }
   return {ValueOrThrow(std::move(manager))};
+}
+
+// The manager's offload store; RuntimeError when offload is off (as BlockedKVCache.offload).
+const OffloadStore& Store(const StateManager& manager) {
+  const OffloadStore* store = manager.offload_store();
+  if (store == nullptr) {
+    Throw(PyExc_RuntimeError,
+          "offload is off for this StateManager: create it with StateManagerConfig(offload=True, "
+          "offload_config=blockkv.OffloadConfig(host_blocks=N))");
+  }
+  return *store;
+}
+
+// PreemptSequence / ResumeSequence, the GIL released (they may wait for a resume in flight).
+template <class Call>
+py::object OffloadCall(const Manager& self, Call call) {
+  Store(*self);
+  Result<OffloadTicket> ticket = ResultWithoutGil([&] { return call(*self); });
+  return MakeTicket(ValueOrThrow(std::move(ticket)), self);
 }
 
 void BindManager(py::module_& m) {
@@ -187,7 +216,12 @@ void BindManager(py::module_& m) {
       .def(
           "flush_sequence",
           [](StateManager& self, SeqId uid) {
-            Status status = self.FlushSequence(uid);
+            Status status;
+            {
+              std::optional<py::gil_scoped_release> release;  // it may wait for a resume copy
+              if (self.offload_store() != nullptr) release.emplace();
+              status = self.FlushSequence(uid);
+            }
             if (status.code() == StatusCode::kNotFound) {  // DeepSpeed only warns
               const std::string message =
                   "Attempting to flush sequence " + std::to_string(uid) + " which does not exist.";
@@ -226,7 +260,13 @@ void BindManager(py::module_& m) {
             const std::vector<SeqId> u = ToInt64Vector(uids, "uids");
             const std::vector<int64_t> l = ToInt64Vector(lengths, "lengths");
             SchedulingResult result = SchedulingResult::kSuccess;
-            Status status = self.Schedule(u, l, &result);
+            Status status;
+            {
+              // With offload on, Schedule waits for the resume copies of the uids it names.
+              std::optional<py::gil_scoped_release> release;
+              if (self.offload_store() != nullptr) release.emplace();
+              status = self.Schedule(u, l, &result);
+            }
             if (status.ok()) return;
             if (result != SchedulingResult::kSuccess) {
               ThrowSchedulingError(result, status.message());
@@ -258,8 +298,14 @@ void BindManager(py::module_& m) {
       .def(
           "free_leading_blocks",
           [](StateManager& self, SeqId uid, int64_t num_blocks, int cache_group) {
-            ThrowIfError(
-                self.FreeLeadingBlocks(uid, ToInt32(num_blocks, "num_blocks"), cache_group));
+            const int32_t n = ToInt32(num_blocks, "num_blocks");
+            Status status;
+            {
+              std::optional<py::gil_scoped_release> release;  // it may wait for a resume copy
+              if (self.offload_store() != nullptr) release.emplace();
+              status = self.FreeLeadingBlocks(uid, n, cache_group);
+            }
+            ThrowIfError(status);
           },
           py::arg("uid"), py::arg("num_blocks"), py::arg("cache_group") = 0)
       .def(
@@ -290,6 +336,64 @@ void BindManager(py::module_& m) {
             return self.max_blocks_per_sequence(cache_group);
           },
           py::arg("cache_group") = 0)
+      .def(
+          "preempt_sequence",
+          [](const Manager& self, SeqId uid) {
+            return OffloadCall(self, [uid](StateManager& sm) { return sm.PreemptSequence(uid); });
+          },
+          py::arg("uid"),
+          "Moves the blocks `uid` holds to the host tier (the disk tier for a group whose host "
+          "tier is full): an OffloadTicket; its device blocks are free once the copy is done. "
+          "It keeps its slot, seen_tokens and tokens; its table entries become -1 and it cannot "
+          "be scheduled, forked or partially freed until resumed. ValueError (unknown uid, tokens "
+          "in flight, already preempted), ResourceExhaustedError (the tiers are too full: "
+          "nothing changed), RuntimeError when offload is off.")
+      .def(
+          "resume_sequence",
+          [](const Manager& self, SeqId uid) {
+            return OffloadCall(self, [uid](StateManager& sm) { return sm.ResumeSequence(uid); });
+          },
+          py::arg("uid"),
+          "Brings a preempted sequence back into new blocks, its table rewritten: an "
+          "OffloadTicket. The next schedule (or fork, free_leading_blocks, flush_sequence) naming "
+          "it waits for the copy, and raises the copy's error if it failed (the sequence is then "
+          "preempted again). ValueError (unknown uid, not preempted), ResourceExhaustedError "
+          "(too few free blocks: nothing changed), RuntimeError when offload is off.")
+      .def(
+          "offload_stats", [](const StateManager& self) { return StatsDict(Store(self)); },
+          "A dict of the offload store's counters: offloaded_blocks, restored_blocks, "
+          "spilled_blocks, failed_copies, bytes_written, bytes_read, live_handles. RuntimeError "
+          "when offload is off.")
+      .def(
+          "free_host_blocks",
+          [](const StateManager& self, int cache_group) {
+            const OffloadStore& store = Store(self);
+            CheckStoreGroup(store, cache_group);
+            return store.free_host_blocks(cache_group);
+          },
+          py::arg("cache_group") = 0, "Free host tier slots of the group")
+      .def(
+          "free_disk_blocks",
+          [](const StateManager& self, int cache_group) {
+            const OffloadStore& store = Store(self);
+            CheckStoreGroup(store, cache_group);
+            return store.free_disk_blocks(cache_group);
+          },
+          py::arg("cache_group") = 0, "Free disk tier slots of the group (0 without one)")
+      .def(
+          "host_prefix_stats",
+          [](const StateManager& self) {
+            const StateManager::HostPrefixStats s = self.host_prefix_stats();
+            py::dict d;
+            d["entries"] = s.entries;
+            d["demoted"] = s.demoted;
+            d["promoted"] = s.promoted;
+            d["dropped"] = s.dropped;
+            return d;
+          },
+          "The prefix cache's host level (offload and prefix caching both on, one cache group "
+          "without a sliding window): a dict of entries (blocks on the host now), demoted, "
+          "promoted, dropped. Zeros without that level.")
       .def_property_readonly("config", [](const StateManager& self) { return self.config(); })
       .def("check_invariants",
            [](const StateManager& self) { ThrowIfError(self.CheckInvariants()); });

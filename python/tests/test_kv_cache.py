@@ -1,5 +1,5 @@
 """BlockedKVCache: construction in both modes, devices, per-group reserve/free, layer views, and
-what DeepSpeed leaves unimplemented."""
+what DeepSpeed leaves unimplemented (offload itself is in test_offload.py)."""
 
 import blockkv
 import numpy as np
@@ -120,17 +120,20 @@ def test_unknown_devices(device, error):
         blockkv.BlockedKVCache((kv_config(),), allocate(2), device=device)
 
 
-def test_offload_and_groups_are_not_implemented():
-    with pytest.raises(NotImplementedError):
+def test_offload_needs_a_host_tier_and_groups_are_not_implemented():
+    # DeepSpeed raises NotImplementedError for offload; blockkv implements it (test_offload.py)
+    # and needs the host tier's size, which has no default.
+    with pytest.raises(ValueError, match="host_blocks"):
         blockkv.BlockedKVCache((kv_config(),), allocate(2), offload=True, device="cpu")
     with pytest.raises(NotImplementedError):
         blockkv.BlockedKVCache((kv_config(),), allocate(2), mp_group=object(), device="cpu")
     cache = make_cache(num_blocks=2)
     blocks = cache.reserve(1)
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(RuntimeError, match="offload is off"):
         cache.offload(blocks)
-    with pytest.raises(NotImplementedError):
-        cache.restore(blocks)
+    with pytest.raises(RuntimeError, match="offload is off"):
+        cache.restore([0])
+    assert cache.free_blocks == [1]
 
 
 def test_copy_blocks_copies_every_layer():

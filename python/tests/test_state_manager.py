@@ -189,9 +189,15 @@ def test_unsupported_manager_options():
         blockkv.StateManager(config, (kv_config(num_allocation_groups=2),), device="cpu")
     with pytest.raises(TypeError):
         blockkv.StateManager(config, ("not a config",), device="cpu")
+    # Offload works (test_offload.py) once offload_config sizes the host tier; without it the
+    # flag is a ValueError naming offload_config, not DeepSpeed's NotImplementedError.
     config.offload = True
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(ValueError, match="offload_config"):
         blockkv.StateManager(config, (kv_config(),), device="cpu")
+    offload_config = getattr(blockkv, "OffloadConfig", None) or blockkv._blockkv.OffloadConfig
+    config.offload_config = offload_config(host_blocks=4)
+    manager = blockkv.StateManager(config, (kv_config(),), device="cpu")
+    assert manager.config.offload and manager.free_host_blocks() == 4
 
 
 def test_several_cache_groups():
