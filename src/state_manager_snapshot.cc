@@ -253,6 +253,7 @@ void SnapshotCodec::PlaceSequences(StateManager& m, const snapshot::Staged& s) {
     seq.in_flight_tokens_ = 0;
     seq.table_version_ = ++m.last_table_version_;
     seq.cached_prefix_tokens_ = staged.cached_prefix_tokens;
+    seq.preempted_ = false;  // a snapshot holds no preempted sequence
     for (int g = 0; g < m.num_groups(); ++g) {
       const std::vector<BlockId>& row = staged.rows[static_cast<size_t>(g)];
       Sequence::GroupState& state = seq.groups_[g];

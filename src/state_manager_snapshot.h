@@ -140,7 +140,7 @@ class Decoder {
     mark_ = at_;
     if (n > (payload_.size() - at_) / sizeof(T)) return Truncated(what);
     out->resize(static_cast<size_t>(n));
-    std::memcpy(out->data(), payload_.data() + at_, out->size() * sizeof(T));
+    if (n > 0) std::memcpy(out->data(), payload_.data() + at_, out->size() * sizeof(T));
     at_ += out->size() * sizeof(T);
     return Status::Ok();
   }
