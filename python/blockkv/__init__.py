@@ -14,7 +14,8 @@ against DeepSpeed ports by changing the import::
 
 Tensors cross as DLPack without a copy; block ids come back as int32 NumPy arrays. Beyond
 DeepSpeed: prefix caching (StateManagerConfig(prefix_cache=PrefixCacheConfig()),
-StateManager.add_sequence) and the kernels append_kv / paged_attention. See docs/python.md for
+StateManager.add_sequence), offload to host and disk tiers (BlockedKVCache(offload=True),
+StateManager.preempt_sequence / resume_sequence) and the kernels append_kv / paged_attention. See docs/python.md for
 the whole API, the error types and what differs from DeepSpeed.
 """
 
@@ -35,6 +36,8 @@ from ._blockkv import (
     Device,
     KVCacheConfig,
     MemoryConfig,
+    OffloadConfig,
+    OffloadTicket,
     PrefixCacheConfig,
     PrefixCacheStats,
     RaggedBatchWrapper,
@@ -67,6 +70,8 @@ __all__ = [
     "KVCacheConfig",
     "KVCacheType",
     "MemoryConfig",
+    "OffloadConfig",
+    "OffloadTicket",
     "PlaceholderSequenceDescriptor",
     "PrefixCacheConfig",
     "PrefixCacheStats",
@@ -87,8 +92,8 @@ __all__ = [
 
 # The classes print as blockkv.X, not blockkv._blockkv.X.
 for _cls in (AllCleared, AllocationMode, BlockedAllocator, BlockedKVCache, BlockRemoved,
-             BlockStored, CacheEventBatch, Device, KVCacheConfig, MemoryConfig, PrefixCacheConfig,
-             PrefixCacheStats, RaggedBatchWrapper, ResourceExhaustedError, SchedulingResult,
+             BlockStored, CacheEventBatch, Device, KVCacheConfig, MemoryConfig, OffloadConfig,
+             OffloadTicket, PrefixCacheConfig, PrefixCacheStats, RaggedBatchWrapper, ResourceExhaustedError, SchedulingResult,
              SequenceDescriptor, StateManager, StateManagerConfig, Tensor):
     _cls.__module__ = __name__
 del _cls

@@ -12,9 +12,8 @@ import pytest
 import torch
 from conftest import allocate, kv_config, requires_gpu
 
-# Exported by blockkv/__init__.py once it lists them; the extension module has them either way.
-OffloadConfig = getattr(blockkv, "OffloadConfig", None) or blockkv._blockkv.OffloadConfig
-OffloadTicket = getattr(blockkv, "OffloadTicket", None) or blockkv._blockkv.OffloadTicket
+OffloadConfig = blockkv.OffloadConfig
+OffloadTicket = blockkv.OffloadTicket
 
 
 def offload_cache(num_blocks=8, configs=None, device="cpu", **offload):

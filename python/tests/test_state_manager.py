@@ -194,7 +194,7 @@ def test_unsupported_manager_options():
     config.offload = True
     with pytest.raises(ValueError, match="offload_config"):
         blockkv.StateManager(config, (kv_config(),), device="cpu")
-    offload_config = getattr(blockkv, "OffloadConfig", None) or blockkv._blockkv.OffloadConfig
+    offload_config = blockkv.OffloadConfig
     config.offload_config = offload_config(host_blocks=4)
     manager = blockkv.StateManager(config, (kv_config(),), device="cpu")
     assert manager.config.offload and manager.free_host_blocks() == 4
