@@ -116,6 +116,7 @@ struct SimulateReport {
   std::string source;  // "trace.jsonl" or "generated (seed 1)", for the report
   EngineStats stats;
   double seconds = 0;
+  double cpu_seconds = 0;  // of the process, every thread: steadier than wall time under load
   std::vector<StepSample> samples;
 };
 Result<SimulateReport> Simulate(std::vector<EngineRequest> requests,
@@ -147,9 +148,11 @@ struct DemoOptions {
 };
 struct DemoReport {
   EngineStats stats;
-  std::string model;         // what ran
-  double paged_seconds = 0;  // the engine, state manager and kernels
-  double dense_seconds = 0;  // the same requests one by one on a dense cache
+  std::string model;             // what ran
+  double paged_seconds = 0;      // the engine, state manager and kernels
+  double dense_seconds = 0;      // the same requests one by one on a dense cache
+  double paged_cpu_seconds = 0;  // process CPU time (the kernels' threads included) of each run
+  double dense_cpu_seconds = 0;
   int64_t dense_tokens = 0;  // tokens the dense run computed
   int64_t generated = 0;     // greedy tokens per run
   int32_t host_blocks = 0;   // the host tier used

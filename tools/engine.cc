@@ -123,6 +123,7 @@ Status Engine::Run(std::span<const EngineRequest> requests, StepRunner& runner,
     for (; arrived < order.size() && requests[order[arrived]].arrival <= stats_.clock; ++arrived) {
       auto live = std::make_unique<Live>();
       live->index = order[arrived];
+      live->rank = arrived;
       live->uid = static_cast<SeqId>(order[arrived]);
       live->tokens = requests[order[arrived]].prompt;
       live->prompt_len = std::ssize(live->tokens);
@@ -191,7 +192,7 @@ Status Engine::PlanStep(std::vector<Entry>* entries) {
       ++stats_.deferred_steps;
       break;
     }
-    running_.push_back(std::move(waiting_.front()));
+    InsertByArrival(running_, std::move(waiting_.front()));
     waiting_.pop_front();
     budget -= n;
   }
@@ -215,8 +216,10 @@ Status Engine::ScheduleStep(std::vector<Entry>* entries) {
       Live* last = entries->back().live;
       entries->pop_back();
       BLOCKKV_RETURN_IF_ERROR(manager_->FlushSequence(last->uid));
-      waiting_.push_front(std::move(running_.back()));
-      running_.pop_back();
+      auto it = std::find_if(running_.begin(), running_.end(),
+                             [&](const std::unique_ptr<Live>& l) { return l.get() == last; });
+      waiting_.push_front(std::move(*it));
+      running_.erase(it);
       continue;
     }
     if (running_.size() <= 1) {
@@ -239,7 +242,7 @@ Status Engine::Preempt(Live* victim) {
       stats_.preempted_blocks += held;
       // Its device blocks come back to the pool once the copy is done.
       BLOCKKV_RETURN_IF_ERROR(ticket->Wait());
-      preempted_.push_back(std::move(*it));
+      InsertByArrival(preempted_, std::move(*it));
       running_.erase(it);
       ++stats_.preemptions;
       return Status::Ok();
@@ -257,13 +260,24 @@ Status Engine::Preempt(Live* victim) {
   return Status::Ok();
 }
 
+void Engine::InsertByArrival(std::vector<std::unique_ptr<Live>>& list, std::unique_ptr<Live> live) {
+  const auto at =
+      std::upper_bound(list.begin(), list.end(), live->rank,
+                       [](size_t rank, const std::unique_ptr<Live>& l) { return rank < l->rank; });
+  list.insert(at, std::move(live));
+}
+
 Status Engine::Resume() {
   const auto max_seqs = static_cast<size_t>(manager_->config().max_ragged_sequence_count);
   while (!preempted_.empty() && running_.size() < max_seqs) {
     Live& next = *preempted_.front();
     const Sequence& seq = *manager_->GetSequence(next.uid);
-    // Its blocks back, and one to grow into, with the reserve kept (unless nothing runs).
-    const int32_t needed = seq.cur_allocated_blocks() - seq.released_blocks() + 1;
+    // Its blocks back, one to grow into, and one for each running request — what the next
+    // block_size decode steps need — above the reserve (unless nothing runs). Resuming at the
+    // bare reserve preempted the next request a few steps later: 445 preemptions instead of 4
+    // on `simulate --requests 2000 --blocks 8192 --rate 2`.
+    const int32_t needed = seq.cur_allocated_blocks() - seq.released_blocks() + 1 +
+                           static_cast<int32_t>(running_.size());
     if (!running_.empty() && manager_->free_blocks()[0] < needed + watermark_blocks_) break;
     Result<OffloadTicket> ticket = manager_->ResumeSequence(next.uid);
     if (!ticket.ok()) {
@@ -271,8 +285,8 @@ Status Engine::Resume() {
       return ticket.status();
     }
     // Not waited for: the next Schedule naming it waits for the copy.
-    running_.push_back(std::move(preempted_.front()));
-    preempted_.pop_front();
+    InsertByArrival(running_, std::move(preempted_.front()));
+    preempted_.erase(preempted_.begin());
     ++stats_.resumes;
   }
   return Status::Ok();

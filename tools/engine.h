@@ -10,11 +10,13 @@
 //   Status s = engine->Run(requests, runner, [](const Engine& e) { ... after each step ... });
 //   engine->stats().steps, engine->outputs()[i]
 //
-// Preemption is behind one seam, Engine::Preempt: with a host tier (EngineOptions::host_blocks),
-// StateManager::PreemptSequence moves the victim's blocks there and ResumeSequence brings them
-// back before anything new is admitted; without one, or when the tier is full, the victim's
-// blocks are flushed and the request is queued again to be recomputed (its own cached blocks
-// usually come back as prefix hits).
+// Running requests are kept in arrival order: the oldest get the token budget first and the
+// newest is preempted first (vLLM's first-come-first-served policy), so a request, once resumed,
+// is not the next victim. Preemption is behind one seam, Engine::Preempt: with a host tier
+// (EngineOptions::host_blocks), StateManager::PreemptSequence moves the victim's blocks there
+// and ResumeSequence brings them back, oldest first, before anything new is admitted; without
+// one, or when the tier is full, the victim's blocks are flushed and the request is queued again
+// to be recomputed (its own cached blocks usually come back as prefix hits).
 #pragma once
 
 #include <array>
@@ -129,6 +131,7 @@ class Engine {
   // A request between admission and completion.
   struct Live {
     size_t index = 0;  // into the requests
+    size_t rank = 0;   // in arrival order: running requests are kept sorted by it
     SeqId uid = 0;
     std::vector<TokenId> tokens;  // prompt, then the generated tokens
     int64_t prompt_len = 0;
@@ -148,6 +151,8 @@ class Engine {
   // Schedules `entries`, shrinking them (admissions first, then preempting the newest running
   // request) until it fits.
   Status ScheduleStep(std::vector<Entry>* entries);
+  // Adds a request to `list` (running_ or preempted_) at its place in arrival order.
+  static void InsertByArrival(std::vector<std::unique_ptr<Live>>& list, std::unique_ptr<Live> live);
   // The seam: frees a running request's blocks under pressure.
   Status Preempt(Live* victim);
   // Brings preempted requests back, oldest first, while the cache keeps its reserve.
@@ -159,9 +164,9 @@ class Engine {
   std::unique_ptr<StateManager> manager_;
   std::unique_ptr<RaggedBatch> batch_;
   std::span<const EngineRequest> requests_;
-  std::deque<std::unique_ptr<Live>> waiting_;    // arrived, not running (front first)
-  std::vector<std::unique_ptr<Live>> running_;   // in admission order
-  std::deque<std::unique_ptr<Live>> preempted_;  // on the host tier, oldest first
+  std::deque<std::unique_ptr<Live>> waiting_;     // arrived, not running (front first)
+  std::vector<std::unique_ptr<Live>> running_;    // in arrival order: the newest is preempted first
+  std::vector<std::unique_ptr<Live>> preempted_;  // on the host tier, in arrival order
   std::vector<std::vector<TokenId>> outputs_;
   EngineStats stats_;
   int32_t watermark_blocks_ = 1;

@@ -4,6 +4,7 @@
 #include <unistd.h>
 #include <chrono>
 #include <cstdio>
+#include <ctime>
 #include <string>
 
 #include "commands.h"
@@ -64,6 +65,7 @@ Result<SimulateReport> Simulate(std::vector<EngineRequest> requests,
   NullRunner runner;
   ProgressBar progress(options.progress, std::ssize(requests));
   const auto start = std::chrono::steady_clock::now();
+  const std::clock_t cpu_start = std::clock();
   Status status = engine->Run(requests, runner, [&](const Engine& e) {
     const EngineStats& s = e.stats();
     report.samples.push_back(
@@ -71,6 +73,7 @@ Result<SimulateReport> Simulate(std::vector<EngineRequest> requests,
     progress.Update(e);
   });
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  report.cpu_seconds = static_cast<double>(std::clock() - cpu_start) / CLOCKS_PER_SEC;
   progress.Finish();
   BLOCKKV_RETURN_IF_ERROR(status);
   report.stats = engine->stats();
@@ -103,6 +106,8 @@ std::string FormatSimulate(const SimulateReport& report, const EngineOptions& en
         .Int(s.clock)
         .Key("seconds")
         .Double(report.seconds)
+        .Key("cpu_seconds")
+        .Double(report.cpu_seconds)
         .Key("steps_per_second")
         .Double(steps_per_second)
         .Key("prompt_tokens")
