@@ -227,7 +227,7 @@ Status SnapshotCodec::WriteBlocks(StateManager& m, const snapshot::Staged& s) {
             const std::byte* src = blocks.data.data() + (layer * count + i) * layer_block;
             const Status copied =
                 device.CopyFromHost(dst, src, static_cast<int64_t>(n * layer_block));
-            if (copied.ok()) return copied;
+            if (copied.ok()) return Status::Ok();
             return {copied.code(), StrCat("copying blocks of cache group ", g,
                                           " to the device: ", copied.message())};
           }));
@@ -327,7 +327,7 @@ Status StateManager::LoadSnapshot(const std::string& path) {
   std::vector<std::byte> bytes;
   BLOCKKV_RETURN_IF_ERROR(internal::ReadFile(path, &bytes));
   const Status s = LoadSnapshot(bytes);
-  if (s.ok()) return s;
+  if (s.ok()) return Status::Ok();
   return {s.code(), StrCat(path, ": ", s.message())};
 }
 

@@ -99,7 +99,7 @@ Status CheckFraming(Bytes file, std::array<Bytes, kNumSections>* payloads,
                                       left - kSectionHeaderBytes - kChecksumBytes, " more"));
     }
     const size_t end = at + kSectionHeaderBytes + static_cast<size_t>(length);
-    const uint64_t stored = Load<uint64_t>(file, end);
+    const auto stored = Load<uint64_t>(file, end);
     const uint64_t computed = Checksum(file.subspan(at, end - at));
     if (stored != computed) {
       return FileError(end, StrCat("section ", TagName(id), " is corrupt: checksum ", Hex(stored),
@@ -120,7 +120,7 @@ Status CheckFraming(Bytes file, std::array<Bytes, kNumSections>* payloads,
     return FileError(at + 8, StrCat("the trailer gives a file length of ", length,
                                     ", the file has ", file.size(), " bytes"));
   }
-  const uint64_t stored = Load<uint64_t>(file, at + 16);
+  const auto stored = Load<uint64_t>(file, at + 16);
   const uint64_t computed = Checksum(file.first(at + 16));
   if (stored != computed) {
     return FileError(at + 16, StrCat("the file is corrupt: checksum ", Hex(stored), " stored, ",
