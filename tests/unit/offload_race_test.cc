@@ -2,11 +2,12 @@
 // runs this with the rest of the `offload` label) and as a plain stress test elsewhere.
 //
 // The scheduling thread keeps many tickets outstanding while it offloads, restores (also handles
-// whose offload is still running), spills, drops, and Reserve/Free-s and writes other blocks of
-// the same cache — so the worker reads and writes device blocks and host slots while the test
-// thread writes their neighbours, takes blocks the store has just given back, and reuses slots the
-// store has just freed. A block given back or a slot reused before its copy is done shows up as a
-// data race under TSan, and as wrong bytes in the checks at the end of each round everywhere.
+// whose offload is still running), spills, drops, copies blocks to and from host slots itself
+// (CopyToHost / CopyToDevice), and Reserve/Free-s and writes other blocks of the same cache — so
+// the worker reads and writes device blocks and host slots while the test thread writes their
+// neighbours, takes blocks the store has just given back, and reuses slots the store has just
+// freed. A block given back or a slot reused before its copy is done shows up as a data race under
+// TSan, and as wrong bytes in the checks at the end of each round everywhere.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -109,7 +110,7 @@ class OffloadRace {
   }
 
   void Step() {
-    const int what = Pick(0, 10);
+    const int what = Pick(0, 11);
     const int g = Pick(0, 3) == 0 ? 1 : 0;
     if (what < 3) {
       ReserveSome(g, Pick(1, 8));
@@ -121,6 +122,8 @@ class OffloadRace {
       FreeAndScribble(g);
     } else if (what == 9) {
       SpillOrDrop(g);
+    } else if (what == 10) {
+      SyncCopies(g);
     } else {
       // A burst: many small offloads back to back, then restores of the newest handles, whose
       // offloads are likely still queued.
@@ -205,6 +208,18 @@ class OffloadRace {
     }
     owned_[g] = std::move(kept);
     ASSERT_OK(cache_->Free(freed, g));
+  }
+
+  // The prefix cache's synchronous copies, on this thread while the worker copies other blocks
+  // and slots: an owned block to a new host handle, and that handle into another owned block.
+  void SyncCopies(int g) {
+    if (owned_[g].size() < 2 || store_->free_host_blocks(g) == 0) return;
+    std::shuffle(owned_[g].begin(), owned_[g].end(), rng_);
+    Result<OffloadHandle> h = store_->CopyToHost(g, owned_[g][0].block);
+    ASSERT_OK(h);
+    handles_[g].push_back({*h, owned_[g][0].bytes});
+    ASSERT_OK(store_->CopyToDevice(*h, owned_[g][1].block));
+    owned_[g][1].bytes = owned_[g][0].bytes;
   }
 
   void SpillOrDrop(int g) {
