@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one script to run whenever a machine with an NVIDIA GPU is available: builds blockkv with
 # CUDA (Release, tests and benchmarks on, its own build directory), runs every GPU test
-# (ctest -L cuda) and every GPU benchmark (bench/cuda*_bench), and prints a short table last.
+# (ctest -L cuda: the offload store's cuda_offload_test among them) and every GPU benchmark
+# (bench/cuda*_bench: cuda_offload_bench's rows give the offload GB/s and "x pinned", the store's
+# rate over the pinned-memory copy of the same bytes), and prints a short table last.
 # Takes about a minute on a 16-core machine; every step has a time limit, so it ends within 5.
 #
 #   scripts/gpu-check.sh [build-dir]     (default build/gpu-check)
@@ -115,6 +117,8 @@ for b in data["benchmarks"]:
     line = f"{sys.argv[2]:<18} {b['name']:<16} {b['real_time']:>10.1f} {b['time_unit']}/iter"
     if "bytes_per_second" in b:
         line += f"  {b['bytes_per_second'] / 1e9:>7.2f} GB/s"
+    if "vs_pinned" in b:  # cuda_offload_bench: store time against the same pinned copy
+        line += f"  {b['vs_pinned']:.2f}x pinned"
     print(line)
 PY
     )
