@@ -131,6 +131,9 @@ struct OffloadStore::Impl {
   OffloadStats stats;
   uint32_t mark_epoch = 0;
   std::vector<uint32_t> handle_marks;  // [entries]: == mark_epoch when seen in this call
+  // A new mark_epoch for a call that looks for repeated blocks or handles. When it wraps around,
+  // every mark of both kinds is cleared, so that no mark left from before can equal a later one.
+  uint32_t NextMarkEpoch();
 
   // Jobs submitted and not yet reaped, oldest first (scheduling thread); failures of reaped ones.
   std::deque<std::unique_ptr<Job>> jobs;
@@ -409,6 +412,15 @@ void OffloadStore::Impl::FreeEntry(int32_t index) {
   --live_handles;
 }
 
+uint32_t OffloadStore::Impl::NextMarkEpoch() {
+  if (++mark_epoch == 0) {
+    for (Group& g : groups) std::fill(g.marks.begin(), g.marks.end(), 0);
+    std::fill(handle_marks.begin(), handle_marks.end(), 0);
+    mark_epoch = 1;
+  }
+  return mark_epoch;
+}
+
 Status OffloadStore::Impl::CheckHandles(std::span<const OffloadHandle> handles, int group,
                                         const char* what) {
   // Copies in flight on these handles finish first, so that the checks see what they did: a
@@ -419,10 +431,7 @@ Status OffloadStore::Impl::CheckHandles(std::span<const OffloadHandle> handles, 
       WaitFor(entries[h.index].job);
     }
   }
-  if (++mark_epoch == 0) {
-    std::fill(handle_marks.begin(), handle_marks.end(), 0);
-    mark_epoch = 1;
-  }
+  NextMarkEpoch();
   for (size_t i = 0; i < handles.size(); ++i) {
     const OffloadHandle h = handles[i];
     if (h.index < 0 || h.index >= static_cast<int32_t>(entries.size()) || !entries[h.index].live ||
@@ -610,11 +619,7 @@ Result<OffloadTicket> OffloadStore::Offload(std::span<const BlockId> blocks, int
         StrCat("Offload: out holds ", out.size(), " handles for ", blocks.size(), " blocks"));
   }
   Impl::Group& g = m.groups[group];
-  if (++m.mark_epoch == 0) {
-    for (Impl::Group& each : m.groups) std::fill(each.marks.begin(), each.marks.end(), 0);
-    std::fill(m.handle_marks.begin(), m.handle_marks.end(), 0);
-    m.mark_epoch = 1;
-  }
+  m.NextMarkEpoch();
   const int32_t num_blocks = m.cache->num_blocks();
   for (size_t i = 0; i < blocks.size(); ++i) {
     const BlockId b = blocks[i];
