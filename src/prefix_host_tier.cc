@@ -21,7 +21,8 @@ PrefixHostTier::PrefixHostTier(PrefixCache* prefix, OffloadStore* store, std::sp
       store_(store),
       pools_(pools),
       index_(pools.size()),
-      per_group_(pools.size(), 0) {
+      per_group_(pools.size(), 0),
+      pinned_(pools.size(), 0) {
   for (BlockPool& pool : pools_) pool.set_eviction_listener(this);
 }
 
@@ -164,6 +165,8 @@ void PrefixHostTier::Drop(int32_t e) {
   }
   Unlink(e);
   --per_group_[static_cast<size_t>(entry.group)];
+  if (entry.pinned) --pinned_[static_cast<size_t>(entry.group)];
+  entry.pinned = false;
   --live_;
   entry.live = false;
   entry.tokens.clear();
@@ -176,11 +179,21 @@ void PrefixHostTier::MakeRoom(int group, int32_t slots) {
   while (store_->free_host_blocks(group) < slots) {
     BLOCKKV_CHECK(e >= 0, "PrefixHostTier::MakeRoom: not enough entries to drop");
     const int32_t next = entries_[static_cast<size_t>(e)].next;
-    if (entries_[static_cast<size_t>(e)].group == group) {
+    const Entry& entry = entries_[static_cast<size_t>(e)];
+    if (entry.group == group && !entry.pinned) {
       Drop(e);
       ++stats_.dropped;
     }
     e = next;
+  }
+}
+
+void PrefixHostTier::Pin(std::span<const int32_t> entries, bool pinned) {
+  for (const int32_t e : entries) {
+    Entry& entry = entries_[static_cast<size_t>(e)];
+    if (entry.pinned == pinned) continue;
+    entry.pinned = pinned;
+    pinned_[static_cast<size_t>(entry.group)] += pinned ? 1 : -1;
   }
 }
 

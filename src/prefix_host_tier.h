@@ -57,10 +57,15 @@ class PrefixHostTier final : public BlockPool::EvictionListener {
   // kInternal: then nothing is indexed and the entries stay.
   Status Promote(int group, std::span<const int32_t> entries, std::span<const BlockId> blocks,
                  int32_t priority);
-  // Drops least recently used entries of `group` until its host tier has `slots` free slots.
-  // REQUIRES: free host slots + droppable(group) >= slots.
+  // Drops least recently used unpinned entries of `group` until its host tier has `slots` free
+  // slots. REQUIRES: free host slots + droppable(group) >= slots.
   void MakeRoom(int group, int32_t slots);
-  int32_t droppable(int group) const { return per_group_[static_cast<size_t>(group)]; }
+  int32_t droppable(int group) const {
+    return per_group_[static_cast<size_t>(group)] - pinned_[static_cast<size_t>(group)];
+  }
+  // Pins (or unpins) entries a Schedule is about to promote, so that the demotions its own
+  // evictions cause never drop them (a dropped entry's slot and index would be reused at once).
+  void Pin(std::span<const int32_t> entries, bool pinned);
   // Drops every entry (ResetPrefixCache); returns how many.
   int64_t Clear();
 
@@ -86,6 +91,7 @@ class PrefixHostTier final : public BlockPool::EvictionListener {
     int32_t prev = -1;  // LRU links: least recently used at head_
     int32_t next = -1;
     bool live = false;
+    bool pinned = false;
   };
 
   void Unlink(int32_t e);
@@ -102,6 +108,7 @@ class PrefixHostTier final : public BlockPool::EvictionListener {
   std::vector<int32_t> free_;
   std::vector<std::unordered_multimap<uint64_t, int32_t>> index_;  // per group: key.lo -> entry
   std::vector<int32_t> per_group_;                                 // live entries per group
+  std::vector<int32_t> pinned_;                                    // pinned entries per group
   int32_t head_ = -1;
   int32_t tail_ = -1;
   int64_t live_ = 0;

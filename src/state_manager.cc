@@ -535,6 +535,9 @@ Status StateManager::Schedule(std::span<const SeqId> uids, std::span<const int64
   }
   // Prefix hits first: taking new blocks may evict evictable ones, never those being hit.
   if (prefix_ != nullptr) ShareHitBlocks(/*share=*/true);
+  // What this batch promotes from the host level must survive the demotions its own evictions
+  // cause.
+  if (prefix_ != nullptr && promoted_ > 0) host_prefix_->Pin(promote_entries_, true);
   // Take every group's blocks at once; Check counted them and guaranteed they are there.
   const auto groups = static_cast<size_t>(num_groups());
   for (size_t g = 0; g < groups; ++g) {
@@ -547,6 +550,7 @@ Status StateManager::Schedule(std::span<const SeqId> uids, std::span<const int64
   if (prefix_ != nullptr && promoted_ > 0) {
     const std::span<const BlockId> fresh(scratch_[0]);
     if (Status s = PromoteHits(fresh.last(static_cast<size_t>(promoted_))); !s.ok()) {
+      host_prefix_->Pin(promote_entries_, false);
       UndoSchedule();  // a device error copying from the host: nothing scheduled
       return s;
     }

@@ -181,6 +181,16 @@ const StateManager::PrefixHit* StateManager::LookupPrefix(size_t i, const Sequen
             g, keys.tokens, keys.ns_id, keys.extras, run, run > 0 ? &parent : nullptr,
             static_cast<int32_t>(std::min<int64_t>(limit - run, free_scratch_[g])),
             &promote_entries_);
+        // An entry an earlier sequence of this batch promotes is not there for a second one:
+        // its run stops before it.
+        const auto earlier = promote_entries_.begin() + static_cast<std::ptrdiff_t>(promote_first);
+        for (int32_t k = 0; k < promoted; ++k) {
+          if (std::find(promote_entries_.begin(), earlier, earlier[k]) != earlier) {
+            promoted = k;
+            break;
+          }
+        }
+        promote_entries_.resize(promote_first + static_cast<size_t>(promoted));
         run += promoted;
       }
       most = std::min(most, int64_t{run} * kv_block_size(g));

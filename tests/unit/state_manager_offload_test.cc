@@ -392,6 +392,45 @@ TEST_F(HostPrefixTest, EvictedBlocksAreDemotedAndPromotedOnAHit) {
   ExpectInvariants();
 }
 
+// A full host level: the demotions the promoting Schedule's own evictions cause must not drop
+// (and reuse the slots of) the entries it is promoting.
+TEST_F(HostPrefixTest, APromotionSurvivesTheDemotionsOfItsOwnEvictions) {
+  MakeCached(/*num_blocks=*/8, /*host_blocks=*/4);
+  const std::vector<TokenId> a = Prompt(100, 17);
+  Prefill(1, a);
+  ASSERT_TRUE(mgr_->FlushSequence(1).ok());
+  Prefill(2, Prompt(500, 32));  // evicts A's 4 blocks: the host level is full of them
+  ASSERT_TRUE(mgr_->FlushSequence(2).ok());
+  EXPECT_EQ(mgr_->offload_store()->free_host_blocks(0), 0);
+  EXPECT_EQ(Prefill(3, a), 16);  // promotes all 4 while evicting 5 of B's blocks
+  ExpectPrefixData(3, a, 4);
+  ExpectInvariants();
+  const StateManager::HostPrefixStats stats = mgr_->host_prefix_stats();
+  EXPECT_EQ(stats.promoted, 4);
+  EXPECT_EQ(stats.demoted, stats.promoted + stats.dropped + stats.entries);
+}
+
+// Two sequences of one batch with the same prompt: the first promotes the host blocks, the
+// second does not take the same entries again.
+TEST_F(HostPrefixTest, OneBatchPromotesAnEntryOnce) {
+  MakeCached(/*num_blocks=*/16, /*host_blocks=*/16);
+  const std::vector<TokenId> a = Prompt(100, 17);
+  Prefill(1, a);
+  ASSERT_TRUE(mgr_->FlushSequence(1).ok());
+  Prefill(2, Prompt(500, 64));  // all 16 blocks: A's are demoted
+  ASSERT_TRUE(mgr_->FlushSequence(2).ok());
+  ASSERT_TRUE(mgr_->AddSequence(3, a).ok());
+  ASSERT_TRUE(mgr_->AddSequence(4, a).ok());
+  const SeqId uids[] = {3, 4};
+  const int64_t lengths[] = {17, 17};
+  const Status s = mgr_->Schedule(uids, lengths);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_EQ(mgr_->GetSequence(3)->seen_tokens(), 16);
+  EXPECT_EQ(mgr_->GetSequence(4)->seen_tokens(), 0);
+  ExpectPrefixData(3, a, 4);
+  ExpectInvariants();
+}
+
 TEST_F(HostPrefixTest, HostHitsAreExact) {
   MakeCached(8, 16);
   const std::vector<TokenId> a = Prompt(100, 17);
