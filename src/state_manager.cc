@@ -326,7 +326,8 @@ Status StateManager::PostForward(std::span<const SeqId> uids) {
 void StateManager::Advance(Sequence& seq) {
   seq.seen_tokens_ += seq.in_flight_tokens_;
   seq.in_flight_tokens_ = 0;
-  if (prefix_ != nullptr) PublishFullBlocks(seq);
+  // A resumed sequence's blocks are published once their copy is known to be good.
+  if (prefix_ != nullptr && (resuming_ == 0 || RestoreDone(seq))) PublishFullBlocks(seq);
 }
 
 Status StateManager::PostForward(const RaggedBatch& batch) {

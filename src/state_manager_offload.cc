@@ -178,6 +178,13 @@ Status StateManager::SettleRestore(Sequence& seq) {
                                 " could not be resumed, it stays preempted: ", copied.message())};
 }
 
+bool StateManager::RestoreDone(Sequence& seq) {
+  if (parked_ == nullptr || !parked_[seq.slot_].resuming) return true;
+  OffloadTicket& restore = parked_[seq.slot_].restore;
+  if (!restore.Poll() || !restore.Wait().ok()) return false;
+  return SettleRestore(seq).ok();
+}
+
 Status StateManager::SettleRestores(std::span<const SeqId> uids) {
   if (resuming_ == 0) return Status::Ok();
   for (const SeqId uid : uids) {

@@ -170,16 +170,23 @@ const StateManager::PrefixHit* StateManager::LookupPrefix(size_t i, const Sequen
     } else {
       BlockHash last;
       int32_t run = prefix_->Match(g, keys.tokens, keys.ns_id, keys.extras, limit, blocks, &last);
-      if (host_prefix_ != nullptr && run < limit && free_scratch_[g] > 0) {
+      if (host_prefix_ != nullptr && run < limit) {
         // The host level continues the device's run (one group, so g == 0); each block it
         // promotes takes a fresh block, so it goes no further than the free blocks do.
         const PrefixCache::Published parent =
             run > 0 ? prefix_->published(g, blocks[static_cast<size_t>(run) - 1])
                     : PrefixCache::Published{};
+        // The evictable blocks of the device run are revived by this hit (counted below): they
+        // are not there for promotions.
+        int64_t free = free_scratch_[g];
+        for (int32_t b = 0; b < run; ++b) {
+          const BlockId block = blocks[static_cast<size_t>(b)];
+          free -= pools_[g].is_evictable(block) && block_marks_[g][block] != mark_epoch_;
+        }
         promote_first = promote_entries_.size();
         promoted = host_prefix_->Match(
             g, keys.tokens, keys.ns_id, keys.extras, run, run > 0 ? &parent : nullptr,
-            static_cast<int32_t>(std::min<int64_t>(limit - run, free_scratch_[g])),
+            static_cast<int32_t>(std::max<int64_t>(0, std::min<int64_t>(limit - run, free))),
             &promote_entries_);
         // An entry an earlier sequence of this batch promotes is not there for a second one:
         // its run stops before it.

@@ -386,6 +386,10 @@ class StateManager {
   // Waits for a resume of `seq` in flight; when its copy failed, parks the sequence again and
   // returns the error. OK when nothing is in flight.
   Status SettleRestore(Sequence& seq);
+  // Without waiting: true when no resume of `seq` is in flight, or it is done and succeeded
+  // (then it is settled); false while it runs, or when it failed (left for the next call that
+  // settles it to report).
+  bool RestoreDone(Sequence& seq);
   // Waits for every resume in flight among `uids` (Schedule, before it checks anything).
   Status SettleRestores(std::span<const SeqId> uids);
   // FlushSequence's part: a preempted sequence's handles are dropped.
@@ -464,7 +468,7 @@ class StateManager {
   // cache group, no window. Destroyed before the store.
   std::unique_ptr<internal::PrefixHostTier> host_prefix_;
   mutable std::vector<int32_t> promote_entries_;  // this call's host-level hits
-  mutable int32_t promoted_ = 0;  // blocks of group 0 they need (Check counts them)
+  mutable int32_t promoted_ = 0;                  // blocks of group 0 they need (Check counts them)
 
   // Scratch reused across calls so a step allocates nothing once warm.
   std::vector<std::vector<BlockId>> scratch_;  // per group: blocks taken in one Schedule

@@ -1,14 +1,28 @@
 // Model-based random test of StateManager: random programs of GetOrCreateSequence, Schedule (after
-// CanSchedule), PostForward, Fork, FreeLeadingBlocks, FlushSequence and Query run against a plain
-// reference model, over several configurations small enough that blocks, tracking slots, context
-// and batch limits run out often. After every operation the manager passes CheckInvariants() and
-// agrees with the model on every sequence (seen, in flight, table per cache group, released
-// prefix, slot and address), every block's reference count equals the tables holding it, free +
-// referenced = total, and flushing everything leaves every block free. Fork is also checked on
-// the data: the child's partial tail is a byte copy of the parent's in every layer, its full
-// blocks are the parent's ids.
+// CanSchedule), PostForward, Fork, FreeLeadingBlocks, FlushSequence, Query, and, with offload on,
+// PreemptSequence, ResumeSequence and waits or polls of their tickets, run against a plain
+// reference model, over several configurations small enough that blocks, tracking slots, context,
+// batch limits and the host (and, in one setup, disk) tier run out often. After every operation
+// the manager passes CheckInvariants() and agrees with the model on every sequence (seen, in
+// flight, preempted, table per cache group, released prefix, slot and address), every block's
+// reference count equals the tables holding it plus the offload copies in flight reading it, free
+// + referenced = total, the store's held device blocks, free host and disk slots and live handles
+// are the model's, and flushing everything leaves every block free and no handle live. Fork is
+// also checked on the data: the child's partial tail is a byte copy of the parent's in every
+// layer, its full blocks are the parent's ids. Every block a sequence takes is filled with its own
+// pattern, and a resumed sequence's new blocks hold, once the copy is done, exactly the patterns
+// its blocks held when it was preempted.
 //
-// The seed is fixed and printed; BLOCKKV_TEST_SEED=<n> replays another.
+// Copies run on the store's worker thread and their effects (device blocks going back, host and
+// disk slots freed) are applied whenever the manager next calls into the store, so when that
+// happens is up to timing. The model keeps the copies in flight in submission order and, after
+// every call, applies those the store's stats() say are done (they are done in order); a decision
+// the manager makes after such a call inside the same operation (PreemptSequence's tier choice
+// after settling a resume) is accepted for any number of them applied.
+//
+// The seed is fixed and printed; BLOCKKV_TEST_SEED=<n> replays another. With offload on, where a
+// copy has finished by the next call decides some outcomes (a block still held or free again),
+// so a replay makes the same draws but may take another path after the first such point.
 #include "blockkv/state_manager.h"
 
 #include <gtest/gtest.h>
@@ -18,18 +32,24 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <filesystem>
 #include <iostream>
 #include <iterator>
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <ostream>
 #include <random>
 #include <set>
 #include <span>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
+
+#include <unistd.h>
 
 #include "unit/test_util.h"
 
@@ -64,6 +84,9 @@ struct ModelSetup {
   int32_t max_batch_sequences = 0;
   int64_t max_context = 0;
   int steps = 0;
+  // Offload tiers, in blocks of every group: host_blocks = 0 leaves offload off.
+  int32_t host_blocks = 0;
+  int32_t disk_blocks = 0;
 };
 
 void PrintTo(const ModelSetup& setup, std::ostream* os) { *os << setup.name; }
@@ -72,13 +95,24 @@ void PrintTo(const ModelSetup& setup, std::ostream* os) { *os << setup.name; }
 // setups differ in which of these binds.
 std::vector<ModelSetup> Setups() {
   return {
-      // Capacity 192 from the table (12 blocks of 16) below max_context 256.
-      {"OneGroupBs16", {Group(16, 2, 12)}, 48, 8, 200, 6, 256, 55'000},
-      // Capacity 300 from max_context; tables hold 384 and 320 tokens.
-      {"TwoGroupsBs16Bs32", {Group(16, 2, 24), Group(32, 3, 10)}, 128, 16, 400, 8, 300, 55'000},
-      // Many slots, larger pool; capacity 500 from max_context.
-      {"OneGroupBs32", {Group(32, 2, 64)}, 160, 32, 600, 16, 500, 50'000},
-      // Capacity 256 from group 0's table (8 blocks of 32); max_context 1000.
+      // Capacity 192 from the table (12 blocks of 16) below max_context 256. A host tier of 16
+      // blocks: two long sequences fill it.
+      {"OneGroupBs16", {Group(16, 2, 12)}, 48, 8, 200, 6, 256, 55'000, /*host_blocks=*/16},
+      // Capacity 300 from max_context; tables hold 384 and 320 tokens. A host tier of 12 blocks
+      // and a disk tier of 24: a group's blocks go to disk when the host tier cannot take them.
+      {"TwoGroupsBs16Bs32",
+       {Group(16, 2, 24), Group(32, 3, 10)},
+       128,
+       16,
+       400,
+       8,
+       300,
+       55'000,
+       /*host_blocks=*/12,
+       /*disk_blocks=*/24},
+      // Many slots, larger pool; capacity 500 from max_context. A host tier of 40 blocks.
+      {"OneGroupBs32", {Group(32, 2, 64)}, 160, 32, 600, 16, 500, 50'000, /*host_blocks=*/40},
+      // Capacity 256 from group 0's table (8 blocks of 32); max_context 1000. Offload off.
       {"TwoGroupsBs32Bs16", {Group(32, 2, 8), Group(16, 2, 20)}, 64, 12, 256, 12, 1000, 50'000},
   };
 }
@@ -94,6 +128,12 @@ struct ModelSequence {
   // What the manager must keep stable until the sequence is flushed.
   const Sequence* address = nullptr;
   int32_t slot = -1;
+  // Offload. While preempted every table entry is kNoBlock (the logical length stays) and its
+  // blocks are handles: per group their tier and the patterns the blocks held.
+  bool preempted = false;
+  bool resuming = false;  // resumed, not yet settled by a call naming it
+  std::vector<Tier> tiers;
+  std::vector<std::vector<uint32_t>> parked_salts;  // [group][entry - released]
 };
 
 struct ReferenceModel {
@@ -123,14 +163,30 @@ class ModelDriver {
         .max_ragged_sequence_count = setup_.max_batch_sequences,
         .max_context = setup_.max_context,
         .memory_config = {.mode = AllocationMode::kAllocate, .size = setup_.num_blocks}};
+    if (setup_.host_blocks > 0) {
+      config.offload = true;
+      config.offload_config.host_blocks = setup_.host_blocks;
+      if (setup_.disk_blocks > 0) {
+        disk_path_ = (std::filesystem::temp_directory_path() /
+                      ("blockkv_sm_model_" + std::to_string(::getpid()) + "_" + setup_.name))
+                         .string();
+        config.offload_config.disk_path = disk_path_;
+        config.offload_config.disk_blocks = setup_.disk_blocks;
+      }
+    }
     Result<std::unique_ptr<StateManager>> mgr =
         StateManager::Create(config, setup_.groups, CpuDevice(/*memory_budget=*/64 << 20));
     MODEL_CHECK(mgr.ok()) << mgr.status();
     mgr_ = std::move(mgr).value();
     num_groups_ = static_cast<int>(setup_.groups.size());
     MODEL_CHECK(mgr_->num_groups() == num_groups_);
+    MODEL_CHECK((mgr_->offload_store() != nullptr) == offload());
     model_.refs.assign(setup_.groups.size(),
                        std::vector<int32_t>(static_cast<size_t>(setup_.num_blocks), 0));
+    salts_.assign(setup_.groups.size(),
+                  std::vector<uint32_t>(static_cast<size_t>(setup_.num_blocks), 0));
+    host_used_.assign(setup_.groups.size(), 0);
+    disk_used_.assign(setup_.groups.size(), 0);
     capacity_ = setup_.max_context;
     for (const KVCacheConfig& c : setup_.groups) {
       capacity_ = std::min(capacity_, int64_t{c.max_blocks_per_allocation_group} * c.block_size);
@@ -144,15 +200,18 @@ class ModelDriver {
       AssertionResult (ModelDriver::*run)();
       int64_t weight;
     };
-    static constexpr std::array<WeightedOp, 9> kOps{{
+    static constexpr std::array<WeightedOp, 12> kOps{{
         {&ModelDriver::ScheduleOp, 340},
         {&ModelDriver::PostForwardOp, 200},
         {&ModelDriver::ForkOp, 100},
         {&ModelDriver::FreeLeadingBlocksOp, 90},
         {&ModelDriver::FlushOp, 120},
-        {&ModelDriver::QueryOp, 80},
-        {&ModelDriver::QueryThenCanScheduleOp, 40},
-        {&ModelDriver::GetOrCreateOp, 50},
+        {&ModelDriver::QueryOp, 70},
+        {&ModelDriver::QueryThenCanScheduleOp, 35},
+        {&ModelDriver::GetOrCreateOp, 45},
+        {&ModelDriver::PreemptOp, 45},
+        {&ModelDriver::ResumeOp, 45},
+        {&ModelDriver::WaitOp, 25},
         {&ModelDriver::FlushAllAndCheckNoLeak, 2},
     }};
     static constexpr int64_t kTotal = [] {
@@ -175,15 +234,24 @@ class ModelDriver {
       const SeqId uid = model_.sequences.begin()->first;
       const Status s = mgr_->FlushSequence(uid);
       MODEL_CHECK(s.ok()) << "flush " << uid << ": " << s;
+      AssertionResult synced = Sync();
+      if (!synced) return synced;
       MODEL_CHECK(mgr_->CheckInvariants().ok()) << mgr_->CheckInvariants();
-      for (int g = 0; g < num_groups_; ++g) {
-        for (const BlockId b : model_.sequences.begin()->second.tables[g]) {
-          if (b != kNoBlock) --model_.refs[g][b];
-        }
-      }
-      model_.sequences.erase(model_.sequences.begin());
+      FlushInModel(model_.sequences.begin());
     }
     MODEL_CHECK(mgr_->n_tracked_sequences() == 0);
+    // Flushing waits for every copy of the sequences it drops: nothing is left in flight, and
+    // no handle is live (prefix caching is off, so nothing is cached on the host level).
+    MODEL_CHECK(jobs_.empty()) << jobs_.size() << " copies still in flight after flushing all";
+    if (const OffloadStore* store = mgr_->offload_store()) {
+      MODEL_CHECK(store->live_handles() == 0) << store->live_handles() << " handles leak";
+      for (int g = 0; g < num_groups_; ++g) {
+        MODEL_CHECK(store->held_blocks(g).empty()) << "group " << g;
+        MODEL_CHECK(store->free_host_blocks(g) == setup_.host_blocks) << "group " << g;
+        MODEL_CHECK(store->free_disk_blocks(g) == setup_.disk_blocks) << "group " << g;
+        MODEL_CHECK(host_used_[g] == 0 && disk_used_[g] == 0) << "model group " << g;
+      }
+    }
     for (int g = 0; g < num_groups_; ++g) {
       MODEL_CHECK(mgr_->free_blocks()[g] == setup_.num_blocks)
           << "group " << g << " leaks " << setup_.num_blocks - mgr_->free_blocks()[g] << " blocks";
@@ -201,6 +269,24 @@ class ModelDriver {
   const std::map<std::string, int64_t>& stats() const { return stats_; }
 
  private:
+  // A copy on the store's worker thread, kept until the store applies it.
+  struct ModelJob {
+    uint64_t id = 0;  // submission order, from 1
+    bool offload = false;
+    int group = 0;                  // an offload's group
+    std::vector<BlockId> blocks{};  // an offload's device blocks: the store holds them until then
+    std::vector<int32_t> host{};    // a restore's handles per group on the host tier
+    std::vector<int32_t> disk{};    // ... and on the disk tier
+    SeqId uid = 0;                  // a restore's sequence
+    int64_t count = 0;              // blocks copied
+    // A restore's new blocks of each group and the pattern each must then hold.
+    std::vector<std::tuple<int, BlockId, uint32_t>> expect{};
+  };
+  struct KeptTicket {
+    OffloadTicket ticket;
+    uint64_t last_job = 0;  // the last copy it covers; 0: none
+  };
+
   // ---- randomness ----
 
   // Draws are portable: mt19937_64's output is fixed by the standard, the <random>
@@ -222,6 +308,16 @@ class ModelDriver {
   }
   SeqId MostlyKnownUid(int percent_known) {
     return !model_.sequences.empty() && Chance(percent_known) ? KnownUid() : RandomUid();
+  }
+  // The same, but a preempted sequence only now and then: scheduling one is an error.
+  SeqId MostlyRunnableUid(int percent_known) {
+    SeqId uid = MostlyKnownUid(percent_known);
+    for (int tries = 0; tries < 3; ++tries) {
+      const ModelSequence* m = model_.Find(uid);
+      if (m == nullptr || !m->preempted || Chance(10)) break;
+      uid = MostlyKnownUid(percent_known);
+    }
+    return uid;
   }
   int32_t RandomGroup() {  // 4%: an invalid one
     if (Chance(4)) return Chance(50) ? -1 : num_groups_;
@@ -336,7 +432,9 @@ class ModelDriver {
   }
 
   // Blocks [from, to) of `uid`'s table in group g must be fresh: free in the model until now.
-  AssertionResult TakeFresh(SeqId uid, int g, size_t from, size_t to, ModelSequence& m) {
+  // With `fill`, each gets a pattern of its own, as a forward would write it.
+  AssertionResult TakeFresh(SeqId uid, int g, size_t from, size_t to, ModelSequence& m,
+                            bool fill = true) {
     const std::span<const BlockId> table = mgr_->GetSequence(uid)->block_table(g);
     MODEL_CHECK(table.size() == to) << "sequence " << uid << " group " << g;
     for (size_t j = from; j < to; ++j) {
@@ -347,6 +445,10 @@ class ModelDriver {
           << model_.refs[g][b] << " owners";
       model_.refs[g][b] = 1;
       m.tables[g].push_back(b);
+      if (!fill) continue;
+      salts_[g][b] = ++last_salt_;
+      const AssertionResult filled = FillBlock(g, b, salts_[g][b]);
+      if (!filled) return filled;
     }
     return AssertionSuccess();
   }
@@ -362,36 +464,56 @@ class ModelDriver {
     std::vector<int64_t> lengths;
     std::set<SeqId> distinct;
     for (int64_t i = 0; i < k; ++i) {
-      SeqId uid = MostlyKnownUid(65);
+      SeqId uid = MostlyRunnableUid(65);
       if (!uids.empty() && Chance(2)) {
         uid = uids[static_cast<size_t>(Uniform(0, static_cast<int64_t>(uids.size()) - 1))];
       } else {
         for (int tries = 0; tries < 8 && distinct.count(uid) != 0; ++tries) {
-          uid = MostlyKnownUid(65);
+          uid = MostlyRunnableUid(65);
         }
       }
       uids.push_back(uid);
       distinct.insert(uid);
       lengths.push_back(RandomLength(uid));
     }
-    const bool invalid =
-        distinct.size() != uids.size() ||
+    const bool negative =
         std::any_of(lengths.begin(), lengths.end(), [](int64_t n) { return n < 0; });
+    const bool invalid = distinct.size() != uids.size() || negative;
+    const bool preempted = std::any_of(uids.begin(), uids.end(), [&](SeqId uid) {
+      const ModelSequence* m = model_.Find(uid);
+      return m != nullptr && m->preempted;
+    });
 
+    // CanSchedule settles nothing: it decides on the state the model last synced to.
     const Result<SchedulingResult> can = mgr_->CanSchedule(uids, lengths);
+    std::optional<SchedulingResult> want_can;
+    if (!invalid && !preempted) want_can = ModelVerdict(uids, lengths);
     SchedulingResult result = SchedulingResult::kSuccess;
     const Status s = mgr_->Schedule(uids, lengths, &result);
-    if (invalid) {
-      MODEL_CHECK(can.status().code() == StatusCode::kInvalidArgument) << can.status();
-      MODEL_CHECK(s.code() == StatusCode::kInvalidArgument) << s;
-      Count("schedule/InvalidArgument");
+    // Schedule first settles the resumes among its uids (applying the copies done by then),
+    // whatever it decides next, and decides on that state.
+    for (const SeqId uid : uids) Settle(uid);
+    const AssertionResult synced = Sync();
+    if (!synced) return synced;
+    if (invalid || preempted) {
+      // Negative lengths are checked first; a repeated uid and a preempted one in uid order.
+      std::set<StatusCode> codes;
+      if (invalid) codes.insert(StatusCode::kInvalidArgument);
+      if (preempted && !negative) codes.insert(StatusCode::kFailedPrecondition);
+      MODEL_CHECK(codes.count(can.status().code()) != 0)
+          << "CanSchedule gave " << can.status() << "; allowed: " << ErrorNames(codes);
+      MODEL_CHECK(codes.count(s.code()) != 0)
+          << "Schedule gave " << s << "; allowed: " << ErrorNames(codes);
+      Count(s.code() == StatusCode::kInvalidArgument ? "schedule/InvalidArgument"
+                                                     : "schedule/preempted");
       return AssertionSuccess();  // Verify() then checks that nothing changed
     }
     MODEL_CHECK(can.ok()) << can.status();
+    MODEL_CHECK(*can == *want_can) << "CanSchedule said " << SchedulingResultName(*can)
+                                   << ", model " << SchedulingResultName(*want_can);
     const SchedulingResult want = ModelVerdict(uids, lengths);
-    MODEL_CHECK(*can == want) << "CanSchedule said " << SchedulingResultName(*can) << ", model "
-                              << SchedulingResultName(want);
-    MODEL_CHECK(result == want) << "Schedule said " << SchedulingResultName(result);
+    MODEL_CHECK(result == want) << "Schedule said " << SchedulingResultName(result) << ", model "
+                                << SchedulingResultName(want);
     Count(std::string("schedule/") + std::string(SchedulingResultName(want)));
     if (want != SchedulingResult::kSuccess) {
       MODEL_CHECK(s.code() == StatusCode::kResourceExhausted) << s;
@@ -461,6 +583,27 @@ class ModelDriver {
     }
     const SeqId child = Chance(90) ? UnknownUid() : MostlyKnownUid(50);
     const ModelSequence* p = model_.Find(parent);
+    // New bytes in the parent's partial tails, so the copy is seen to be one; not while the
+    // parent's resume copy may still be writing them (Fork waits for it).
+    const bool restoring = p != nullptr && RestoreInFlight(parent);
+    bool any_tail = false;
+    if (p != nullptr && !p->preempted) {
+      for (int g = 0; g < num_groups_; ++g) {
+        if (p->seen % block_size(g) == 0) continue;
+        any_tail = true;
+        const BlockId tail = p->tables[g][static_cast<size_t>(p->seen / block_size(g))];
+        MODEL_CHECK(tail != kNoBlock) << "model: the partial tail was released";
+        if (restoring) continue;
+        salts_[g][tail] = ++last_salt_;
+        const AssertionResult filled = FillBlock(g, tail, salts_[g][tail]);
+        if (!filled) return filled;
+      }
+    }
+    const Status s = mgr_->Fork(parent, child);
+    // Fork settles the parent's resume first, then decides on that state.
+    Settle(parent);
+    const AssertionResult synced = Sync();
+    if (!synced) return synced;
     // Every error the contract allows for this state; OK only when there is none.
     std::set<StatusCode> errors;
     if (p == nullptr) errors.insert(StatusCode::kNotFound);
@@ -469,24 +612,18 @@ class ModelDriver {
     if (static_cast<int32_t>(model_.sequences.size()) >= setup_.max_tracked) {
       errors.insert(StatusCode::kResourceExhausted);
     }
-    const auto salt = static_cast<uint32_t>(step_);
-    bool any_tail = false;
-    if (p != nullptr) {
-      for (int g = 0; g < num_groups_; ++g) {
-        if (p->seen % block_size(g) == 0) continue;
-        any_tail = true;
-        if (FreeBlocks(g) == 0) errors.insert(StatusCode::kResourceExhausted);
-        const BlockId tail = p->tables[g][static_cast<size_t>(p->seen / block_size(g))];
-        MODEL_CHECK(tail != kNoBlock) << "model: the partial tail was released";
-        const AssertionResult filled = FillBlock(g, tail, salt);
-        if (!filled) return filled;
+    for (int g = 0; g < num_groups_ && p != nullptr; ++g) {
+      if (p->seen % block_size(g) != 0 && FreeBlocks(g) == 0) {
+        errors.insert(StatusCode::kResourceExhausted);
       }
     }
-    const Status s = mgr_->Fork(parent, child);
+    // A preempted parent is refused right after the lookup.
+    if (p != nullptr && p->preempted) errors = {StatusCode::kFailedPrecondition};
     if (!errors.empty()) {
       MODEL_CHECK(errors.count(s.code()) != 0) << "Fork(" << parent << ", " << child << ") gave "
                                                << s << "; allowed: " << ErrorNames(errors);
       std::string what = "fork/" + std::string(StatusCodeName(s.code()));
+      if (p != nullptr && p->preempted) what = "fork/preempted";
       if (s.code() == StatusCode::kResourceExhausted) {
         what += static_cast<int32_t>(model_.sequences.size()) < setup_.max_tracked ? "/blocks"
                                                                                    : "/slots";
@@ -514,9 +651,11 @@ class ModelDriver {
         MODEL_CHECK(mgr_->GetSequence(child)->block_table(g).size() == full);
         continue;
       }
-      const AssertionResult fresh = TakeFresh(child, g, full, full + 1, *c);
+      const AssertionResult fresh = TakeFresh(child, g, full, full + 1, *c, /*fill=*/false);
       if (!fresh) return fresh;
       // Copy-on-write: the child's tail holds the parent's bytes; the parent's are intact.
+      const uint32_t salt = salts_[g][p->tables[g][full]];
+      salts_[g][c->tables[g][full]] = salt;
       AssertionResult copied = BlockHolds(g, c->tables[g][full], salt);
       if (!copied) return copied << " (child " << child << "'s tail copy)";
       AssertionResult kept = BlockHolds(g, p->tables[g][full], salt);
@@ -549,12 +688,20 @@ class ModelDriver {
     if (n < 0) errors.insert(StatusCode::kInvalidArgument);
     if (m == nullptr) errors.insert(StatusCode::kNotFound);
     if (m != nullptr && group_ok && n > room) errors.insert(StatusCode::kOutOfRange);
+    // The arguments, the lookup, settling a resume, then a preempted sequence is refused.
+    const bool reaches_sequence = m != nullptr && group_ok && n >= 0;
+    if (reaches_sequence && m->preempted) errors = {StatusCode::kFailedPrecondition};
     const Status s = mgr_->FreeLeadingBlocks(uid, n, g);
+    if (reaches_sequence) Settle(uid);
+    const AssertionResult synced = Sync();
+    if (!synced) return synced;
     if (!errors.empty()) {
       MODEL_CHECK(errors.count(s.code()) != 0)
           << "FreeLeadingBlocks(" << uid << ", " << n << ", " << g << ") gave " << s
           << "; allowed: " << ErrorNames(errors);
-      Count("free_leading/" + std::string(StatusCodeName(s.code())));
+      Count(reaches_sequence && m->preempted
+                ? "free_leading/preempted"
+                : "free_leading/" + std::string(StatusCodeName(s.code())));
       return AssertionSuccess();
     }
     MODEL_CHECK(s.ok()) << "FreeLeadingBlocks(" << uid << ", " << n << ", " << g << ") gave " << s;
@@ -571,7 +718,12 @@ class ModelDriver {
   AssertionResult FlushOp() {
     op_ = "FlushSequence";
     const SeqId uid = MostlyKnownUid(85);
+    const bool restoring = model_.Find(uid) != nullptr && RestoreInFlight(uid);
     const Status s = mgr_->FlushSequence(uid);
+    // Flushing waits for the sequence's copies in flight (a resume's, or a preemption's whose
+    // handles it drops), applying every copy done by then.
+    const AssertionResult synced = Sync();
+    if (!synced) return synced;
     const auto it = model_.sequences.find(uid);
     if (it == model_.sequences.end()) {
       MODEL_CHECK(s.code() == StatusCode::kNotFound) << s;
@@ -580,14 +732,25 @@ class ModelDriver {
     }
     MODEL_CHECK(s.ok()) << "flush " << uid << ": " << s;
     MODEL_CHECK(mgr_->GetSequence(uid) == nullptr);
+    Count(it->second.preempted ? "flush/preempted" : restoring ? "flush/resuming" : "flush/ok");
+    FlushInModel(it);
+    return AssertionSuccess();
+  }
+
+  // A flushed sequence's blocks go back; a preempted one's handles are dropped (their slots are
+  // free at once; the device blocks of a copy still in flight go back when it is applied).
+  void FlushInModel(std::map<SeqId, ModelSequence>::iterator it) {
+    ModelSequence& m = it->second;
     for (int g = 0; g < num_groups_; ++g) {
-      for (const BlockId b : it->second.tables[g]) {
+      for (const BlockId b : m.tables[g]) {
         if (b != kNoBlock) --model_.refs[g][b];
+      }
+      if (m.preempted) {
+        const auto held = static_cast<int32_t>(m.parked_salts[g].size());
+        (m.tiers[g] == Tier::kHost ? host_used_ : disk_used_)[g] -= held;
       }
     }
     model_.sequences.erase(it);
-    Count("flush/ok");
-    return AssertionSuccess();
   }
 
   AssertionResult GetOrCreateOp() {
@@ -688,12 +851,335 @@ class ModelDriver {
     const std::array<SeqId, 1> uids{uid};
     const std::array<int64_t, 1> lengths{tokens};
     const Result<SchedulingResult> can = mgr_->CanSchedule(uids, lengths);
+    if (const ModelSequence* m = model_.Find(uid); m != nullptr && m->preempted) {
+      MODEL_CHECK(can.status().code() == StatusCode::kFailedPrecondition) << can.status();
+      Count("query_fits/preempted");
+      return AssertionSuccess();
+    }
     MODEL_CHECK(can.ok()) << can.status();
     MODEL_CHECK(*can != SchedulingResult::kKVCacheLimitExceeded &&
                 *can != SchedulingResult::kSequenceTokenLimitExceeded)
         << "Query allowed " << tokens << " tokens for " << uid << " but CanSchedule said "
         << SchedulingResultName(*can);
     Count("query_fits/" + std::string(SchedulingResultName(*can)));
+    return AssertionSuccess();
+  }
+
+  // ---- offload ----
+
+  bool offload() const { return setup_.host_blocks > 0; }
+  ModelSequence* FindSequence(SeqId uid) {
+    const auto it = model_.sequences.find(uid);
+    return it == model_.sequences.end() ? nullptr : &it->second;
+  }
+  // Blocks of group g that `m` holds (or, preempted, has handles for).
+  static int32_t Held(const ModelSequence& m, int g) {
+    return static_cast<int32_t>(m.tables[g].size()) - m.released[g];
+  }
+  // A call naming a resumed sequence settles its resume (waits for the copy).
+  void Settle(SeqId uid) {
+    ModelSequence* m = FindSequence(uid);
+    if (m != nullptr && !m->preempted) m->resuming = false;
+  }
+  bool RestoreInFlight(SeqId uid) const {
+    return std::any_of(jobs_.begin(), jobs_.end(),
+                       [&](const ModelJob& job) { return !job.offload && job.uid == uid; });
+  }
+  bool AppliedThrough(uint64_t job) const { return jobs_.empty() || jobs_.front().id > job; }
+
+  // Applies, in submission order, the copies the store has applied since the last call: its
+  // stats() count the blocks of every applied copy (none fails here). `exact` = false when the
+  // call may have applied copies the model does not know yet (its own, queued first).
+  AssertionResult Sync(bool exact = true) {
+    const OffloadStore* store = mgr_->offload_store();
+    if (store == nullptr) return AssertionSuccess();
+    const OffloadStats& stats = store->stats();
+    MODEL_CHECK(stats.failed_copies == 0) << stats.failed_copies << " copies failed";
+    while (!jobs_.empty()) {
+      const ModelJob& job = jobs_.front();
+      int64_t& applied = job.offload ? offloaded_ : restored_;
+      if (applied + job.count > (job.offload ? stats.offloaded_blocks : stats.restored_blocks)) {
+        break;
+      }
+      applied += job.count;
+      const AssertionResult done = Apply(job);
+      if (!done) return done;
+      jobs_.pop_front();
+    }
+    if (!exact) return AssertionSuccess();
+    MODEL_CHECK(offloaded_ == stats.offloaded_blocks && restored_ == stats.restored_blocks)
+        << "the store applied " << stats.offloaded_blocks << " offloaded and "
+        << stats.restored_blocks << " restored blocks, the model's copies in order " << offloaded_
+        << " and " << restored_;
+    return AssertionSuccess();
+  }
+
+  // An offload done gives its device blocks back; a restore done frees its slots, and the
+  // resumed blocks hold what the preempted sequence's blocks held.
+  AssertionResult Apply(const ModelJob& job) {
+    if (job.offload) {
+      for (const BlockId b : job.blocks) --model_.refs[job.group][b];
+      return AssertionSuccess();
+    }
+    for (int g = 0; g < num_groups_; ++g) {
+      host_used_[g] -= job.host[g];
+      disk_used_[g] -= job.disk[g];
+    }
+    for (const auto& [g, b, salt] : job.expect) {
+      AssertionResult held = BlockHolds(g, b, salt);
+      if (!held) return held << " (sequence " << job.uid << " resumed into it)";
+    }
+    Count("resume/data_checked");
+    return AssertionSuccess();
+  }
+
+  // Where PreemptSequence puts each group's blocks once the first k copies in flight are
+  // applied: the host tier, else the disk tier, else nowhere (nullopt).
+  std::optional<std::vector<Tier>> TiersAt(const ModelSequence& m, size_t k) const {
+    std::vector<Tier> tiers;
+    for (int g = 0; g < num_groups_; ++g) {
+      int32_t host_free = setup_.host_blocks - host_used_[g];
+      int32_t disk_free = setup_.disk_blocks - disk_used_[g];
+      for (size_t j = 0; j < k; ++j) {
+        if (jobs_[j].offload) continue;
+        host_free += jobs_[j].host[g];
+        disk_free += jobs_[j].disk[g];
+      }
+      const int32_t held = Held(m, g);
+      if (host_free >= held) {
+        tiers.push_back(Tier::kHost);
+      } else if (disk_free >= held) {
+        tiers.push_back(Tier::kDisk);
+      } else {
+        return std::nullopt;
+      }
+    }
+    return tiers;
+  }
+
+  // Waits for the copies of `ticket` now (they and every earlier one are then applied), or keeps
+  // it for WaitOp. `submitted`: the operation queued copies, the last of them last_job_.
+  AssertionResult WaitNowOrLater(OffloadTicket ticket, bool submitted) {
+    const uint64_t last = submitted ? last_job_ : 0;
+    if (!Chance(40)) {
+      tickets_.push_back({ticket, last});
+      if (tickets_.size() > 16) tickets_.pop_front();  // an engine may never wait for one
+      return AssertionSuccess();
+    }
+    const Status waited = ticket.Wait();
+    MODEL_CHECK(waited.ok()) << waited;
+    const AssertionResult synced = Sync();
+    if (!synced) return synced;
+    MODEL_CHECK(AppliedThrough(last)) << "a waited copy is not applied";
+    Count("wait/at_once");
+    return AssertionSuccess();
+  }
+
+  AssertionResult PreemptOp() {
+    op_ = "PreemptSequence";
+    SeqId uid = MostlyKnownUid(90);
+    for (int tries = 0; tries < 4 && Chance(85); ++tries) {  // mostly one that can be preempted
+      const ModelSequence* m = model_.Find(uid);
+      if (m == nullptr || (!m->preempted && m->in_flight == 0)) break;
+      uid = KnownUid();
+    }
+    ModelSequence* m = FindSequence(uid);
+    StatusCode want = StatusCode::kOk;
+    if (!offload()) {
+      want = StatusCode::kFailedPrecondition;
+    } else if (m == nullptr) {
+      want = StatusCode::kNotFound;
+    } else if (m->preempted || m->in_flight != 0) {
+      want = StatusCode::kFailedPrecondition;
+    }
+    // The tiers it may choose: settling a resume of `uid` first applies between none and all of
+    // the copies in flight; otherwise it decides on the state the model last synced to.
+    std::vector<std::optional<std::vector<Tier>>> decisions;
+    if (want == StatusCode::kOk) {
+      for (size_t k = 0; k <= jobs_.size(); ++k) decisions.push_back(TiersAt(*m, k));
+    }
+    const bool settles = m != nullptr && !m->preempted && m->resuming;
+    const size_t in_flight = jobs_.size();
+    Result<OffloadTicket> ticket = mgr_->PreemptSequence(uid);
+    if (offload()) Settle(uid);
+    // The offload of one group applies what is done of the earlier ones, its own included: the
+    // earlier copies first, its own once the model has queued them.
+    const AssertionResult synced = Sync(/*exact=*/false);
+    if (!synced) return synced;
+    const size_t applied = in_flight - jobs_.size();
+    if (want != StatusCode::kOk) {
+      MODEL_CHECK(ticket.status().code() == want) << ticket.status() << ", expected " << want;
+      Count(!offload() ? "preempt/offload_off"
+                       : "preempt/" + std::string(StatusCodeName(ticket.status().code())));
+      return Sync();
+    }
+    const size_t last = settles ? applied : 0;
+    if (!ticket.ok()) {
+      const AssertionResult exact = Sync();
+      if (!exact) return exact;
+      MODEL_CHECK(ticket.status().code() == StatusCode::kResourceExhausted) << ticket.status();
+      MODEL_CHECK(std::any_of(decisions.begin(), decisions.begin() + last + 1,
+                              [](const auto& tiers) { return !tiers.has_value(); }))
+          << "PreemptSequence(" << uid << ") gave " << ticket.status()
+          << " but the tiers can take its blocks";
+      Count("preempt/RESOURCE_EXHAUSTED");
+      return AssertionSuccess();
+    }
+    // The tier each group went to, by the slots it took.
+    const OffloadStore& store = *mgr_->offload_store();
+    std::vector<Tier> chosen;
+    for (int g = 0; g < num_groups_; ++g) {
+      const int32_t held = Held(*m, g);
+      const int32_t host_free = setup_.host_blocks - host_used_[g];
+      const int32_t disk_free = setup_.disk_blocks - disk_used_[g];
+      if (store.free_host_blocks(g) == host_free - held && store.free_disk_blocks(g) == disk_free) {
+        chosen.push_back(Tier::kHost);
+      } else if (store.free_host_blocks(g) == host_free &&
+                 store.free_disk_blocks(g) == disk_free - held) {
+        chosen.push_back(Tier::kDisk);
+      } else {
+        return AssertionFailure() << "group " << g << ": " << held << " blocks preempted, "
+                                  << store.free_host_blocks(g) << " host and "
+                                  << store.free_disk_blocks(g) << " disk slots free; the model "
+                                  << host_free << " and " << disk_free << " before";
+      }
+    }
+    const bool allowed =
+        std::any_of(decisions.begin(), decisions.begin() + last + 1, [&](const auto& tiers) {
+          if (!tiers.has_value()) return false;
+          for (int g = 0; g < num_groups_; ++g) {
+            if (Held(*m, g) > 0 && (*tiers)[g] != chosen[g]) return false;
+          }
+          return true;
+        });
+    MODEL_CHECK(allowed) << "PreemptSequence(" << uid << ") chose tiers the model does not allow"
+                         << " (host first, disk when the host tier cannot take a group)";
+    // The store holds the blocks until the copies are applied; the table keeps its length.
+    bool to_disk = false;
+    const uint64_t job_before = last_job_;
+    m->tiers = chosen;
+    m->parked_salts.assign(static_cast<size_t>(num_groups_), {});
+    for (int g = 0; g < num_groups_; ++g) {
+      const int32_t held = Held(*m, g);
+      if (held == 0) continue;
+      to_disk = to_disk || chosen[g] == Tier::kDisk;
+      (chosen[g] == Tier::kHost ? host_used_ : disk_used_)[g] += held;
+      ModelJob job{.id = ++last_job_, .offload = true, .group = g, .count = held};
+      for (auto i = static_cast<size_t>(m->released[g]); i < m->tables[g].size(); ++i) {
+        const BlockId b = m->tables[g][i];
+        job.blocks.push_back(b);
+        m->parked_salts[g].push_back(salts_[g][b]);
+        m->tables[g][i] = kNoBlock;
+      }
+      jobs_.push_back(std::move(job));
+    }
+    m->preempted = true;
+    const AssertionResult exact = Sync();
+    if (!exact) return exact;
+    Count(to_disk ? "preempt/ok_disk" : "preempt/ok_host");
+    if (settles) Count("preempt/settled_resume");
+    return WaitNowOrLater(*ticket, last_job_ > job_before);
+  }
+
+  AssertionResult ResumeOp() {
+    op_ = "ResumeSequence";
+    std::vector<SeqId> preempted;
+    for (const auto& [uid, m] : model_.sequences) {
+      if (m.preempted) preempted.push_back(uid);
+    }
+    const SeqId uid =
+        !preempted.empty() && Chance(85)
+            ? preempted[static_cast<size_t>(Uniform(0, static_cast<int64_t>(preempted.size()) - 1))]
+            : MostlyKnownUid(80);
+    ModelSequence* m = FindSequence(uid);
+    // Decided before any copy is applied: the free blocks the model last synced to.
+    StatusCode want = StatusCode::kOk;
+    if (!offload()) {
+      want = StatusCode::kFailedPrecondition;
+    } else if (m == nullptr) {
+      want = StatusCode::kNotFound;
+    } else if (!m->preempted) {
+      want = StatusCode::kFailedPrecondition;
+    } else {
+      for (int g = 0; g < num_groups_; ++g) {
+        if (FreeBlocks(g) < Held(*m, g)) want = StatusCode::kResourceExhausted;
+      }
+    }
+    Result<OffloadTicket> ticket = mgr_->ResumeSequence(uid);
+    const AssertionResult synced = Sync();  // Restore applies the copies done before it takes
+    if (!synced) return synced;
+    if (want != StatusCode::kOk) {
+      MODEL_CHECK(ticket.status().code() == want) << ticket.status() << ", expected " << want;
+      Count(!offload() ? "resume/offload_off"
+                       : "resume/" + std::string(StatusCodeName(ticket.status().code())));
+      return AssertionSuccess();
+    }
+    MODEL_CHECK(ticket.ok()) << "ResumeSequence(" << uid << ") gave " << ticket.status();
+    // Fresh blocks in the table's place, which hold the old blocks' bytes once copied.
+    ModelJob job{.id = 0,
+                 .offload = false,
+                 .host = std::vector<int32_t>(static_cast<size_t>(num_groups_), 0),
+                 .disk = std::vector<int32_t>(static_cast<size_t>(num_groups_), 0),
+                 .uid = uid};
+    const Sequence* seq = mgr_->GetSequence(uid);
+    MODEL_CHECK(seq != nullptr && !seq->preempted()) << "sequence " << uid;
+    for (int g = 0; g < num_groups_; ++g) {
+      const std::span<const BlockId> table = seq->block_table(g);
+      MODEL_CHECK(table.size() == m->tables[g].size()) << "sequence " << uid << " group " << g;
+      const int32_t held = Held(*m, g);
+      for (int32_t i = 0; i < held; ++i) {
+        const auto at = static_cast<size_t>(m->released[g] + i);
+        const BlockId b = table[at];
+        MODEL_CHECK(b >= 0 && b < setup_.num_blocks) << "block " << b;
+        MODEL_CHECK(model_.refs[g][b] == 0)
+            << "sequence " << uid << " resumed into block " << b << " of group " << g
+            << " which has " << model_.refs[g][b] << " owners";
+        model_.refs[g][b] = 1;
+        m->tables[g][at] = b;
+        salts_[g][b] = m->parked_salts[g][static_cast<size_t>(i)];
+        job.expect.emplace_back(g, b, salts_[g][b]);
+      }
+      (m->tiers[g] == Tier::kHost ? job.host : job.disk)[g] += held;
+      job.count += held;
+    }
+    const bool submitted = job.count > 0;
+    if (submitted) {
+      job.id = ++last_job_;
+      jobs_.push_back(std::move(job));
+    }
+    m->preempted = false;
+    m->resuming = true;
+    m->parked_salts.clear();
+    Count("resume/ok");
+    return WaitNowOrLater(*ticket, submitted);
+  }
+
+  // Waits for, or polls, a ticket kept from an earlier preemption or resume.
+  AssertionResult WaitOp() {
+    op_ = "WaitTicket";
+    if (tickets_.empty()) {
+      Count("wait/none");
+      return AssertionSuccess();
+    }
+    const auto i = static_cast<size_t>(Uniform(0, static_cast<int64_t>(tickets_.size()) - 1));
+    KeptTicket kept = tickets_[i];
+    if (Chance(30)) {
+      const bool done = kept.ticket.Poll();
+      const AssertionResult synced = Sync();
+      if (!synced) return synced;
+      MODEL_CHECK(done == AppliedThrough(kept.last_job))
+          << "Poll said " << done << " but its copies are " << (done ? "not " : "") << "applied";
+      Count(done ? "poll/done" : "poll/pending");
+      if (!done) return AssertionSuccess();
+    } else {
+      const Status waited = kept.ticket.Wait();
+      MODEL_CHECK(waited.ok()) << waited;
+      const AssertionResult synced = Sync();
+      if (!synced) return synced;
+      MODEL_CHECK(AppliedThrough(kept.last_job)) << "a waited copy is not applied";
+      Count("wait/later");
+    }
+    tickets_.erase(tickets_.begin() + static_cast<std::ptrdiff_t>(i));
     return AssertionSuccess();
   }
 
@@ -706,6 +1192,8 @@ class ModelDriver {
         << mgr_->n_tracked_sequences() << " tracked, model " << model_.sequences.size();
     occurrences_.assign(static_cast<size_t>(num_groups_),
                         std::vector<int32_t>(static_cast<size_t>(setup_.num_blocks), 0));
+    held_.assign(static_cast<size_t>(num_groups_),
+                 std::vector<int32_t>(static_cast<size_t>(setup_.num_blocks), 0));
     last_owner_.assign(static_cast<size_t>(num_groups_),
                        std::vector<int32_t>(static_cast<size_t>(setup_.num_blocks), -1));
     slot_used_.assign(static_cast<size_t>(setup_.max_tracked), false);
@@ -721,10 +1209,15 @@ class ModelDriver {
       MODEL_CHECK(seq->seen_tokens() == m.seen && seq->in_flight_tokens() == m.in_flight)
           << "sequence " << uid << ": seen " << seq->seen_tokens() << " in flight "
           << seq->in_flight_tokens() << ", model " << m.seen << " / " << m.in_flight;
+      MODEL_CHECK(seq->preempted() == m.preempted) << "sequence " << uid;
       for (int g = 0; g < num_groups_; ++g) {
         const AssertionResult group = VerifyGroup(uid, m, *seq, g);
         if (!group) return group;
       }
+    }
+    // The store holds one reference to each block an offload in flight reads.
+    for (const ModelJob& job : jobs_) {
+      for (const BlockId b : job.blocks) ++held_[job.group][b];
     }
     const std::vector<int32_t> free = mgr_->free_blocks();
     MODEL_CHECK(static_cast<int>(free.size()) == num_groups_);
@@ -733,10 +1226,11 @@ class ModelDriver {
       const BlockPool& pool = mgr_->pool(g);
       int32_t referenced = 0;
       for (BlockId b = 0; b < setup_.num_blocks; ++b) {
-        const int32_t owners = occurrences_[g][b];
+        const int32_t owners = occurrences_[g][b] + held_[g][b];
         MODEL_CHECK(pool.ref_count(b) == owners && model_.refs[g][b] == owners)
-            << "block " << b << " of group " << g << ": in " << owners << " tables, ref_count "
-            << pool.ref_count(b) << ", model " << model_.refs[g][b];
+            << "block " << b << " of group " << g << ": in " << occurrences_[g][b] << " tables and "
+            << held_[g][b] << " copies in flight, ref_count " << pool.ref_count(b) << ", model "
+            << model_.refs[g][b];
         // Two sequences hold one block only as a shared (forked) block.
         MODEL_CHECK(owners <= 1 || pool.ref_count(b) > 1);
         if (owners > 0) ++referenced;
@@ -759,10 +1253,42 @@ class ModelDriver {
         }
       }
     }
+    const AssertionResult store = VerifyStore();
+    if (!store) return store;
     // An unknown uid has no sequence and no capacity.
     const SeqId unknown = UnknownUid();
     MODEL_CHECK(mgr_->GetSequence(unknown) == nullptr);
     MODEL_CHECK(mgr_->RemainingBlockCapacity(unknown) == 0);
+    return AssertionSuccess();
+  }
+
+  // The store holds exactly the device blocks of the offloads in flight, and its free slots and
+  // live handles are those the model's preempted sequences and restores in flight leave.
+  AssertionResult VerifyStore() {
+    const OffloadStore* store = mgr_->offload_store();
+    if (store == nullptr) return AssertionSuccess();
+    int64_t handles = 0;
+    for (int g = 0; g < num_groups_; ++g) {
+      std::vector<BlockId> held = store->held_blocks(g);
+      std::vector<BlockId> want;
+      for (const ModelJob& job : jobs_) {
+        if (job.offload && job.group == g) {
+          want.insert(want.end(), job.blocks.begin(), job.blocks.end());
+        }
+      }
+      std::sort(held.begin(), held.end());
+      std::sort(want.begin(), want.end());
+      MODEL_CHECK(held == want) << "group " << g << ": the store holds " << held.size()
+                                << " device blocks, the model's offloads in flight " << want.size();
+      MODEL_CHECK(store->free_host_blocks(g) == setup_.host_blocks - host_used_[g] &&
+                  store->free_disk_blocks(g) == setup_.disk_blocks - disk_used_[g])
+          << "group " << g << ": " << store->free_host_blocks(g) << " host and "
+          << store->free_disk_blocks(g) << " disk slots free, the model "
+          << setup_.host_blocks - host_used_[g] << " and " << setup_.disk_blocks - disk_used_[g];
+      handles += host_used_[g] + disk_used_[g];
+    }
+    MODEL_CHECK(store->live_handles() == handles)
+        << store->live_handles() << " live handles, the model " << handles;
     return AssertionSuccess();
   }
 
@@ -788,7 +1314,7 @@ class ModelDriver {
     // Released entries are a prefix, held ones valid, none held twice by one sequence.
     for (size_t i = 0; i < want.size(); ++i) {
       const BlockId b = want[i];
-      MODEL_CHECK((b == kNoBlock) == (i < static_cast<size_t>(m.released[g])))
+      MODEL_CHECK((b == kNoBlock) == (m.preempted || i < static_cast<size_t>(m.released[g])))
           << "sequence " << uid << " group " << g << " entry " << i;
       if (b == kNoBlock) continue;
       MODEL_CHECK(last_owner_[g][b] != m.slot)
@@ -808,7 +1334,21 @@ class ModelDriver {
   int64_t step_ = 0;
   std::string op_ = "Init";
   std::map<std::string, int64_t> stats_;
+  // Offload: the copies in flight in submission order, what the store applied, the slots in use
+  // per group (preempted sequences' handles and restores in flight), kept tickets.
+  std::string disk_path_;
+  std::deque<ModelJob> jobs_;
+  uint64_t last_job_ = 0;
+  int64_t offloaded_ = 0;
+  int64_t restored_ = 0;
+  std::vector<int32_t> host_used_;
+  std::vector<int32_t> disk_used_;
+  std::deque<KeptTicket> tickets_;
+  // The pattern each block was last filled with ([group][block]; 0: none).
+  std::vector<std::vector<uint32_t>> salts_;
+  uint32_t last_salt_ = 0;
   // Verify()'s scratch.
+  std::vector<std::vector<int32_t>> held_;
   std::vector<std::vector<int32_t>> occurrences_;
   std::vector<std::vector<int32_t>> last_owner_;
   std::vector<bool> slot_used_;
@@ -867,6 +1407,32 @@ TEST_P(StateManagerModelTest, RandomLifecyclesMatchReference) {
                            "query/capped",
                            "query/no_slot",
                            "query_fits/Success"}) {
+    const auto it = driver.stats().find(what);
+    EXPECT_TRUE(it != driver.stats().end() && it->second > 0) << "never reached: " << what;
+  }
+  std::vector<std::string> offload = {"preempt/offload_off", "resume/offload_off"};
+  if (setup.host_blocks > 0) {
+    offload = {"preempt/ok_host",
+               "preempt/RESOURCE_EXHAUSTED",
+               "preempt/FAILED_PRECONDITION",
+               "preempt/NOT_FOUND",
+               "preempt/settled_resume",
+               "resume/ok",
+               "resume/data_checked",
+               "resume/RESOURCE_EXHAUSTED",
+               "resume/FAILED_PRECONDITION",
+               "resume/NOT_FOUND",
+               "wait/at_once",
+               "wait/later",
+               "poll/done",
+               "schedule/preempted",
+               "fork/preempted",
+               "free_leading/preempted",
+               "flush/preempted",
+               "query_fits/preempted"};
+    if (setup.disk_blocks > 0) offload.push_back("preempt/ok_disk");
+  }
+  for (const std::string& what : offload) {
     const auto it = driver.stats().find(what);
     EXPECT_TRUE(it != driver.stats().end() && it->second > 0) << "never reached: " << what;
   }
