@@ -1,33 +1,25 @@
-// OffloadStore: handles, host and disk slots, and the worker thread that copies (offload.h).
-//
-// The scheduling thread owns every table here; the worker owns nothing but the job it runs. A
-// job is handed over under mu_ and handed back (done, with its status and checksums) under mu_,
-// so the worker never touches a table and the scheduling thread never touches a running job.
-// Jobs run in submission order, which is what makes reusing a slot safe as soon as the
-// scheduling thread frees it: any later write to it runs after every earlier read.
+// OffloadStore: the calls, their checks and the store's creation (offload.h). The worker thread
+// and the bookkeeping of finished jobs are in offload_worker.cc; the shared state is in
+// offload_store.h.
 #include "blockkv/offload.h"
 
 #include <algorithm>
-#include <condition_variable>
-#include <deque>
 #include <mutex>
 #include <optional>
-#include <thread>
-#include <unordered_map>
 #include <utility>
 #include <vector>
-
-#define XXH_INLINE_ALL
-#include <xxhash.h>
 
 #include "internal/block_mover.h"
 #include "internal/check.h"
 #include "internal/checked_math.h"
 #include "internal/strings.h"
+#include "offload_store.h"
 
 namespace blockkv {
 
 using internal::StrCat;
+using internal::offload::Copy;
+using internal::offload::Op;
 
 Status OffloadConfig::Validate() const {
   auto non_negative = [](const char* field, int64_t value) -> Status {
@@ -56,28 +48,6 @@ Status OffloadConfig::Validate() const {
 
 namespace {
 
-// One block copy of a job. `checksum` is written by the worker for copies onto the disk.
-struct Copy {
-  enum Kind : uint8_t { kToHost, kToDisk, kHostToDisk, kFromHost, kFromDisk };
-  Kind kind;
-  int group;
-  BlockId block;  // device block (kNoBlock for kHostToDisk)
-  int32_t host_slot;
-  int32_t disk_slot;
-  int32_t handle;
-  uint64_t checksum;
-};
-
-enum class Op : uint8_t { kOffload, kRestore, kSpill };
-
-struct Job {
-  uint64_t id = 0;
-  Op op = Op::kOffload;
-  std::vector<Copy> copies;
-  Status status;  // written by the worker before done
-  bool done = false;
-};
-
 class CacheOwner final : public OffloadStore::BlockOwner {
  public:
   explicit CacheOwner(BlockedKVCache* cache) : cache_(cache) {}
@@ -95,367 +65,10 @@ class CacheOwner final : public OffloadStore::BlockOwner {
 
 }  // namespace
 
-struct OffloadStore::Impl {
-  struct Entry {
-    uint32_t generation = 0;
-    bool live = false;
-    int group = 0;
-    Tier tier = Tier::kHost;
-    uint64_t job = 0;           // the job in flight on this handle, 0 when none
-    BlockId device = kNoBlock;  // source block while its offload runs, or kept when it failed
-    int32_t host_slot = -1;
-    int32_t disk_slot = -1;
-    uint64_t checksum = 0;  // of the disk copy
-  };
-  struct Group {
-    internal::BlockLayout layout;
-    internal::HostBuffer host;       // host_blocks · block_bytes
-    std::vector<int32_t> free_host;  // free host slots, a stack
-    std::vector<int32_t> free_disk;
-    int64_t disk_base = 0;        // offset of slot 0 in the file
-    std::vector<int32_t> busy;    // [num_blocks]: jobs in flight on the device block
-    std::vector<uint32_t> marks;  // [num_blocks]: == mark_epoch when seen in this call
-  };
-
-  BlockedKVCache* cache = nullptr;
-  std::unique_ptr<CacheOwner> own_owner;
-  BlockOwner* owner = nullptr;
-  std::vector<Group> groups;
-  int32_t host_blocks = 0;
-  int32_t disk_blocks = 0;
-  std::unique_ptr<BlockFile> file;
-  std::string disk_path;
-  std::vector<Entry> entries;
-  std::vector<int32_t> free_entries;
-  int64_t live_handles = 0;
-  OffloadStats stats;
-  uint32_t mark_epoch = 0;
-  std::vector<uint32_t> handle_marks;  // [entries]: == mark_epoch when seen in this call
-  // A new mark_epoch for a call that looks for repeated blocks or handles. When it wraps around,
-  // every mark of both kinds is cleared, so that no mark left from before can equal a later one.
-  uint32_t NextMarkEpoch();
-
-  // Jobs submitted and not yet reaped, oldest first (scheduling thread); failures of reaped ones.
-  std::deque<std::unique_ptr<Job>> jobs;
-  uint64_t next_job = 1;
-  std::unordered_map<uint64_t, Status> failed;
-
-  std::unique_ptr<internal::BlockMover> sync_mover;  // CopyToHost / CopyToDevice
-
-  // Worker side.
-  std::unique_ptr<internal::BlockMover> mover;
-  internal::HostBuffer staging;  // one block of the largest group: disk reads and writes
-  std::mutex mu;
-  std::condition_variable work_cv;
-  std::condition_variable done_cv;
-  std::deque<Job*> queue;  // guarded by mu
-  bool stop = false;       // guarded by mu
-  std::thread worker;
-
-  // ---- worker thread ----
-  void Run();
-  Status Execute(Job& job);
-  std::byte* HostSlot(int group, int32_t slot) const {
-    const Group& g = groups[group];
-    return g.host.data() + slot * g.layout.block_bytes();
-  }
-  int64_t DiskOffset(int group, int32_t slot) const {
-    return groups[group].disk_base + slot * groups[group].layout.block_bytes();
-  }
-  Status WriteDisk(Copy& copy, const std::byte* data);
-  Status ReadDisk(const Copy& copy, std::byte* data);
-
-  // ---- scheduling thread ----
-  uint64_t Submit(Op op, std::vector<Copy> copies);
-  void Reap();
-  void Apply(Job& job);
-  bool IsDone(uint64_t job) const { return jobs.empty() || job < jobs.front()->id; }
-  // Blocks until `job` is done, then reaps.
-  void WaitFor(uint64_t job);
-  // The first failure among reaped jobs [first, last], or OK.
-  Status StatusOf(uint64_t first, uint64_t last) const {
-    if (failed.empty()) return Status::Ok();
-    for (uint64_t job = first; job <= last; ++job) {
-      if (const auto it = failed.find(job); it != failed.end()) return it->second;
-    }
-    return Status::Ok();
-  }
-  // Waits for copies in flight on `handles`, then checks them (live, not repeated, of `group`
-  // unless group < 0).
-  Status CheckHandles(std::span<const OffloadHandle> handles, int group, const char* what);
-  int32_t NewEntry();
-  void FreeEntry(int32_t index);
-  void FreeSlots(Entry& entry);
-};
-
-// ---- the worker -------------------------------------------------------------------------------
-
-void OffloadStore::Impl::Run() {
-  for (;;) {
-    Job* job = nullptr;
-    {
-      std::unique_lock lock(mu);
-      work_cv.wait(lock, [&] { return stop || !queue.empty(); });
-      if (queue.empty()) return;  // stop, and nothing left to do
-      job = queue.front();
-    }
-    Status status = Execute(*job);
-    {
-      std::lock_guard lock(mu);
-      job->status = std::move(status);
-      job->done = true;
-      queue.pop_front();
-    }
-    done_cv.notify_all();
-  }
-}
-
-Status OffloadStore::Impl::WriteDisk(Copy& copy, const std::byte* data) {
-  const int64_t bytes = groups[copy.group].layout.block_bytes();
-  copy.checksum = XXH3_64bits(data, static_cast<size_t>(bytes));
-  Status s = file->Write(DiskOffset(copy.group, copy.disk_slot),
-                         std::span(data, static_cast<size_t>(bytes)));
-  if (s.ok()) return s;
-  return Status(s.code(),
-                StrCat("offload of handle ", copy.handle, " (group ", copy.group, ", disk slot ",
-                       copy.disk_slot, ") to ", disk_path, ": ", s.message()));
-}
-
-Status OffloadStore::Impl::ReadDisk(const Copy& copy, std::byte* data) {
-  const int64_t bytes = groups[copy.group].layout.block_bytes();
-  const int64_t offset = DiskOffset(copy.group, copy.disk_slot);
-  const auto where = [&] {
-    return StrCat("restore of handle ", copy.handle, " (group ", copy.group, ", disk slot ",
-                  copy.disk_slot, " at offset ", offset, " of ", disk_path, ")");
-  };
-  Status s = file->Read(offset, std::span(data, static_cast<size_t>(bytes)));
-  if (!s.ok()) return Status(s.code(), StrCat(where(), ": ", s.message()));
-  const uint64_t sum = XXH3_64bits(data, static_cast<size_t>(bytes));
-  if (sum != copy.checksum) {
-    return DataLossError(StrCat(where(), ": checksum mismatch (stored ", copy.checksum, ", read ",
-                                sum, "): the file was changed or corrupted"));
-  }
-  return Status::Ok();
-}
-
-Status OffloadStore::Impl::Execute(Job& job) {
-  for (Copy& c : job.copies) {
-    const internal::BlockLayout& layout = groups[c.group].layout;
-    switch (c.kind) {
-      case Copy::kToHost:
-        BLOCKKV_RETURN_IF_ERROR(mover->ToHost(layout, c.block, HostSlot(c.group, c.host_slot)));
-        break;
-      case Copy::kFromHost:
-        BLOCKKV_RETURN_IF_ERROR(mover->FromHost(layout, HostSlot(c.group, c.host_slot), c.block));
-        break;
-      case Copy::kToDisk:
-        BLOCKKV_RETURN_IF_ERROR(mover->ToHost(layout, c.block, staging.data()));
-        BLOCKKV_RETURN_IF_ERROR(mover->Finish());
-        BLOCKKV_RETURN_IF_ERROR(WriteDisk(c, staging.data()));
-        break;
-      case Copy::kHostToDisk:
-        BLOCKKV_RETURN_IF_ERROR(WriteDisk(c, HostSlot(c.group, c.host_slot)));
-        break;
-      case Copy::kFromDisk:
-        // Staged and verified before the device sees a byte.
-        BLOCKKV_RETURN_IF_ERROR(ReadDisk(c, staging.data()));
-        BLOCKKV_RETURN_IF_ERROR(mover->FromHost(layout, staging.data(), c.block));
-        BLOCKKV_RETURN_IF_ERROR(mover->Finish());  // before the staging buffer is reused
-        break;
-    }
-  }
-  return mover->Finish();
-}
-
-// ---- the scheduling thread --------------------------------------------------------------------
-
-uint64_t OffloadStore::Impl::Submit(Op op, std::vector<Copy> copies) {
-  auto job = std::make_unique<Job>();
-  job->id = next_job++;
-  job->op = op;
-  job->copies = std::move(copies);
-  for (const Copy& c : job->copies) {
-    entries[c.handle].job = job->id;
-    if (c.block != kNoBlock) ++groups[c.group].busy[c.block];
-  }
-  Job* raw = job.get();
-  jobs.push_back(std::move(job));
-  {
-    std::lock_guard lock(mu);
-    queue.push_back(raw);
-  }
-  work_cv.notify_one();
-  return raw->id;
-}
-
-void OffloadStore::Impl::Reap() {
-  for (;;) {
-    {
-      std::lock_guard lock(mu);
-      if (jobs.empty() || !jobs.front()->done) return;
-    }
-    std::unique_ptr<Job> job = std::move(jobs.front());
-    jobs.pop_front();
-    Apply(*job);
-  }
-}
-
-void OffloadStore::Impl::WaitFor(uint64_t job) {
-  if (!IsDone(job)) {
-    std::unique_lock lock(mu);
-    Job* target = nullptr;
-    for (const auto& j : jobs) {
-      if (j->id == job) target = j.get();
-    }
-    BLOCKKV_CHECK(target != nullptr, "a job not yet reaped is in the list");
-    done_cv.wait(lock, [&] { return target->done; });
-  }
-  Reap();
-}
-
-void OffloadStore::Impl::FreeSlots(Entry& entry) {
-  Group& g = groups[entry.group];
-  if (entry.host_slot >= 0) g.free_host.push_back(entry.host_slot);
-  if (entry.disk_slot >= 0) g.free_disk.push_back(entry.disk_slot);
-  entry.host_slot = -1;
-  entry.disk_slot = -1;
-}
-
-void OffloadStore::Impl::Apply(Job& job) {
-  const bool ok = job.status.ok();
-  if (!ok) {
-    ++stats.failed_copies;
-    failed.emplace(job.id, job.status);
-  }
-  const int64_t n = static_cast<int64_t>(job.copies.size());
-  std::vector<std::vector<BlockId>> release(groups.size());
-  for (const Copy& c : job.copies) {
-    Entry& e = entries[c.handle];
-    e.job = 0;
-    if (c.block != kNoBlock) --groups[c.group].busy[c.block];
-    switch (job.op) {
-      case Op::kOffload:
-        if (ok) {
-          release[c.group].push_back(e.device);
-          e.device = kNoBlock;
-          e.checksum = c.checksum;
-        } else {
-          FreeSlots(e);  // the device block is kept: nothing lost
-          e.tier = Tier::kDevice;
-        }
-        break;
-      case Op::kRestore:
-        if (ok) FreeEntry(c.handle);
-        break;
-      case Op::kSpill:
-        if (ok) {
-          groups[c.group].free_host.push_back(e.host_slot);
-          e.host_slot = -1;
-          e.tier = Tier::kDisk;
-          e.checksum = c.checksum;
-        } else {
-          groups[c.group].free_disk.push_back(e.disk_slot);
-          e.disk_slot = -1;
-        }
-        break;
-    }
-  }
-  for (size_t g = 0; g < release.size(); ++g) {
-    if (!release[g].empty()) owner->Release(static_cast<int>(g), release[g]);
-  }
-  if (!ok) return;
-  int64_t bytes = 0;
-  for (const Copy& c : job.copies) bytes += groups[c.group].layout.block_bytes();
-  switch (job.op) {
-    case Op::kOffload:
-      stats.offloaded_blocks += n;
-      stats.bytes_written += bytes;
-      break;
-    case Op::kRestore:
-      stats.restored_blocks += n;
-      stats.bytes_read += bytes;
-      break;
-    case Op::kSpill:
-      stats.spilled_blocks += n;
-      stats.bytes_written += bytes;
-      break;
-  }
-}
-
-int32_t OffloadStore::Impl::NewEntry() {
-  int32_t index;
-  if (!free_entries.empty()) {
-    index = free_entries.back();
-    free_entries.pop_back();
-  } else {
-    index = static_cast<int32_t>(entries.size());
-    entries.emplace_back();
-    handle_marks.push_back(0);
-  }
-  Entry& e = entries[index];
-  e.live = true;
-  e.job = 0;
-  e.device = kNoBlock;
-  e.host_slot = -1;
-  e.disk_slot = -1;
-  e.checksum = 0;
-  ++live_handles;
-  return index;
-}
-
-void OffloadStore::Impl::FreeEntry(int32_t index) {
-  Entry& e = entries[index];
-  FreeSlots(e);
-  e.live = false;
-  ++e.generation;
-  free_entries.push_back(index);
-  --live_handles;
-}
-
-uint32_t OffloadStore::Impl::NextMarkEpoch() {
-  if (++mark_epoch == 0) {
-    for (Group& g : groups) std::fill(g.marks.begin(), g.marks.end(), 0);
-    std::fill(handle_marks.begin(), handle_marks.end(), 0);
-    mark_epoch = 1;
-  }
-  return mark_epoch;
-}
-
-Status OffloadStore::Impl::CheckHandles(std::span<const OffloadHandle> handles, int group,
-                                        const char* what) {
-  // Copies in flight on these handles finish first, so that the checks see what they did: a
-  // restore that succeeds releases its handles, which are then stale here, not used again.
-  for (const OffloadHandle& h : handles) {
-    if (h.index >= 0 && h.index < static_cast<int32_t>(entries.size()) &&
-        entries[h.index].job != 0) {
-      WaitFor(entries[h.index].job);
-    }
-  }
-  NextMarkEpoch();
-  for (size_t i = 0; i < handles.size(); ++i) {
-    const OffloadHandle h = handles[i];
-    if (h.index < 0 || h.index >= static_cast<int32_t>(entries.size()) || !entries[h.index].live ||
-        entries[h.index].generation != h.generation) {
-      return NotFoundError(StrCat(what, ": handles[", i, "] (index ", h.index, ", generation ",
-                                  h.generation, ") is not a live handle of this store"));
-    }
-    if (group >= 0 && entries[h.index].group != group) {
-      return InvalidArgumentError(StrCat(what, ": handles[", i, "] belongs to cache group ",
-                                         entries[h.index].group, ", not ", group));
-    }
-    if (handle_marks[h.index] == mark_epoch) {
-      return InvalidArgumentError(
-          StrCat(what, ": handles[", i, "] (index ", h.index, ") is repeated"));
-    }
-    handle_marks[h.index] = mark_epoch;
-  }
-  return Status::Ok();
-}
-
 // ---- OffloadStore -------------------------------------------------------------------------------
 
 Result<std::unique_ptr<OffloadStore>> OffloadStore::Create(BlockedKVCache* cache,
-                                                           OffloadConfig config,
+                                                           const OffloadConfig& config,
                                                            BlockOwner* owner) {
   if (cache == nullptr) return InvalidArgumentError("OffloadStore::Create: cache is null");
   BLOCKKV_RETURN_IF_ERROR(config.Validate());
@@ -758,7 +371,7 @@ Result<OffloadHandle> OffloadStore::CopyToHost(int group, BlockId block) {
   e.group = group;
   e.tier = Tier::kHost;
   e.host_slot = slot;
-  m.stats.offloaded_blocks += 1;
+  m.stats.copied_to_host += 1;
   m.stats.bytes_written += g.layout.block_bytes();
   return OffloadHandle{index, e.generation};
 }
@@ -780,7 +393,7 @@ Status OffloadStore::CopyToDevice(OffloadHandle handle, BlockId block) {
   BLOCKKV_RETURN_IF_ERROR(
       m.sync_mover->FromHost(g.layout, m.HostSlot(e.group, e.host_slot), block));
   BLOCKKV_RETURN_IF_ERROR(m.sync_mover->Finish());
-  m.stats.restored_blocks += 1;
+  m.stats.copied_to_device += 1;
   m.stats.bytes_read += g.layout.block_bytes();
   return Status::Ok();
 }

@@ -99,7 +99,7 @@ int32_t PrefixHostTier::Match(int group, std::span<const TokenId> tokens, int32_
   uint64_t parent_id = parent != nullptr ? parent->id : 0;
   int32_t n = 0;
   for (; n < max_blocks; ++n) {
-    const auto index = static_cast<size_t>(first + n);
+    const size_t index = static_cast<size_t>(first) + static_cast<size_t>(n);
     const std::span<const TokenId> block = tokens.subspan(index * bs, bs);
     const BlockHash key = prefix_->Hash(index == 0 ? nullptr : &parent_key, block, extras, index);
     const int32_t e = Find(group, key, parent_id, block, ns_id, extras, index);

@@ -29,7 +29,7 @@ Status StateManager::EnableOffload() {
             StrCat("StateManagerConfig.offload_config: ", store.status().message())};
   }
   offload_ = std::move(*store);
-  parked_.reset(new Parked[static_cast<size_t>(config_.max_tracked_sequences)]);
+  parked_ = std::make_unique<Parked[]>(static_cast<size_t>(config_.max_tracked_sequences));
   // Promotion continues a run of whole blocks, which needs one group without a window.
   if (prefix_ != nullptr && num_groups() == 1 && SlidingWindow(0) == 0) {
     host_prefix_ = std::make_unique<internal::PrefixHostTier>(prefix_.get(), offload_.get(),

@@ -98,6 +98,8 @@ struct OffloadStats {
   int64_t offloaded_blocks = 0;  // blocks whose offload copy succeeded (to host or disk)
   int64_t restored_blocks = 0;   // blocks whose restore copy succeeded (a kept device block too)
   int64_t spilled_blocks = 0;    // host → disk moves that succeeded
+  int64_t copied_to_host = 0;    // CopyToHost (the prefix cache's demotions)
+  int64_t copied_to_device = 0;  // CopyToDevice (its promotions)
   int64_t failed_copies = 0;     // tickets that failed
   int64_t bytes_written = 0;     // bytes copied off the device or onto the disk
   int64_t bytes_read = 0;        // bytes copied back onto the device
@@ -143,7 +145,8 @@ class OffloadStore {
   // and taking device blocks. Allocates the host tier (pinned when the cache is on CUDA) and
   // opens the disk file. kInvalidArgument for a bad config, kResourceExhausted when host memory
   // is short, the opener's error for the file. REQUIRES: `cache` and `owner` outlive the store.
-  static Result<std::unique_ptr<OffloadStore>> Create(BlockedKVCache* cache, OffloadConfig config,
+  static Result<std::unique_ptr<OffloadStore>> Create(BlockedKVCache* cache,
+                                                      const OffloadConfig& config,
                                                       BlockOwner* owner = nullptr);
   OffloadStore(const OffloadStore&) = delete;
   OffloadStore& operator=(const OffloadStore&) = delete;

@@ -340,7 +340,8 @@ void BindBlockedKVCache(py::module_& m) {
           "Disk tier slots per cache group (0 without a disk tier)")
       .def(
           "offload_stats", [](const PyCache& c) { return StatsDict(c.Store()); },
-          "A dict: offloaded_blocks, restored_blocks, spilled_blocks, failed_copies, "
+          "A dict: offloaded_blocks, restored_blocks, spilled_blocks, copied_to_host, "
+          "copied_to_device, failed_copies, "
           "bytes_written, bytes_read, live_handles")
       .def_property_readonly(
           "offload_enabled", [](const PyCache& c) { return c.offload != nullptr; },

@@ -62,6 +62,8 @@ inline py::dict StatsDict(const OffloadStore& store) {
   d["offloaded_blocks"] = s.offloaded_blocks;
   d["restored_blocks"] = s.restored_blocks;
   d["spilled_blocks"] = s.spilled_blocks;
+  d["copied_to_host"] = s.copied_to_host;
+  d["copied_to_device"] = s.copied_to_device;
   d["failed_copies"] = s.failed_copies;
   d["bytes_written"] = s.bytes_written;
   d["bytes_read"] = s.bytes_read;

@@ -362,7 +362,8 @@ void BindManager(py::module_& m) {
       .def(
           "offload_stats", [](const StateManager& self) { return StatsDict(Store(self)); },
           "A dict of the offload store's counters: offloaded_blocks, restored_blocks, "
-          "spilled_blocks, failed_copies, bytes_written, bytes_read, live_handles. RuntimeError "
+          "spilled_blocks, copied_to_host, copied_to_device, failed_copies, bytes_written, "
+          "bytes_read, live_handles. RuntimeError "
           "when offload is off.")
       .def(
           "free_host_blocks",

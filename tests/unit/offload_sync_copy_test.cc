@@ -58,7 +58,8 @@ TEST_F(OffloadSyncCopyTest, CopiesAreByteExactAndKeepBlockAndHandle) {
   EXPECT_EQ(cache_->free_blocks(), before.cache_free);  // the block stays the caller's
   EXPECT_EQ(store_->free_host_blocks(1), 1);
   EXPECT_EQ(store_->free_host_blocks(0), 2);
-  EXPECT_EQ(store_->stats().offloaded_blocks, 1);
+  EXPECT_EQ(store_->stats().copied_to_host, 1);
+  EXPECT_EQ(store_->stats().offloaded_blocks, 0);  // counted apart from Offload
   // The device block may change now: the handle holds the bytes of the moment of the copy.
   FillRandom(*cache_, 1, blocks_[0], rng_);
   ASSERT_OK(store_->CopyToDevice(*h, blocks_[1]));
@@ -66,7 +67,8 @@ TEST_F(OffloadSyncCopyTest, CopiesAreByteExactAndKeepBlockAndHandle) {
   EXPECT_EQ(*store_->tier(*h), Tier::kHost);  // the handle stays
   ASSERT_OK(store_->CopyToDevice(*h, blocks_[2]));
   EXPECT_TRUE(ReadBlock(*cache_, 1, blocks_[2]) == bytes_[0]);
-  EXPECT_EQ(store_->stats().restored_blocks, 2);
+  EXPECT_EQ(store_->stats().copied_to_device, 2);
+  EXPECT_EQ(store_->stats().restored_blocks, 0);
   // It is an ordinary host handle: it spills and restores like any other.
   Result<OffloadTicket> spill = store_->Spill(std::span(&*h, 1));
   ASSERT_OK(spill);
