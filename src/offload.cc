@@ -411,8 +411,7 @@ Status OffloadStore::Drop(std::span<const OffloadHandle> handles) {
 
 Result<Tier> OffloadStore::tier(OffloadHandle handle) const {
   const Impl& m = *impl_;
-  if (handle.index < 0 || handle.index >= static_cast<int32_t>(m.entries.size()) ||
-      !m.entries[handle.index].live || m.entries[handle.index].generation != handle.generation) {
+  if (!m.IsLive(handle)) {
     return NotFoundError(StrCat("handle (index ", handle.index, ", generation ", handle.generation,
                                 ") is not a live handle of this store"));
   }

@@ -140,6 +140,11 @@ struct OffloadStore::Impl {
   // Waits for copies in flight on `handles`, then checks them (live, not repeated, of `group`
   // unless group < 0).
   Status CheckHandles(std::span<const OffloadHandle> handles, int group, const char* what);
+  // Whether `h` names a live entry of this generation.
+  bool IsLive(OffloadHandle h) const {
+    return h.index >= 0 && h.index < static_cast<int32_t>(entries.size()) &&
+           entries[h.index].live && entries[h.index].generation == h.generation;
+  }
   int32_t NewEntry();
   void FreeEntry(int32_t index);
   void FreeSlots(Entry& entry);

@@ -260,8 +260,7 @@ Status OffloadStore::Impl::CheckHandles(std::span<const OffloadHandle> handles, 
   NextMarkEpoch();
   for (size_t i = 0; i < handles.size(); ++i) {
     const OffloadHandle h = handles[i];
-    if (h.index < 0 || h.index >= static_cast<int32_t>(entries.size()) || !entries[h.index].live ||
-        entries[h.index].generation != h.generation) {
+    if (!IsLive(h)) {
       return NotFoundError(StrCat(what, ": handles[", i, "] (index ", h.index, ", generation ",
                                   h.generation, ") is not a live handle of this store"));
     }

@@ -279,8 +279,7 @@ Result<Sequence*> StateManager::GetOrCreateSequence(SeqId uid) {
 void StateManager::ReleaseSequenceBlocks(Sequence& seq) {
   for (int g = 0; g < num_groups(); ++g) {
     Sequence::GroupState& state = seq.groups_[g];
-    std::span<const BlockId> held(state.row + state.released,
-                                  static_cast<size_t>(state.allocated - state.released));
+    std::span<const BlockId> held = state.held();
     if (prefix_ != nullptr) {
       // Last block first: deeper blocks of a prefix become the least recently used, so eviction
       // takes a chain from its end and its shorter prefixes stay usable.
@@ -365,11 +364,7 @@ Status StateManager::FreeLeadingBlocks(SeqId uid, int32_t num_blocks, int group)
   if (seq == nullptr) {
     return NotFoundError(StrCat("FreeLeadingBlocks: sequence ", uid, " is not tracked"));
   }
-  BLOCKKV_RETURN_IF_ERROR(SettleRestore(*seq));
-  if (seq->preempted_) {
-    return FailedPreconditionError(
-        StrCat("FreeLeadingBlocks: sequence ", uid, " is preempted; resume it first"));
-  }
+  BLOCKKV_RETURN_IF_ERROR(RequireResident(*seq, StrCat("FreeLeadingBlocks: sequence ", uid)));
   Sequence::GroupState& state = seq->groups_[group];
   const int64_t full =
       std::min<int64_t>(block_sizes_[group].Index(seq->seen_tokens_), state.allocated);
@@ -586,11 +581,7 @@ Status StateManager::Fork(SeqId parent, SeqId child) {
   if (parent_seq == nullptr) {
     return NotFoundError(StrCat("Fork: parent ", parent, " is not tracked"));
   }
-  BLOCKKV_RETURN_IF_ERROR(SettleRestore(*parent_seq));
-  if (parent_seq->preempted_) {
-    return FailedPreconditionError(
-        StrCat("Fork: parent ", parent, " is preempted; resume it first"));
-  }
+  BLOCKKV_RETURN_IF_ERROR(RequireResident(*parent_seq, StrCat("Fork: parent ", parent)));
   const Sequence* from = parent_seq;
   if (Find(child) != nullptr) {
     return AlreadyExistsError(StrCat("Fork: sequence ", child, " is already tracked"));

@@ -53,8 +53,9 @@ Result<OffloadTicket> StateManager::PreemptSequence(SeqId uid) {
         StrCat("PreemptSequence(", uid, "): offload is off (StateManagerConfig.offload)"));
   }
   Sequence* seq = Find(uid);
-  if (seq == nullptr)
+  if (seq == nullptr) {
     return NotFoundError(StrCat("PreemptSequence: sequence ", uid, " is not tracked"));
+  }
   if (seq->preempted_) {
     return FailedPreconditionError(
         StrCat("PreemptSequence: sequence ", uid, " is preempted already"));
@@ -69,8 +70,7 @@ Result<OffloadTicket> StateManager::PreemptSequence(SeqId uid) {
   const int groups = num_groups();
   std::vector<Tier> tiers(static_cast<size_t>(groups));
   for (int g = 0; g < groups; ++g) {
-    const Sequence::GroupState& state = seq->groups_[g];
-    const int32_t held = state.allocated - state.released;
+    const auto held = static_cast<int32_t>(seq->groups_[g].held().size());
     // Cached blocks on the host level make room for a preempted sequence.
     const int32_t room =
         offload_->free_host_blocks(g) + (host_prefix_ != nullptr ? host_prefix_->droppable(g) : 0);
@@ -90,19 +90,19 @@ Result<OffloadTicket> StateManager::PreemptSequence(SeqId uid) {
   parked.handles.clear();
   OffloadTicket ticket;
   for (int g = 0; g < groups; ++g) {
-    Sequence::GroupState& state = seq->groups_[g];
-    const int32_t held = state.allocated - state.released;
-    parked.counts[g] = held;
-    if (tiers[g] == Tier::kHost && host_prefix_ != nullptr) host_prefix_->MakeRoom(g, held);
+    const std::span<BlockId> held = seq->groups_[g].held();
+    parked.counts[g] = static_cast<int32_t>(held.size());
+    if (tiers[g] == Tier::kHost && host_prefix_ != nullptr) {
+      host_prefix_->MakeRoom(g, parked.counts[g]);
+    }
     const size_t first = parked.handles.size();
-    parked.handles.resize(first + static_cast<size_t>(held));
+    parked.handles.resize(first + held.size());
     Result<OffloadTicket> copied =
-        offload_->Offload(std::span<const BlockId>(state.row + state.released, held), g,
-                          std::span(parked.handles).subspan(first), tiers[g]);
+        offload_->Offload(held, g, std::span(parked.handles).subspan(first), tiers[g]);
     BLOCKKV_CHECK(copied.ok(), "PreemptSequence: an offload that was checked failed");
     ticket = OffloadTicket::Join(ticket, *copied);
     // The store holds the sequence's references now.
-    std::fill(state.row + state.released, state.row + state.allocated, kNoBlock);
+    std::fill(held.begin(), held.end(), kNoBlock);
   }
   if (prefix_ != nullptr) {
     // Its blocks are no longer cached blocks of its own: publishing starts again from block 0
@@ -120,8 +120,9 @@ Result<OffloadTicket> StateManager::ResumeSequence(SeqId uid) {
         StrCat("ResumeSequence(", uid, "): offload is off (StateManagerConfig.offload)"));
   }
   Sequence* seq = Find(uid);
-  if (seq == nullptr)
+  if (seq == nullptr) {
     return NotFoundError(StrCat("ResumeSequence: sequence ", uid, " is not tracked"));
+  }
   if (!seq->preempted_) {
     return FailedPreconditionError(StrCat("ResumeSequence: sequence ", uid, " is not preempted"));
   }
@@ -139,10 +140,9 @@ Result<OffloadTicket> StateManager::ResumeSequence(SeqId uid) {
   if (!copied.ok()) return copied.status();  // nothing changed
   size_t next = 0;
   for (int g = 0; g < num_groups(); ++g) {
-    Sequence::GroupState& state = seq->groups_[g];
-    std::copy_n(blocks.begin() + static_cast<std::ptrdiff_t>(next), parked.counts[g],
-                state.row + state.released);
-    next += static_cast<size_t>(parked.counts[g]);
+    const std::span<BlockId> held = seq->groups_[g].held();
+    std::copy_n(blocks.begin() + static_cast<std::ptrdiff_t>(next), held.size(), held.begin());
+    next += held.size();
   }
   parked.restore = *copied;
   parked.resuming = true;
@@ -166,16 +166,23 @@ Status StateManager::SettleRestore(Sequence& seq) {
   }
   // The copy failed: its handles are kept, its blocks hold nothing. Park it again.
   for (int g = 0; g < num_groups(); ++g) {
-    Sequence::GroupState& state = seq.groups_[g];
-    const Status released = pools_[g].Release(
-        std::span<const BlockId>(state.row + state.released, state.allocated - state.released));
+    const std::span<BlockId> held = seq.groups_[g].held();
+    const Status released = pools_[g].Release(held);
     BLOCKKV_CHECK(released.ok(), "a resumed sequence held a block without a reference");
-    std::fill(state.row + state.released, state.row + state.allocated, kNoBlock);
+    std::fill(held.begin(), held.end(), kNoBlock);
   }
   seq.preempted_ = true;
   seq.table_version_ = ++last_table_version_;
   return {copied.code(), StrCat("sequence ", seq.uid_,
                                 " could not be resumed, it stays preempted: ", copied.message())};
+}
+
+Status StateManager::RequireResident(Sequence& seq, std::string_view who) {
+  BLOCKKV_RETURN_IF_ERROR(SettleRestore(seq));
+  if (seq.preempted_) {
+    return FailedPreconditionError(StrCat(who, " is preempted; resume it first"));
+  }
+  return Status::Ok();
 }
 
 bool StateManager::RestoreDone(Sequence& seq) {
@@ -217,11 +224,11 @@ Status StateManager::CheckParked(const Sequence& seq, int group) const {
     }
     return Status::Ok();
   }
-  const Sequence::GroupState& state = seq.groups_[group];
+  const auto entries = static_cast<int32_t>(seq.groups_[group].held().size());
   if (parked == nullptr || parked->counts.size() != static_cast<size_t>(num_groups()) ||
-      parked->counts[group] != state.allocated - state.released) {
-    return InternalError(StrCat("preempted sequence ", seq.uid_, " group ", group, ": ",
-                                state.allocated - state.released, " table entries but ",
+      parked->counts[group] != entries) {
+    return InternalError(StrCat("preempted sequence ", seq.uid_, " group ", group, ": ", entries,
+                                " table entries but ",
                                 parked == nullptr ? 0 : parked->counts[group], " handles"));
   }
   size_t first = 0;

@@ -149,6 +149,10 @@ class Sequence {
     BlockId* row = nullptr;  // [max_blocks_per_allocation_group] in the manager's table
     int32_t allocated = 0;
     int32_t released = 0;
+    // Table entries [released, allocated): the blocks it holds (kNoBlock while preempted).
+    std::span<BlockId> held() const {
+      return {row + released, static_cast<size_t>(allocated - released)};
+    }
   };
 
   SeqId uid_ = 0;
@@ -386,6 +390,9 @@ class StateManager {
   // Waits for a resume of `seq` in flight; when its copy failed, parks the sequence again and
   // returns the error. OK when nothing is in flight.
   Status SettleRestore(Sequence& seq);
+  // SettleRestore, then kFailedPrecondition when `seq` is preempted; `who` names it in the
+  // message ("Fork: parent 7").
+  Status RequireResident(Sequence& seq, std::string_view who);
   // Without waiting: true when no resume of `seq` is in flight, or it is done and succeeded
   // (then it is settled); false while it runs, or when it failed (left for the next call that
   // settles it to report).
