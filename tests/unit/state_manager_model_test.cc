@@ -264,6 +264,36 @@ class ModelDriver {
     return AssertionSuccess();
   }
 
+  // A fork that finds no block for its partial tail, on purpose. Whether the random program
+  // gets there depends on when the store's worker finishes its copies (they free blocks), so a
+  // quiet machine could miss it: from an empty manager, a parent with one token and fillers
+  // that take the free blocks of a group, then the fork.
+  AssertionResult ForkWithoutAFreeBlock() {
+    AssertionResult done = FlushAllAndCheckNoLeak();
+    if (!done) return done;
+    op_ = "ForkWithoutAFreeBlock";
+    const SeqId parent = UnknownUid();
+    auto then = [&](AssertionResult step) { return step ? Verify() : step; };
+    if (!(done = then(ScheduleThese({parent}, {1})))) return done;
+    if (!(done = then(PostForwardThese({parent}, /*unknown=*/false)))) return done;
+    auto exhausted = [&] {
+      for (int g = 0; g < num_groups_; ++g) {
+        if (FreeBlocks(g) == 0) return true;
+      }
+      return false;
+    };
+    while (!exhausted()) {
+      int64_t fits = std::min<int64_t>(capacity_, setup_.max_batch_tokens);
+      for (int g = 0; g < num_groups_; ++g) {
+        fits = std::min<int64_t>(fits, int64_t{FreeBlocks(g)} * block_size(g));
+      }
+      const int32_t free_before = FreeBlocks(0);
+      if (!(done = then(ScheduleThese({UnknownUid()}, {fits})))) return done;
+      MODEL_CHECK(FreeBlocks(0) < free_before) << "a filler of " << fits << " tokens took nothing";
+    }
+    return then(ForkThese(parent, UnknownUid()));
+  }
+
   const std::string& op() const { return op_; }
   int64_t step() const { return step_; }
   const std::map<std::string, int64_t>& stats() const { return stats_; }
@@ -476,6 +506,13 @@ class ModelDriver {
       distinct.insert(uid);
       lengths.push_back(RandomLength(uid));
     }
+    return ScheduleThese(uids, lengths);
+  }
+
+  // Schedule(uids, lengths) against the model.
+  AssertionResult ScheduleThese(const std::vector<SeqId>& uids,
+                                const std::vector<int64_t>& lengths) {
+    const std::set<SeqId> distinct(uids.begin(), uids.end());
     const bool negative =
         std::any_of(lengths.begin(), lengths.end(), [](int64_t n) { return n < 0; });
     const bool invalid = distinct.size() != uids.size() || negative;
@@ -556,6 +593,11 @@ class ModelDriver {
       const auto at = static_cast<std::ptrdiff_t>(Uniform(0, static_cast<int64_t>(uids.size())));
       uids.insert(uids.begin() + at, UnknownUid());
     }
+    return PostForwardThese(uids, unknown);
+  }
+
+  // PostForward(uids) against the model; `unknown`: one of them is not tracked.
+  AssertionResult PostForwardThese(const std::vector<SeqId>& uids, bool unknown) {
     const Status s = mgr_->PostForward(uids);
     if (unknown) {
       MODEL_CHECK(s.code() == StatusCode::kNotFound) << s;
@@ -582,6 +624,11 @@ class ModelDriver {
       parent = KnownUid();
     }
     const SeqId child = Chance(90) ? UnknownUid() : MostlyKnownUid(50);
+    return ForkThese(parent, child);
+  }
+
+  // Fork(parent, child) against the model.
+  AssertionResult ForkThese(SeqId parent, SeqId child) {
     const ModelSequence* p = model_.Find(parent);
     // New bytes in the parent's partial tails, so the copy is seen to be one; not while the
     // parent's resume copy may still be writing them (Fork waits for it).
@@ -1369,6 +1416,7 @@ TEST_P(StateManagerModelTest, RandomLifecyclesMatchReference) {
     ASSERT_TRUE(step) << setup.name << " seed " << seed << " step " << driver.step() << " ("
                       << driver.op() << ")";
   }
+  ASSERT_TRUE(driver.ForkWithoutAFreeBlock()) << setup.name << " seed " << seed;
   ASSERT_TRUE(driver.FlushAllAndCheckNoLeak()) << setup.name << " seed " << seed;
 
   for (const auto& [what, count] : driver.stats()) {
