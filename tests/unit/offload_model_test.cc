@@ -322,6 +322,9 @@ class OffloadModel {
     std::vector<BlockId> out(hs.size(), kNoBlock);
     const bool restoring = AnyRestoring(hs);
     Result<OffloadTicket> ticket = store_->Restore(hs, group, out);
+    // The free blocks the call decided on: resolving the handles below waits, and may reap
+    // other copies that give blocks back.
+    const std::vector<int32_t> free_then = cache_->free_blocks();
     if (restoring) return ExpectStaleCall(ticket.status(), hs);
     // Before anything reaps it: the blocks being copied into are busy.
     std::vector<bool> busy(hs.size(), false);
@@ -340,7 +343,7 @@ class OffloadModel {
     if (!ticket.ok()) {
       MODEL_CHECK(ticket.status().code() == StatusCode::kResourceExhausted) << ticket.status();
       bool short_somewhere = false;
-      for (int g = 0; g < kGroups; ++g) short_somewhere |= cache_->free_blocks()[g] < need[g];
+      for (int g = 0; g < kGroups; ++g) short_somewhere |= free_then[g] < need[g];
       MODEL_CHECK(short_somewhere) << ticket.status();
       for (const OffloadHandle& oh : hs) MODEL_CHECK(store_->tier(oh).ok());
       return ::testing::AssertionSuccess();
@@ -398,6 +401,9 @@ class OffloadModel {
     for (size_t i : idx) hs.push_back(handles_[i].h);
     const bool restoring = AnyRestoring(hs);
     Result<OffloadTicket> ticket = store_->Spill(hs);
+    // The free disk slots the call decided on (as in RestoreIndices).
+    std::vector<int32_t> free_then(kGroups);
+    for (int g = 0; g < kGroups; ++g) free_then[g] = store_->free_disk_blocks(g);
     if (restoring) return ExpectStaleCall(ticket.status(), hs);
     if (auto r = ResolveHandles(hs); !r) return r;
     std::vector<int32_t> need(kGroups, 0);
@@ -412,7 +418,7 @@ class OffloadModel {
     if (!ticket.ok()) {
       MODEL_CHECK(ticket.status().code() == StatusCode::kResourceExhausted) << ticket.status();
       bool short_somewhere = false;
-      for (int g = 0; g < kGroups; ++g) short_somewhere |= store_->free_disk_blocks(g) < need[g];
+      for (int g = 0; g < kGroups; ++g) short_somewhere |= free_then[g] < need[g];
       MODEL_CHECK(short_somewhere) << ticket.status();
       return ::testing::AssertionSuccess();
     }
