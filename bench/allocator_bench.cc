@@ -290,62 +290,18 @@ void ReplayBenchmark(benchmark::State& state, const Trace* trace) {
       benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
 }
 
-// Prints as the console reporter does, and keeps the per-repetition and median ns/op of each
-// benchmark for the summary.
-class CollectingReporter : public benchmark::ConsoleReporter {
- public:
-  explicit CollectingReporter(bool color) : ConsoleReporter(color ? OO_ColorTabular : OO_Tabular) {}
-
-  struct Result {
-    double median_ns = 0;
-    std::vector<double> repetitions_ns;
-  };
-
-  void ReportRuns(const std::vector<Run>& runs) override {
-    for (const Run& run : runs) {
-      const auto counter = run.counters.find("ns_per_block_op");
-      if (run.error_occurred || counter == run.counters.end()) continue;
-      const double ns = counter->second.value * 1e9;
-      Result& result = results_[run.run_name.function_name];
-      if (run.run_type == Run::RT_Iteration) {
-        result.repetitions_ns.push_back(ns);
-      } else if (run.aggregate_name == "median") {
-        result.median_ns = ns;
-      }
-    }
-    ConsoleReporter::ReportRuns(runs);
-  }
-
-  // With one repetition there is no median aggregate: the single run stands in for it.
-  std::optional<double> MedianNs(const std::string& name) const {
-    const auto it = results_.find(name);
-    if (it == results_.end()) return std::nullopt;
-    if (it->second.median_ns > 0) return it->second.median_ns;
-    if (it->second.repetitions_ns.size() == 1) return it->second.repetitions_ns[0];
-    return std::nullopt;
-  }
-  std::pair<double, double> RangeNs(const std::string& name) const {
-    const std::vector<double>& ns = results_.at(name).repetitions_ns;
-    if (ns.empty()) return {0, 0};
-    const auto [lo, hi] = std::minmax_element(ns.begin(), ns.end());
-    return {*lo, *hi};
-  }
-
- private:
-  std::map<std::string, Result> results_;
-};
-
-void PrintSummary(const std::vector<Trace>& traces, const CollectingReporter& reporter) {
+void PrintSummary(const std::vector<Trace>& traces,
+                  const blockkv_bench::CounterReporter& reporter) {
   constexpr double kGoal = 2.0;
   std::printf("\nMedian ns per block op (CPU time; range over repetitions in brackets)\n");
   std::printf("%-12s | %-22s | %-22s | %-6s | goal <= %.1f\n", "workload", "blockkv ns/op",
               "stack ns/op", "ratio", kGoal);
   for (const Trace& trace : traces) {
-    const std::optional<double> blockkv = reporter.MedianNs(trace.name + "/blockkv");
-    const std::optional<double> stack = reporter.MedianNs(trace.name + "/stack");
+    const std::optional<double> blockkv = reporter.Median(trace.name + "/blockkv");
+    const std::optional<double> stack = reporter.Median(trace.name + "/stack");
     if (!blockkv || !stack) continue;  // filtered out
-    const auto [blockkv_lo, blockkv_hi] = reporter.RangeNs(trace.name + "/blockkv");
-    const auto [stack_lo, stack_hi] = reporter.RangeNs(trace.name + "/stack");
+    const auto [blockkv_lo, blockkv_hi] = reporter.Range(trace.name + "/blockkv");
+    const auto [stack_lo, stack_hi] = reporter.Range(trace.name + "/stack");
     const double ratio = *blockkv / *stack;
     std::printf("%-12s | %5.2f [%5.2f, %5.2f]   | %5.2f [%5.2f, %5.2f]   | %6.2f | %s\n",
                 trace.name.c_str(), *blockkv, blockkv_lo, blockkv_hi, *stack, stack_lo, stack_hi,
@@ -358,16 +314,8 @@ void PrintSummary(const std::vector<Trace>& traces, const CollectingReporter& re
 
 int main(int argc, char** argv) {
   using blockkv::Trace;
-  // Defaults first, so that the same flags on the command line override them.
   const bool color = blockkv::UseColor(argc, argv);
-  std::vector<char*> args = {argv[0]};
-  std::string repetitions = "--benchmark_repetitions=5";
-  std::string interleave = "--benchmark_enable_random_interleaving=true";
-  for (std::string* flag : {&repetitions, &interleave}) args.push_back(flag->data());
-  for (int i = 1; i < argc; ++i) args.push_back(argv[i]);
-  int args_count = static_cast<int>(args.size());
-  benchmark::Initialize(&args_count, args.data());
-  if (benchmark::ReportUnrecognizedArguments(args_count, args.data())) return 1;
+  if (!blockkv_bench::InitializeWithRepetitions(argc, argv)) return 1;
 
   std::vector<Trace> traces = {blockkv::ChurnTrace(), blockkv::DecodeStepTrace()};
   std::printf("pool %d blocks, seed %llu\n", blockkv::kPoolBlocks,
@@ -387,7 +335,7 @@ int main(int argc, char** argv) {
   }
   std::fflush(stdout);
 
-  blockkv::CollectingReporter reporter(color);
+  blockkv_bench::CounterReporter reporter(color, "ns_per_block_op", /*scale=*/1e9);  // ns
   benchmark::RunSpecifiedBenchmarks(&reporter);
   blockkv::PrintSummary(traces, reporter);
   benchmark::Shutdown();

@@ -1,13 +1,21 @@
-// What blockkv's benchmarks share: aborting on a failed setup, and reading --benchmark_color for
-// a display reporter of their own.
+// What blockkv's benchmarks share: aborting on a failed setup, reading --benchmark_color for a
+// display reporter of their own, and their default repetitions.
 #pragma once
 
 #include <errno.h>  // program_invocation_short_name (glibc)
 #include <unistd.h>
 
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
+#include <optional>
+#include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "blockkv/status.h"
 
@@ -37,5 +45,70 @@ inline bool UseColor(int argc, char** argv) {
   }
   return color;
 }
+
+// benchmark::Initialize with --benchmark_repetitions=5 and --benchmark_enable_random_interleaving
+// as defaults, which the same flags on the command line override (they come later). False when
+// a flag is not recognized (Google Benchmark has printed it).
+inline bool InitializeWithRepetitions(int argc, char** argv) {
+  std::string repetitions = "--benchmark_repetitions=5";
+  std::string interleave = "--benchmark_enable_random_interleaving=true";
+  std::vector<char*> args = {argv[0], repetitions.data(), interleave.data()};
+  for (int i = 1; i < argc; ++i) args.push_back(argv[i]);
+  int count = static_cast<int>(args.size());
+  benchmark::Initialize(&count, args.data());
+  return !benchmark::ReportUnrecognizedArguments(count, args.data());
+}
+
+// Prints as the console reporter does, and keeps one user counter of each benchmark, times
+// `scale`, per repetition and as their median, for a summary after the runs.
+class CounterReporter : public benchmark::ConsoleReporter {
+ public:
+  CounterReporter(bool color, std::string counter, double scale)
+      : ConsoleReporter(color ? OO_ColorTabular : OO_Tabular),
+        counter_(std::move(counter)),
+        scale_(scale) {}
+
+  void ReportRuns(const std::vector<Run>& runs) override {
+    for (const Run& run : runs) {
+      const auto it = run.counters.find(counter_);
+      if (run.error_occurred || it == run.counters.end()) continue;
+      Values& values = results_[run.run_name.function_name];
+      const double value = it->second.value * scale_;
+      if (run.run_type == Run::RT_Iteration) {
+        values.repetitions.push_back(value);
+      } else if (run.aggregate_name == "median") {
+        values.median = value;
+      }
+    }
+    ConsoleReporter::ReportRuns(runs);
+  }
+
+  // The median, or the one run's value without repetitions (no median aggregate then); nullopt
+  // when the benchmark did not run.
+  std::optional<double> Median(const std::string& name) const {
+    const auto it = results_.find(name);
+    if (it == results_.end()) return std::nullopt;
+    if (it->second.median > 0) return it->second.median;
+    if (it->second.repetitions.size() == 1) return it->second.repetitions[0];
+    return std::nullopt;
+  }
+  // The lowest and highest repetition; {0, 0} when it did not run.
+  std::pair<double, double> Range(const std::string& name) const {
+    const auto it = results_.find(name);
+    if (it == results_.end() || it->second.repetitions.empty()) return {0, 0};
+    const auto [lo, hi] =
+        std::minmax_element(it->second.repetitions.begin(), it->second.repetitions.end());
+    return {*lo, *hi};
+  }
+
+ private:
+  struct Values {
+    double median = 0;
+    std::vector<double> repetitions;
+  };
+  std::string counter_;
+  double scale_;
+  std::map<std::string, Values> results_;
+};
 
 }  // namespace blockkv_bench

@@ -366,49 +366,7 @@ double LoadAverage() {
   return load;
 }
 
-// Prints as the console reporter does, and keeps each benchmark's GB/s per repetition and median.
-class CollectingReporter : public benchmark::ConsoleReporter {
- public:
-  explicit CollectingReporter(bool color) : ConsoleReporter(color ? OO_ColorTabular : OO_Tabular) {}
-
-  void ReportRuns(const std::vector<Run>& runs) override {
-    for (const Run& run : runs) {
-      const auto rate = run.counters.find("bytes_per_second");
-      if (run.error_occurred || rate == run.counters.end()) continue;
-      Rates& rates = results_[run.run_name.function_name];
-      const double gbs = rate->second.value / 1e9;
-      if (run.run_type == Run::RT_Iteration) {
-        rates.repetitions.push_back(gbs);
-      } else if (run.aggregate_name == "median") {
-        rates.median = gbs;
-      }
-    }
-    ConsoleReporter::ReportRuns(runs);
-  }
-
-  // The median GB/s, or the one run's without repetitions; nullopt when it did not run.
-  std::optional<double> Median(const std::string& name) const {
-    const auto it = results_.find(name);
-    if (it == results_.end()) return std::nullopt;
-    if (it->second.median > 0) return it->second.median;
-    if (it->second.repetitions.size() == 1) return it->second.repetitions[0];
-    return std::nullopt;
-  }
-  std::pair<double, double> Range(const std::string& name) const {
-    const std::vector<double>& v = results_.at(name).repetitions;
-    const auto [lo, hi] = std::minmax_element(v.begin(), v.end());
-    return {*lo, *hi};
-  }
-
- private:
-  struct Rates {
-    double median = 0;
-    std::vector<double> repetitions;
-  };
-  std::map<std::string, Rates> results_;
-};
-
-void PrintSummary(const CollectingReporter& reporter) {
+void PrintSummary(const blockkv_bench::CounterReporter& reporter) {
   constexpr double kGoal = 0.8;
   std::printf(
       "\nMedian GB/s (bytes moved both ways per second, real time; range over repetitions)\n");
@@ -443,16 +401,8 @@ void PrintSummary(const CollectingReporter& reporter) {
 
 int main(int argc, char** argv) {
   blockkv::SetLogLevel(blockkv::LogLevel::kWarning);
-  // Defaults first, so that the same flags on the command line override them.
   const bool color = blockkv_bench::UseColor(argc, argv);
-  std::vector<char*> args = {argv[0]};
-  std::string repetitions = "--benchmark_repetitions=5";
-  std::string interleave = "--benchmark_enable_random_interleaving=true";
-  for (std::string* flag : {&repetitions, &interleave}) args.push_back(flag->data());
-  for (int i = 1; i < argc; ++i) args.push_back(argv[i]);
-  int args_count = static_cast<int>(args.size());
-  benchmark::Initialize(&args_count, args.data());
-  if (benchmark::ReportUnrecognizedArguments(args_count, args.data())) return 1;
+  if (!blockkv_bench::InitializeWithRepetitions(argc, argv)) return 1;
 
   std::printf("load average at the start: %.2f\n", blockkv::LoadAverage());
   const char* tmp = std::getenv("TMPDIR");
@@ -477,7 +427,7 @@ int main(int argc, char** argv) {
   benchmark::RegisterBenchmark("preempt/memcpy_4k", blockkv::BM_PreemptMemcpy)
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
-  blockkv::CollectingReporter reporter(color);
+  blockkv_bench::CounterReporter reporter(color, "bytes_per_second", /*scale=*/1e-9);  // GB/s
   benchmark::RunSpecifiedBenchmarks(&reporter);
   blockkv::PrintSummary(reporter);
   blockkv::PrintPairedRatios(/*pairs=*/200);

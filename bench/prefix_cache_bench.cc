@@ -606,14 +606,7 @@ int main(int argc, char** argv) {
   using blockkv::BM_Workload;
   using blockkv::ManagerRun;
   const bool color = blockkv::UseColor(argc, argv);
-  std::vector<char*> args = {argv[0]};
-  std::string repetitions = "--benchmark_repetitions=5";
-  std::string interleave = "--benchmark_enable_random_interleaving=true";
-  for (std::string* flag : {&repetitions, &interleave}) args.push_back(flag->data());
-  for (int i = 1; i < argc; ++i) args.push_back(argv[i]);
-  int args_count = static_cast<int>(args.size());
-  benchmark::Initialize(&args_count, args.data());
-  if (benchmark::ReportUnrecognizedArguments(args_count, args.data())) return 1;
+  if (!blockkv_bench::InitializeWithRepetitions(argc, argv)) return 1;
   blockkv::SetLogLevel(blockkv::LogLevel::kWarning);
 
   const blockkv::Data& data = blockkv::GetData();
