@@ -3,14 +3,21 @@
 // HWY_DYNAMIC_DISPATCH: Debian's Highway 1.0.3 compiles static dispatch to its scalar target
 // without -march, dynamic dispatch picks AVX-512 or AVX2 on the machine it runs on).
 //
-// Implementation notes (attention). One work item is (sequence, KV head, chunk of up to
+// Implementation notes (attention). One work item is (sequence, KV heads, chunk of up to
 // kMaxRows / G query tokens), G = Hq / Hkv: its rows are the chunk's tokens × the G query heads
-// that share the KV head, so every key and value row read from the cache serves all of them.
+// of each of its KV heads, so every key and value row read from the cache serves all of them.
 // Keys are visited in tiles of kTile positions, gathered across block boundaries from the
-// sequence's CSR table and converted to fp32 in a per-thread scratch (fp8 through the decode
-// table, times kv_scale). For each tile: scores = q · kᵀ (queries prescaled), then the online
-// softmax of FlashAttention: m' = max(m, max(scores)); acc = acc · e^(m − m') + Σ e^(s − m') · v;
-// l likewise; out = acc / l at the end. Memory per thread: (kMaxRows + 2 · kTile) · D floats.
+// sequence's CSR table; per tile and KV head the rows go in blocks of up to kRowBlock:
+// scores = q · kᵀ (queries prescaled), then the online softmax of FlashAttention:
+// m' = max(m, max(scores)); acc = acc · e^(m − m') + Σ e^(s − m') · v; l likewise; out = acc / l
+// at the end. Decode should be bound by how fast the K/V bytes stream in, so the per-key work is
+// kept small: fp16/bf16 rows are converted in registers where they are read (no fp32 copy), each
+// loaded K or V vector serves every row of the block (kRowBlock × 4 dot products in flight, one
+// transposing reduction per 4 keys instead of a horizontal sum per key), and bf16 is split into
+// its even and odd elements with two integer ops (queries and accumulators are kept in that
+// order). Only fp8 (a table lookup per element) and prefill items (many row blocks per K row)
+// first copy the tile's rows to fp32. Each head's rows of a tile are prefetched (into L2) while
+// the head before it is computed. Memory per thread: (2 · rows + 2 · kTile) · D floats.
 // Threads: a work-stealing loop over items (an atomic counter), the calling thread plus up to
 // num_threads − 1 std::jthreads started per call when the work is large enough to pay for them.
 #ifndef BLOCKKV_KERNELS_CPU_SHARED_
@@ -36,10 +43,14 @@ namespace blockkv::internal::cpu {
 
 inline constexpr int32_t kTile = 32;     // key positions per softmax step
 inline constexpr int32_t kMaxRows = 64;  // query rows (tokens × query heads) per work item
+inline constexpr int32_t kRowBlock = 4;  // rows computed together against each K/V vector
+inline constexpr int32_t kMaxDirectRows = 2 * kRowBlock;  // rows per KV head up to which
+                                                          // fp16/bf16 rows are read in place
 
 // Query tokens [q_begin, q_end) of sequence `seq` for KV heads [kv_begin, kv_end) and their
-// query heads. Row r of its scratch: token q_begin + r / (heads · G), KV head kv_begin +
-// (r / G) % heads, query head (kv_begin + that) · G + r % G.
+// query heads. Row r of its scratch: KV head kv_begin + r / (tokens · G), token q_begin +
+// (r / G) % tokens, query head (that KV head) · G + r % G — the rows of one KV head are
+// contiguous, so they go through the tile kernels in blocks.
 struct WorkItem {
   int32_t seq = 0;
   int32_t kv_begin = 0;
@@ -50,13 +61,13 @@ struct WorkItem {
 
 // One thread's buffers, sized once per call.
 struct Scratch {
-  std::vector<float> q;        // [rows, D] queries times the softmax scale
-  std::vector<float> acc;      // [rows, D] unnormalized outputs
+  std::vector<float> q;        // [rows, D] queries times the softmax scale, in load order
+  std::vector<float> acc;      // [rows, D] unnormalized outputs, in load order
   std::vector<float> m;        // [rows] running maxima
   std::vector<float> l;        // [rows] running sums
-  std::vector<float> scores;   // [rows, kTile] scores, then probabilities
-  std::vector<float> k;        // [kTile, D]
-  std::vector<float> v;        // [kTile, D]
+  std::vector<float> scores;   // [kRowBlock, kTile] one row block's scores, then probabilities
+  std::vector<float> k;        // [kTile, D] the tile's K rows of one head in fp32, when copied
+  std::vector<float> v;        // [kTile, D] the same for V
   std::vector<int64_t> slots;  // [kTile] cache offsets of the tile's positions (plane 0, head 0)
   std::vector<int64_t> next_slots;  // [kTile] the same for the next tile
 
@@ -67,14 +78,13 @@ struct Scratch {
     acc.resize(rd);
     m.resize(static_cast<size_t>(rows));
     l.resize(static_cast<size_t>(rows));
-    scores.resize(static_cast<size_t>(rows) * kTile);
+    scores.resize(static_cast<size_t>(kRowBlock) * kTile);
     k.resize(td);
     v.resize(td);
     slots.resize(kTile);
     next_slots.resize(kTile);
   }
 };
-
 // Elements of `dtype` at `base + index` as bytes.
 inline const uint8_t* ElementPtr(const void* base, int64_t index, DType dtype) {
   return static_cast<const uint8_t*>(base) + index * static_cast<int64_t>(ElementSize(dtype));
@@ -164,7 +174,7 @@ HWY_BEFORE_NAMESPACE();
 namespace blockkv::internal::cpu::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
-
+using VF = hn::Vec<DF>;
 // Converts one cache row of `d` elements to float at `dst`: SIMD for fp32/fp16/bf16.
 void RowToFloat(const PagedKV& c, const void* src, float* dst) {
   const DF df;
@@ -199,22 +209,20 @@ void TileSlots(const PagedKV& c, int32_t seq, int64_t k0, int32_t count, int64_t
   }
 }
 
-// Asks for the K and V rows of heads [h0, h1) where the tile's positions jump to another block
-// (the first two positions there): within a block the rows are contiguous and the hardware
-// prefetcher follows them, but it does not cross to the next block.
-void PrefetchTile(const PagedKV& c, const int64_t* slots, int32_t count, int32_t h0, int32_t h1) {
+// Asks for the K and V rows of `head` at the tile's positions, into L2. The tile loop reads one
+// head's rows at a time, 256-byte pieces 4 KiB apart (a position's row holds every head), which
+// the hardware prefetcher does not follow: without this the loads wait on memory. Not into L1:
+// rows 4 KiB apart all fall in the same few L1 sets, so most would be evicted before their use.
+void PrefetchRows(const PagedKV& c, const int64_t* slots, int32_t count, int32_t head) {
   const auto elem = static_cast<int64_t>(ElementSize(c.dtype));
-  const int64_t bytes = int64_t{h1 - h0} * c.head_stride * elem;
+  const int64_t bytes = c.head_size * elem;
   for (int32_t j = 0; j < count; ++j) {
-    const bool jump = j == 0 || slots[j] != slots[j - 1] + c.token_stride;
-    const bool after_jump = j >= 1 && (j == 1 || slots[j - 1] != slots[j - 2] + c.token_stride);
-    if (!jump && !after_jump) continue;
-    const int64_t at = slots[j] + h0 * c.head_stride;
-    const uint8_t* k = ElementPtr(c.data, at, c.dtype);
-    const uint8_t* v = ElementPtr(c.data, at + c.plane_stride, c.dtype);
+    const uint8_t* k =
+        static_cast<const uint8_t*>(c.data) + (slots[j] + head * c.head_stride) * elem;
+    const uint8_t* v = k + c.plane_stride * elem;
     for (int64_t b = 0; b < bytes; b += 64) {
-      hwy::Prefetch(k + b);
-      hwy::Prefetch(v + b);
+      __builtin_prefetch(k + b, 0, 2);
+      __builtin_prefetch(v + b, 0, 2);
     }
   }
 }
@@ -229,92 +237,255 @@ void GatherTile(const PagedKV& c, int32_t head, int32_t count, Scratch& s) {
   }
 }
 
-// scores[j] = q · k_j for j in [j0, j1), four keys at a time.
-void Scores(const float* q, const float* k, int64_t d, int32_t j0, int32_t j1, float* scores) {
-  const DF df;
-  const auto n = static_cast<int64_t>(hn::Lanes(df));
-  int32_t j = j0;
-  for (; j + 4 <= j1; j += 4) {
-    const float* k0 = k + int64_t{j} * d;
-    auto s0 = hn::Zero(df), s1 = hn::Zero(df), s2 = hn::Zero(df), s3 = hn::Zero(df);
-    for (int64_t i = 0; i < d; i += n) {
-      const auto qv = hn::LoadU(df, q + i);
-      s0 = hn::MulAdd(qv, hn::LoadU(df, k0 + i), s0);
-      s1 = hn::MulAdd(qv, hn::LoadU(df, k0 + d + i), s1);
-      s2 = hn::MulAdd(qv, hn::LoadU(df, k0 + 2 * d + i), s2);
-      s3 = hn::MulAdd(qv, hn::LoadU(df, k0 + 3 * d + i), s3);
-    }
-    scores[j] = hn::GetLane(hn::SumOfLanes(df, s0));
-    scores[j + 1] = hn::GetLane(hn::SumOfLanes(df, s1));
-    scores[j + 2] = hn::GetLane(hn::SumOfLanes(df, s2));
-    scores[j + 3] = hn::GetLane(hn::SumOfLanes(df, s3));
+// How the tile kernels read K/V rows of element type T in place: Load2 gives elements
+// [i, i + 2N) as two float vectors, Load1 elements [i, i + N) (the last N of a head size that is
+// an odd multiple of N; every supported head size is a multiple of N). Load2 may deliver the 2N
+// elements in another order than the row's, the same for every row (kReordered); queries and
+// accumulators are then kept in that "load order" too, which dot products and sums of rows
+// cannot tell apart.
+struct F32Rows {
+  using T = float;
+  static constexpr bool kReordered = false;
+  static void Load2(const T* p, VF& a, VF& b) {
+    const DF df;
+    a = hn::LoadU(df, p);
+    b = hn::LoadU(df, p + hn::Lanes(df));
   }
-  for (; j < j1; ++j) {
-    auto s0 = hn::Zero(df);
-    for (int64_t i = 0; i < d; i += n) {
-      s0 = hn::MulAdd(hn::LoadU(df, q + i), hn::LoadU(df, k + int64_t{j} * d + i), s0);
+  static VF Load1(const T* p) { return hn::LoadU(DF(), p); }
+};
+
+struct F16Rows {
+  using T = hwy::float16_t;
+  static constexpr bool kReordered = false;
+  static void Load2(const T* p, VF& a, VF& b) {
+    const DF df;
+    const hn::Rebind<T, DF> dh;
+    a = hn::PromoteTo(df, hn::LoadU(dh, p));
+    b = hn::PromoteTo(df, hn::LoadU(dh, p + hn::Lanes(df)));
+  }
+  static VF Load1(const T* p) { return hn::PromoteTo(DF(), hn::LoadU(hn::Rebind<T, DF>(), p)); }
+};
+
+// A bf16 value is the upper half of a float. Read as N 32-bit words, 2N elements give the even
+// ones in the low halves (a float once shifted up) and the odd ones in the high halves (a float
+// once the low half is masked off): one load and two integer ops per 2N elements, where
+// promoting costs a widening load and a shift per N. The price is the order: evens, then odds.
+struct Bf16Rows {
+  using T = hwy::bfloat16_t;
+  static constexpr bool kReordered = true;
+  static void Load2(const T* p, VF& even, VF& odd) {
+    const DF df;
+    const hn::RebindToUnsigned<DF> du;
+    const auto words = hn::LoadU(du, reinterpret_cast<const uint32_t*>(p));
+    even = hn::BitCast(df, hn::ShiftLeft<16>(words));
+    odd = hn::BitCast(df, hn::And(words, hn::Set(du, 0xFFFF0000u)));
+  }
+  static VF Load1(const T* p) { return hn::PromoteTo(DF(), hn::LoadU(hn::Rebind<T, DF>(), p)); }
+};
+
+// to[0, d) = the row `from` in Rows' load order (LoadOrder) or back (!LoadOrder).
+template <class Rows, bool kToLoadOrder>
+void Reorder(const float* from, int32_t d, float* to) {
+  const auto n = static_cast<int32_t>(hn::Lanes(DF()));
+  int32_t i = 0;
+  if constexpr (Rows::kReordered) {
+    for (; i + 2 * n <= d; i += 2 * n) {
+      for (int32_t e = 0; e < n; ++e) {
+        if constexpr (kToLoadOrder) {
+          to[i + e] = from[i + 2 * e];
+          to[i + n + e] = from[i + 2 * e + 1];
+        } else {
+          to[i + 2 * e] = from[i + e];
+          to[i + 2 * e + 1] = from[i + n + e];
+        }
+      }
     }
-    scores[j] = hn::GetLane(hn::SumOfLanes(df, s0));
+  }
+  std::copy(from + i, from + d, to + i);
+}
+
+// Where the K and V rows of one KV head start for each position of a tile. Positions past the
+// tile's `count` repeat its last one, so that blocks of four keys never read out of range.
+template <class Rows>
+struct TileRows {
+  const typename Rows::T* k[kTile];
+  const typename Rows::T* v[kTile];
+};
+
+// The rows of KV head `head` at the tile's slots: in the cache itself, or (`copied`, Rows =
+// F32Rows) converted to fp32 into s.k / s.v first.
+template <class Rows>
+void FindRows(const PagedKV& c, int32_t head, int32_t count, bool copied, Scratch& s,
+              TileRows<Rows>& rows) {
+  using T = typename Rows::T;
+  const int32_t d = c.head_size;
+  for (int32_t j = 0; j < kTile; ++j) {
+    const int32_t at = std::min(j, count - 1);
+    if (copied) {
+      rows.k[j] = reinterpret_cast<const T*>(s.k.data() + int64_t{at} * d);
+      rows.v[j] = reinterpret_cast<const T*>(s.v.data() + int64_t{at} * d);
+      continue;
+    }
+    // Not copied: T is the cache's element type.
+    rows.k[j] =
+        static_cast<const T*>(c.data) + s.slots[static_cast<size_t>(at)] + head * c.head_stride;
+    rows.v[j] = rows.k[j] + c.plane_stride;
+  }
+  if (copied) GatherTile(c, head, count, s);
+}
+
+#if HWY_TARGET != HWY_SCALAR
+// out[0, 4) = the sums of the 4-lane blocks of v (folded in halves).
+template <class D>
+HWY_INLINE void StoreBlockSum(D d, hn::Vec<D> v, float* out) {
+  if constexpr (hn::MaxLanes(D()) > 4) {
+    const hn::Half<D> dh;
+    StoreBlockSum(dh, hn::Add(hn::LowerHalf(dh, v), hn::UpperHalf(dh, v)), out);
+  } else {
+    hn::StoreU(v, d, out);
+  }
+}
+#endif
+
+// out[0, 4) = the sums of the lanes of a, b, c and e: a transposing reduction (two rounds of
+// interleaves within 128-bit blocks, then the blocks folded) costs about 3 ops per sum where a
+// horizontal sum of one vector costs about 8.
+HWY_INLINE void StoreSums4(VF a, VF b, VF c, VF e, float* out) {
+#if HWY_TARGET == HWY_SCALAR
+  out[0] = hn::GetLane(a);
+  out[1] = hn::GetLane(b);
+  out[2] = hn::GetLane(c);
+  out[3] = hn::GetLane(e);
+#else
+  const DF df;
+  const hn::Repartition<double, DF> dd;
+  // In each block: [a0 + a2, b0 + b2, a1 + a3, b1 + b3], and the same for c and e.
+  const auto ab =
+      hn::BitCast(dd, hn::Add(hn::InterleaveLower(df, a, b), hn::InterleaveUpper(df, a, b)));
+  const auto ce =
+      hn::BitCast(dd, hn::Add(hn::InterleaveLower(df, c, e), hn::InterleaveUpper(df, c, e)));
+  // In each block: [Σa, Σb, Σc, Σe] over that block.
+  const VF sums = hn::Add(hn::BitCast(df, hn::InterleaveLower(dd, ab, ce)),
+                          hn::BitCast(df, hn::InterleaveUpper(dd, ab, ce)));
+  StoreBlockSum(df, sums, out);
+#endif
+}
+
+// scores[r · kTile + j] = q_r · k_j for rows r < RB (q: [RB, d] in load order) and the blocks of
+// four keys that cover [j0, j1): RB × 4 accumulators, each K vector loaded once for all RB rows.
+template <class Rows, int RB>
+void TileScores(const float* q, int32_t d, const typename Rows::T* const* k, int32_t j0, int32_t j1,
+                float* scores) {
+  const DF df;
+  const auto n = static_cast<int32_t>(hn::Lanes(df));
+  for (int32_t j = j0 & ~3; j < j1; j += 4) {
+    VF acc[RB][4];
+    for (auto& row : acc) {
+      for (VF& a : row) a = hn::Zero(df);
+    }
+    int32_t i = 0;
+    for (; i + 2 * n <= d; i += 2 * n) {
+      VF lo[4], hi[4];
+      for (int32_t key = 0; key < 4; ++key) Rows::Load2(k[j + key] + i, lo[key], hi[key]);
+      for (int32_t r = 0; r < RB; ++r) {
+        const VF q_lo = hn::LoadU(df, q + r * d + i);
+        const VF q_hi = hn::LoadU(df, q + r * d + i + n);
+        for (int32_t key = 0; key < 4; ++key) {
+          acc[r][key] = hn::MulAdd(q_lo, lo[key], acc[r][key]);
+          acc[r][key] = hn::MulAdd(q_hi, hi[key], acc[r][key]);
+        }
+      }
+    }
+    if (i < d) {
+      VF x[4];
+      for (int32_t key = 0; key < 4; ++key) x[key] = Rows::Load1(k[j + key] + i);
+      for (int32_t r = 0; r < RB; ++r) {
+        const VF qv = hn::LoadU(df, q + r * d + i);
+        for (int32_t key = 0; key < 4; ++key) acc[r][key] = hn::MulAdd(qv, x[key], acc[r][key]);
+      }
+    }
+    for (int32_t r = 0; r < RB; ++r) {
+      StoreSums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], scores + r * kTile + j);
+    }
   }
 }
 
-// Online-softmax step of one row over its tile scores [j0, j1) (others are -inf): turns them
-// into probabilities in place, rescales acc, updates m and l.
-void SoftmaxStep(int32_t d, int32_t j0, int32_t j1, float* scores, float* acc, float& m, float& l) {
+// Online-softmax step of one row over its tile scores (-inf where it sees no key; at least one
+// finite): turns them into probabilities in place, updates m and l, and returns e^(m − m'), the
+// factor the row's accumulator must be scaled by.
+float SoftmaxStep(float* scores, float& m, float& l) {
   const DF df;
-  const auto n = static_cast<int64_t>(hn::Lanes(df));
-  float tile_max = -std::numeric_limits<float>::infinity();
-  for (int32_t j = j0; j < j1; ++j) tile_max = std::max(tile_max, scores[j]);
-  const float m_new = std::max(m, tile_max);
-  const float alpha = std::exp(m - m_new);  // 0 on the first tile (m = -inf)
+  const auto n = static_cast<int32_t>(hn::Lanes(df));
+  const auto neg_inf = hn::Set(df, -std::numeric_limits<float>::infinity());
+  auto tile_max = neg_inf;
+  for (int32_t j = 0; j < kTile; j += n) tile_max = hn::Max(tile_max, hn::LoadU(df, scores + j));
+  const float m_new = std::max(m, hn::GetLane(hn::MaxOfLanes(df, tile_max)));
+  // 0 on the first tile (m = -inf); 1 without an exp while the maximum holds, as it mostly does.
+  const float alpha = m_new == m ? 1.0f : std::exp(m - m_new);
   const auto vm = hn::Set(df, m_new);
   const auto floor = hn::Set(df, -87.0f);  // exp stays normal; masked lanes are zeroed below
   auto sum = hn::Zero(df);
-  for (int64_t j = 0; j < kTile; j += n) {
+  for (int32_t j = 0; j < kTile; j += n) {
     const auto x = hn::LoadU(df, scores + j);
-    const auto valid = hn::Gt(x, hn::Set(df, -std::numeric_limits<float>::infinity()));
-    const auto p = hn::IfThenElseZero(valid, hn::Exp(df, hn::Max(hn::Sub(x, vm), floor)));
+    const auto p =
+        hn::IfThenElseZero(hn::Gt(x, neg_inf), hn::Exp(df, hn::Max(hn::Sub(x, vm), floor)));
     hn::StoreU(p, df, scores + j);
     sum = hn::Add(sum, p);
   }
   l = l * alpha + hn::GetLane(hn::SumOfLanes(df, sum));
-  if (alpha != 1.0f) {
-    const auto va = hn::Set(df, alpha);
-    for (int64_t i = 0; i < d; i += n) {
-      hn::StoreU(hn::Mul(hn::LoadU(df, acc + i), va), df, acc + i);
-    }
-  }
   m = m_new;
+  return alpha;
 }
 
-// acc += Σ_j p[j] · v_j for j in [j0, j1), acc held in registers four vectors at a time.
-void AccumulateV(const float* p, const float* v, int64_t d, int32_t j0, int32_t j1, float* acc) {
+// acc[r, i + c) = acc[r, i + c) · alpha_r + Σ_j p[r · kTile + j] · v_j[i + c) for rows r < RB,
+// keys [j0, j1) and columns c < kSteps · 2N (kSteps = 0: the last N columns, Load1): those
+// columns of every row stay in registers while the keys stream by, so each V vector is loaded
+// once for all RB rows, and there are 2 · RB · kSteps independent sums to keep the FMAs busy.
+template <class Rows, int RB, int kSteps>
+HWY_INLINE void AccumulateColumns(const float* p, const float* alpha,
+                                  const typename Rows::T* const* v, int32_t j0, int32_t j1,
+                                  int32_t d, int32_t i, float* acc) {
   const DF df;
-  const auto n = static_cast<int64_t>(hn::Lanes(df));
-  int64_t i = 0;
-  for (; i + 4 * n <= d; i += 4 * n) {
-    auto a0 = hn::LoadU(df, acc + i), a1 = hn::LoadU(df, acc + i + n);
-    auto a2 = hn::LoadU(df, acc + i + 2 * n), a3 = hn::LoadU(df, acc + i + 3 * n);
-    for (int32_t j = j0; j < j1; ++j) {
-      const auto pj = hn::Set(df, p[j]);
-      const float* vj = v + int64_t{j} * d + i;
-      a0 = hn::MulAdd(pj, hn::LoadU(df, vj), a0);
-      a1 = hn::MulAdd(pj, hn::LoadU(df, vj + n), a1);
-      a2 = hn::MulAdd(pj, hn::LoadU(df, vj + 2 * n), a2);
-      a3 = hn::MulAdd(pj, hn::LoadU(df, vj + 3 * n), a3);
+  const auto n = static_cast<int32_t>(hn::Lanes(df));
+  constexpr int kVectors = kSteps == 0 ? 1 : 2 * kSteps;
+  VF a[RB][kVectors];
+  for (int32_t r = 0; r < RB; ++r) {
+    const VF scale = hn::Set(df, alpha[r]);
+    for (int32_t c = 0; c < kVectors; ++c) {
+      a[r][c] = hn::Mul(hn::LoadU(df, acc + r * d + i + c * n), scale);
     }
-    hn::StoreU(a0, df, acc + i);
-    hn::StoreU(a1, df, acc + i + n);
-    hn::StoreU(a2, df, acc + i + 2 * n);
-    hn::StoreU(a3, df, acc + i + 3 * n);
   }
-  for (; i < d; i += n) {
-    auto a0 = hn::LoadU(df, acc + i);
-    for (int32_t j = j0; j < j1; ++j) {
-      a0 = hn::MulAdd(hn::Set(df, p[j]), hn::LoadU(df, v + int64_t{j} * d + i), a0);
+  for (int32_t j = j0; j < j1; ++j) {
+    VF x[kVectors];
+    if constexpr (kSteps == 0) {
+      x[0] = Rows::Load1(v[j] + i);
+    } else {
+      for (int32_t c = 0; c < kSteps; ++c)
+        Rows::Load2(v[j] + i + 2 * c * n, x[2 * c], x[2 * c + 1]);
     }
-    hn::StoreU(a0, df, acc + i);
+    for (int32_t r = 0; r < RB; ++r) {
+      const VF pj = hn::Set(df, p[r * kTile + j]);
+      for (int32_t c = 0; c < kVectors; ++c) a[r][c] = hn::MulAdd(pj, x[c], a[r][c]);
+    }
   }
+  for (int32_t r = 0; r < RB; ++r) {
+    for (int32_t c = 0; c < kVectors; ++c) hn::StoreU(a[r][c], df, acc + r * d + i + c * n);
+  }
+}
+
+// acc_r = acc_r · alpha_r + Σ_j p[r · kTile + j] · v_j for rows r < RB (acc: [RB, d] in load
+// order) and keys [j0, j1), in passes of up to 4N columns (16 sums for 4 rows).
+template <class Rows, int RB>
+void TileAccumulate(const float* p, const float* alpha, const typename Rows::T* const* v,
+                    int32_t j0, int32_t j1, int32_t d, float* acc) {
+  const auto n = static_cast<int32_t>(hn::Lanes(DF()));
+  int32_t i = 0;
+  for (; i + 4 * n <= d; i += 4 * n) AccumulateColumns<Rows, RB, 2>(p, alpha, v, j0, j1, d, i, acc);
+  if (i + 2 * n <= d) {
+    AccumulateColumns<Rows, RB, 1>(p, alpha, v, j0, j1, d, i, acc);
+    i += 2 * n;
+  }
+  if (i < d) AccumulateColumns<Rows, RB, 0>(p, alpha, v, j0, j1, d, i, acc);
 }
 
 // The keys query row at position `pos` sees: [lo, hi).
@@ -329,90 +500,182 @@ KeyRange VisibleKeys(const AttentionParams& p, int64_t pos, int64_t total) {
   return {lo, pos + 1};
 }
 
-// Loads the item's queries (times the scale) and clears its accumulators. Rows per token are
-// the item's query heads, q heads [kv_begin · g, kv_end · g).
-void LoadQueries(const Activations& q, const AttentionParams& p, const WorkItem& item,
-                 int32_t start, int32_t g, int32_t d, Scratch& s) {
-  const int32_t heads = (item.kv_end - item.kv_begin) * g;
-  for (int32_t t = item.q_begin; t < item.q_end; ++t) {
-    for (int32_t h = 0; h < heads; ++h) {
-      const int64_t row = int64_t{t - item.q_begin} * heads + h;
-      const int64_t at =
-          int64_t{start + t} * q.token_stride + (int64_t{item.kv_begin} * g + h) * q.head_stride;
-      float* dst = s.q.data() + row * d;
-      ToFloat(ElementPtr(q.data, at, q.dtype), q.dtype, d, 1.0f, dst);
-      for (int32_t i = 0; i < d; ++i) dst[i] *= p.scale;
-      s.m[static_cast<size_t>(row)] = -std::numeric_limits<float>::infinity();
-      s.l[static_cast<size_t>(row)] = 0.0f;
+// What the tile loop needs to know of one work item.
+struct ItemShape {
+  int64_t seen;         // the sequence's tokens before this step
+  int64_t total;        // its keys: seen + its new tokens
+  int32_t q_begin;      // the item's first query token among the new ones
+  int32_t g;            // query heads per KV head
+  int32_t d;            // head size
+  int32_t rows_per_kv;  // the item's rows of each KV head: tokens × g
+};
+
+// Rows [row, row + RB) of the scratch, whose keys in the tile are [j0[r], j1[r]) (empty for a
+// row that sees none), [lo, hi) together.
+template <class Rows, int RB>
+void AttendRowBlock(const TileRows<Rows>& t, const int32_t* j0, const int32_t* j1, int32_t lo,
+                    int32_t hi, int32_t d, int64_t row, Scratch& s) {
+  float* scores = s.scores.data();
+  TileScores<Rows, RB>(s.q.data() + row * d, d, t.k, lo, hi, scores);
+  float alpha[RB];
+  for (int32_t r = 0; r < RB; ++r) {
+    float* sc = scores + r * kTile;
+    if (j0[r] >= j1[r]) {  // weights 0, accumulator unchanged
+      std::fill_n(sc, kTile, 0.0f);
+      alpha[r] = 1.0f;
+      continue;
+    }
+    std::fill(sc, sc + j0[r], -std::numeric_limits<float>::infinity());
+    std::fill(sc + j1[r], sc + kTile, -std::numeric_limits<float>::infinity());
+    const auto at = static_cast<size_t>(row + r);
+    alpha[r] = SoftmaxStep(sc, s.m[at], s.l[at]);
+  }
+  TileAccumulate<Rows, RB>(scores, alpha, t.v, lo, hi, d, s.acc.data() + row * d);
+}
+
+// One tile of keys [k0, k0 + count) for the rows of the item's `kv_index`-th KV head, in blocks
+// of kRowBlock rows (each row with its own range: the tokens of a prefill chunk see different
+// keys).
+template <class Rows>
+void AttendTile(const AttentionParams& p, const ItemShape& x, int64_t k0, int32_t count,
+                int32_t kv_index, const TileRows<Rows>& t, Scratch& s) {
+  for (int32_t r0 = 0; r0 < x.rows_per_kv; r0 += kRowBlock) {
+    const int32_t rb = std::min(kRowBlock, x.rows_per_kv - r0);
+    int32_t j0[kRowBlock];
+    int32_t j1[kRowBlock];
+    int32_t lo = count;
+    int32_t hi = 0;
+    for (int32_t r = 0; r < rb; ++r) {
+      const KeyRange keys = VisibleKeys(p, x.seen + x.q_begin + (r0 + r) / x.g, x.total);
+      j0[r] = static_cast<int32_t>(std::clamp<int64_t>(keys.lo - k0, 0, count));
+      j1[r] = static_cast<int32_t>(std::clamp<int64_t>(keys.hi - k0, 0, count));
+      if (j0[r] < j1[r]) {
+        lo = std::min(lo, j0[r]);
+        hi = std::max(hi, j1[r]);
+      }
+    }
+    if (lo >= hi) continue;
+    const int64_t row = int64_t{kv_index} * x.rows_per_kv + r0;
+    switch (rb) {
+      case 1:
+        AttendRowBlock<Rows, 1>(t, j0, j1, lo, hi, x.d, row, s);
+        break;
+      case 2:
+        AttendRowBlock<Rows, 2>(t, j0, j1, lo, hi, x.d, row, s);
+        break;
+      case 3:
+        AttendRowBlock<Rows, 3>(t, j0, j1, lo, hi, x.d, row, s);
+        break;
+      default:
+        AttendRowBlock<Rows, kRowBlock>(t, j0, j1, lo, hi, x.d, row, s);
     }
   }
-  const auto rows = static_cast<size_t>(item.q_end - item.q_begin) * static_cast<size_t>(heads);
+}
+
+// Calls fn(row, token, query head) for each scratch row of the item (the layout of WorkItem).
+template <class Fn>
+void ForEachRow(const WorkItem& item, int32_t g, Fn fn) {
+  const int32_t tokens = item.q_end - item.q_begin;
+  for (int32_t kv = item.kv_begin; kv < item.kv_end; ++kv) {
+    for (int32_t t = 0; t < tokens; ++t) {
+      for (int32_t h = 0; h < g; ++h) {
+        fn((int64_t{kv - item.kv_begin} * tokens + t) * g + h, item.q_begin + t, kv * g + h);
+      }
+    }
+  }
+}
+
+// Loads the item's queries, times the scale, into s.q in Rows' load order; clears m, l, acc.
+template <class Rows>
+void LoadQueries(const Activations& q, float scale, const WorkItem& item, int32_t start, int32_t g,
+                 int32_t d, Scratch& s) {
+  float row_q[kMaxHeadSize];
+  ForEachRow(item, g, [&](int64_t row, int32_t token, int32_t head) {
+    const int64_t at = int64_t{start + token} * q.token_stride + head * q.head_stride;
+    ToFloat(ElementPtr(q.data, at, q.dtype), q.dtype, d, 1.0f, row_q);
+    for (int32_t i = 0; i < d; ++i) row_q[i] *= scale;
+    Reorder<Rows, true>(row_q, d, s.q.data() + row * d);
+    s.m[static_cast<size_t>(row)] = -std::numeric_limits<float>::infinity();
+    s.l[static_cast<size_t>(row)] = 0.0f;
+  });
+  const auto rows =
+      static_cast<size_t>(item.q_end - item.q_begin) * g * (item.kv_end - item.kv_begin);
   std::fill_n(s.acc.begin(), rows * static_cast<size_t>(d), 0.0f);
 }
 
-// One tile for one KV head: every (token, query head of the group) row that sees keys in it.
-void AttendTile(const AttentionParams& p, const WorkItem& item, int64_t seen, int64_t total,
-                int64_t k0, int32_t count, int32_t kv, int32_t g, int32_t d, Scratch& s) {
-  const int32_t heads = (item.kv_end - item.kv_begin) * g;
-  for (int32_t t = item.q_begin; t < item.q_end; ++t) {
-    const KeyRange keys = VisibleKeys(p, seen + t, total);
-    const auto j0 = static_cast<int32_t>(std::clamp<int64_t>(keys.lo - k0, 0, count));
-    const auto j1 = static_cast<int32_t>(std::clamp<int64_t>(keys.hi - k0, 0, count));
-    if (j0 >= j1) continue;
-    for (int32_t h = 0; h < g; ++h) {
-      const int64_t row = int64_t{t - item.q_begin} * heads + int64_t{kv - item.kv_begin} * g + h;
-      float* sc = s.scores.data() + row * kTile;
-      std::fill_n(sc, kTile, -std::numeric_limits<float>::infinity());
-      Scores(s.q.data() + row * d, s.k.data(), d, j0, j1, sc);
-      float* acc = s.acc.data() + row * d;
-      SoftmaxStep(d, j0, j1, sc, acc, s.m[static_cast<size_t>(row)], s.l[static_cast<size_t>(row)]);
-      AccumulateV(sc, s.v.data(), d, j0, j1, acc);
-    }
-  }
+// Writes acc / l of each of the item's rows to `out`, in the row's own order.
+template <class Rows>
+void StoreOutputs(const WorkItem& item, int32_t start, int32_t g, int32_t d, const Scratch& s,
+                  const Activations& out) {
+  float row[kMaxHeadSize];
+  ForEachRow(item, g, [&](int64_t r, int32_t token, int32_t head) {
+    const float inv = 1.0f / s.l[static_cast<size_t>(r)];
+    Reorder<Rows, false>(s.acc.data() + r * d, d, row);
+    for (int32_t i = 0; i < d; ++i) row[i] *= inv;
+    const int64_t at = int64_t{start + token} * out.token_stride + head * out.head_stride;
+    FromFloat(row, d, out.dtype, 1.0f, const_cast<uint8_t*>(ElementPtr(out.data, at, out.dtype)));
+  });
 }
 
-void AttendItem(const PagedKV& c, const Activations& q, const Activations& out,
-                const AttentionParams& p, const WorkItem& item, Scratch& s) {
+template <class Rows>
+void AttendItemWith(const PagedKV& c, const Activations& q, const Activations& out,
+                    const AttentionParams& p, const WorkItem& item, bool copied, Scratch& s) {
   const int32_t* desc = c.descriptors + int64_t{item.seq} * 4;
   const int32_t start = desc[0];
-  const int64_t seen = desc[2];
-  const int64_t total = seen + desc[1];
   const int32_t g = q.num_heads / c.num_kv_heads;
   const int32_t d = c.head_size;
-  LoadQueries(q, p, item, start, g, d, s);
-  const KeyRange first = VisibleKeys(p, seen + item.q_begin, total);
-  const KeyRange last = VisibleKeys(p, seen + item.q_end - 1, total);
-  // Each tile's rows are prefetched while the tile before it is computed.
+  const ItemShape shape{.seen = desc[2],
+                        .total = int64_t{desc[2]} + desc[1],
+                        .q_begin = item.q_begin,
+                        .g = g,
+                        .d = d,
+                        .rows_per_kv = (item.q_end - item.q_begin) * g};
+  LoadQueries<Rows>(q, p.scale, item, start, g, d, s);
+
+  const KeyRange first = VisibleKeys(p, shape.seen + item.q_begin, shape.total);
+  const KeyRange last = VisibleKeys(p, shape.seen + item.q_end - 1, shape.total);
   auto tile_count = [&](int64_t k0) {
     return static_cast<int32_t>(std::min<int64_t>(kTile, last.hi - k0));
   };
+  // Each head's rows of a tile are prefetched while the head before it is computed.
   if (first.lo < last.hi) {
     TileSlots(c, item.seq, first.lo, tile_count(first.lo), s.slots.data());
-    PrefetchTile(c, s.slots.data(), tile_count(first.lo), item.kv_begin, item.kv_end);
+    PrefetchRows(c, s.slots.data(), tile_count(first.lo), item.kv_begin);
   }
+  TileRows<Rows> rows_of;
   for (int64_t k0 = first.lo; k0 < last.hi; k0 += kTile) {
     const int32_t count = tile_count(k0);
-    if (k0 + kTile < last.hi) {
-      TileSlots(c, item.seq, k0 + kTile, tile_count(k0 + kTile), s.next_slots.data());
-      PrefetchTile(c, s.next_slots.data(), tile_count(k0 + kTile), item.kv_begin, item.kv_end);
-    }
+    const bool more = k0 + kTile < last.hi;
+    if (more) TileSlots(c, item.seq, k0 + kTile, tile_count(k0 + kTile), s.next_slots.data());
     for (int32_t kv = item.kv_begin; kv < item.kv_end; ++kv) {
-      GatherTile(c, kv, count, s);
-      AttendTile(p, item, seen, total, k0, count, kv, g, d, s);
+      if (kv + 1 < item.kv_end) {
+        PrefetchRows(c, s.slots.data(), count, kv + 1);
+      } else if (more) {
+        PrefetchRows(c, s.next_slots.data(), tile_count(k0 + kTile), item.kv_begin);
+      }
+      FindRows(c, kv, count, copied, s, rows_of);
+      AttendTile(p, shape, k0, count, kv - item.kv_begin, rows_of, s);
     }
     std::swap(s.slots, s.next_slots);
   }
-  const int32_t heads = (item.kv_end - item.kv_begin) * g;
-  for (int32_t t = item.q_begin; t < item.q_end; ++t) {
-    for (int32_t h = 0; h < heads; ++h) {
-      const int64_t row = int64_t{t - item.q_begin} * heads + h;
-      float* acc = s.acc.data() + row * d;
-      const float inv = 1.0f / s.l[static_cast<size_t>(row)];
-      for (int32_t i = 0; i < d; ++i) acc[i] *= inv;
-      const int64_t at = int64_t{start + t} * out.token_stride +
-                         (int64_t{item.kv_begin} * g + h) * out.head_stride;
-      FromFloat(acc, d, out.dtype, 1.0f, const_cast<uint8_t*>(ElementPtr(out.data, at, out.dtype)));
-    }
+
+  StoreOutputs<Rows>(item, start, g, d, s, out);
+}
+
+// fp8 rows always go through the fp32 copy (a table lookup per element). fp16/bf16 rows are read
+// in place while few rows share them (decode), and copied once when many do (prefill), where
+// converting each row again for every block of kRowBlock rows would cost more than the copy.
+void AttendItem(const PagedKV& c, const Activations& q, const Activations& out,
+                const AttentionParams& p, const WorkItem& item, Scratch& s) {
+  const int32_t rows_per_kv = (item.q_end - item.q_begin) * (q.num_heads / c.num_kv_heads);
+  const bool copied =
+      c.dtype == DType::kFloat8E4M3 || (c.dtype != DType::kFloat32 && rows_per_kv > kMaxDirectRows);
+  if (copied || c.dtype == DType::kFloat32) {
+    AttendItemWith<F32Rows>(c, q, out, p, item, copied, s);
+  } else if (c.dtype == DType::kFloat16) {
+    AttendItemWith<F16Rows>(c, q, out, p, item, false, s);
+  } else {
+    AttendItemWith<Bf16Rows>(c, q, out, p, item, false, s);
   }
 }
 

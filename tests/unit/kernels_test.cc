@@ -8,6 +8,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <hwy/targets.h>
 
 #include <cmath>
 #include <cstdint>
@@ -217,6 +218,52 @@ TEST(PagedAttention, ThreadCountsAgree) {
     c.options.num_threads = threads;
     RunAttention(c);
   }
+}
+
+// The decode path that reads fp16/bf16/fp32 rows in place (up to 8 query rows per KV head) and
+// its edges: head sizes that end in half a vector (80), groups that leave a partial block of 4
+// rows (G = 1, 5) or need two (G = 8), one key, tiles that end inside a block of four keys (31,
+// 33 keys), long contexts, two-token steps whose rows see different keys of the last tile (and,
+// with G = 5 or 8, more than 8 rows: the fp32 copy), and windows that start inside a tile.
+TEST(PagedAttention, InPlaceRowsEdgeCases) {
+  for (DType act : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+    for (int64_t d : {64, 80, 96, 128, 256}) {
+      for (auto [hq, hkv] : {std::pair<int64_t, int64_t>{2, 2}, {8, 2}, {10, 2}, {16, 2}}) {
+        RunAttention({.setup = {.block_size = 16, .num_kv_heads = hkv, .head_size = d},
+                      .seqs = {{1, 0}, {1, 30}, {1, 32}, {2, 31}, {1, 1500}},
+                      .q_heads = hq,
+                      .act = act});
+      }
+    }
+    for (int64_t window : {3, 40}) {
+      AttentionCase c{.setup = {.block_size = 16, .num_kv_heads = 2, .head_size = 128},
+                      .seqs = {{1, 100}, {2, 45}, {1, 2}},
+                      .q_heads = 8,
+                      .act = act};
+      c.options.sliding_window = window;
+      RunAttention(c);
+    }
+  }
+}
+
+// Each SIMD target compiled into the kernels, not only the one this machine picks: vectors of 16
+// floats (AVX-512), 8 (AVX2), 4 (SSE4) and 1 (scalar) take different paths to the same sums.
+TEST(PagedAttention, EverySimdTargetAgrees) {
+  const int64_t supported = hwy::SupportedTargets();
+  for (int64_t target : {HWY_AVX3, HWY_AVX2, HWY_SSE4, HWY_SCALAR}) {
+    if ((supported & target) == 0) continue;
+    SCOPED_TRACE(hwy::TargetName(target));
+    hwy::SetSupportedTargetsForTest(target);
+    for (DType act : {DType::kBFloat16, DType::kFloat16, DType::kFloat32}) {
+      for (int64_t d : {80, 128}) {
+        RunAttention({.setup = {.block_size = 16, .num_kv_heads = 2, .head_size = d},
+                      .seqs = {{1, 70}, {20, 5}, {2, 33}, {1, 0}},
+                      .q_heads = 10,
+                      .act = act});
+      }
+    }
+  }
+  hwy::SetSupportedTargetsForTest(0);
 }
 
 TEST(PagedAttention, EmptyBatchIsOk) {
