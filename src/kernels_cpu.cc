@@ -1,7 +1,7 @@
-// CPU backend of kernels.h: AppendKV (scalar; it moves a few rows per token) and PagedAttention
-// (Highway SIMD, compiled for every x86 target Highway knows and chosen at run time with
-// HWY_DYNAMIC_DISPATCH: Debian's Highway 1.0.3 compiles static dispatch to its scalar target
-// without -march, dynamic dispatch picks AVX-512 or AVX2 on the machine it runs on).
+// CPU backend of kernels.h's PagedAttention (AppendKV: kernels_cpu_append.cc): Highway SIMD,
+// compiled for every x86 target Highway knows and chosen at run time with HWY_DYNAMIC_DISPATCH
+// (Debian's Highway 1.0.3 compiles static dispatch to its scalar target without -march, dynamic
+// dispatch picks AVX-512 or AVX2 on the machine it runs on).
 //
 // Implementation notes (attention). One work item is (sequence, KV heads, chunk of up to
 // kMaxRows / G query tokens), G = Hq / Hkv: its rows are the chunk's tokens × the G query heads
@@ -24,19 +24,14 @@
 #define BLOCKKV_KERNELS_CPU_SHARED_
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <functional>
 #include <limits>
-#include <thread>
 #include <utility>
 #include <vector>
 
-#include "internal/check.h"
-#include "internal/float_convert.h"
 #include "internal/kernels_backend.h"
+#include "internal/kernels_cpu_util.h"
 #include "internal/paged_view.h"
 
 namespace blockkv::internal::cpu {
@@ -85,77 +80,6 @@ struct Scratch {
     next_slots.resize(kTile);
   }
 };
-// Elements of `dtype` at `base + index` as bytes.
-inline const uint8_t* ElementPtr(const void* base, int64_t index, DType dtype) {
-  return static_cast<const uint8_t*>(base) + index * static_cast<int64_t>(ElementSize(dtype));
-}
-
-// Converts `n` elements of `dtype` to float (fp8 values times `scale`).
-inline void ToFloat(const void* src, DType dtype, int32_t n, float scale, float* dst) {
-  switch (dtype) {
-    case DType::kFloat32:
-      std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
-      return;
-    case DType::kFloat16:
-      for (int32_t i = 0; i < n; ++i) dst[i] = Fp16ToFloat(static_cast<const uint16_t*>(src)[i]);
-      return;
-    case DType::kBFloat16:
-      for (int32_t i = 0; i < n; ++i) dst[i] = Bf16ToFloat(static_cast<const uint16_t*>(src)[i]);
-      return;
-    case DType::kFloat8E4M3:
-      for (int32_t i = 0; i < n; ++i) {
-        dst[i] = Fp8E4M3ToFloat(static_cast<const uint8_t*>(src)[i]) * scale;
-      }
-      return;
-    default:
-      BLOCKKV_CHECK(false, "unsupported dtype reached the CPU kernels");
-  }
-}
-
-// Converts `n` floats to `dtype` (fp8: value / scale, saturating).
-inline void FromFloat(const float* src, int32_t n, DType dtype, float scale, void* dst) {
-  switch (dtype) {
-    case DType::kFloat32:
-      std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
-      return;
-    case DType::kFloat16:
-      for (int32_t i = 0; i < n; ++i) static_cast<uint16_t*>(dst)[i] = FloatToFp16(src[i]);
-      return;
-    case DType::kBFloat16:
-      for (int32_t i = 0; i < n; ++i) static_cast<uint16_t*>(dst)[i] = FloatToBf16(src[i]);
-      return;
-    case DType::kFloat8E4M3:
-      for (int32_t i = 0; i < n; ++i) {
-        static_cast<uint8_t*>(dst)[i] = FloatToFp8E4M3(src[i] / scale);
-      }
-      return;
-    default:
-      BLOCKKV_CHECK(false, "unsupported dtype reached the CPU kernels");
-  }
-}
-
-// Runs fn(item, thread) for item in [0, n_items) on up to `threads` threads (the caller's one
-// included); one thread when `work` (a rough element count) is too small to pay for more.
-inline void ParallelFor(int64_t n_items, int threads, int64_t work,
-                        const std::function<void(int64_t, int)>& fn) {
-  constexpr int64_t kWorkPerThread = int64_t{1} << 18;
-  const int64_t useful = std::max<int64_t>(1, work / kWorkPerThread);
-  const int n = static_cast<int>(std::min<int64_t>({threads, n_items, useful}));
-  std::atomic<int64_t> next{0};
-  auto run = [&](int thread) {
-    for (int64_t item = next.fetch_add(1); item < n_items; item = next.fetch_add(1)) {
-      fn(item, thread);
-    }
-  };
-  if (n <= 1) {
-    run(0);
-    return;
-  }
-  std::vector<std::jthread> workers;
-  workers.reserve(static_cast<size_t>(n - 1));
-  for (int t = 1; t < n; ++t) workers.emplace_back(run, t);
-  run(0);
-}
 
 }  // namespace blockkv::internal::cpu
 
@@ -210,9 +134,10 @@ void TileSlots(const PagedKV& c, int32_t seq, int64_t k0, int32_t count, int64_t
 }
 
 // Asks for the K and V rows of `head` at the tile's positions, into L2. The tile loop reads one
-// head's rows at a time, 256-byte pieces 4 KiB apart (a position's row holds every head), which
-// the hardware prefetcher does not follow: without this the loads wait on memory. Not into L1:
-// rows 4 KiB apart all fall in the same few L1 sets, so most would be evicted before their use.
+// head's rows at a time, pieces a position's row apart (256 bytes every 4 KiB for 8 KV heads of
+// 128 bf16), which the hardware prefetcher does not follow: without this the loads wait on
+// memory. Not into L1: pieces 4 KiB apart all fall in the same few L1 sets, and most would be
+// evicted before their use.
 void PrefetchRows(const PagedKV& c, const int64_t* slots, int32_t count, int32_t head) {
   const auto elem = static_cast<int64_t>(ElementSize(c.dtype));
   const int64_t bytes = c.head_size * elem;
@@ -733,84 +658,7 @@ std::vector<WorkItem> MakeWorkItems(const PagedKV& c, int32_t g, int threads, in
   return items;
 }
 
-// Rotates row x[0, d) in place by the rotate-half rule, with cos/sin of each pair given.
-void Rotate(float* x, int32_t half, const float* cos, const float* sin) {
-  for (int32_t i = 0; i < half; ++i) {
-    const float x1 = x[i];
-    const float x2 = x[i + half];
-    x[i] = x1 * cos[i] - x2 * sin[i];
-    x[i + half] = x2 * cos[i] + x1 * sin[i];
-  }
-}
-
-// One token of AppendKV: K (rotated) and V to their slot, Q rotated in place.
-void AppendToken(const PagedKV& c, const Activations& k, const Activations& v, const Activations* q,
-                 const RotaryParams& rotary, int32_t seq, int32_t j, std::vector<float>& row) {
-  const int32_t* desc = c.descriptors + int64_t{seq} * 4;
-  const int64_t token = desc[0] + j;
-  const int64_t pos = int64_t{desc[2]} + j;
-  const int64_t block = c.kv_indices[c.kv_indptr[seq] + pos / c.block_size];
-  const int32_t d = c.head_size;
-  const int32_t half = rotary.rotary_dim / 2;
-  float* x = row.data();
-  float* cos = row.data() + d;
-  float* sin = cos + half;
-  if (rotary.enabled) {
-    for (int32_t i = 0; i < half; ++i) {
-      const double angle =
-          static_cast<double>(pos) * std::pow(rotary.theta, -2.0 * i / rotary.rotary_dim);
-      cos[i] = static_cast<float>(std::cos(angle));
-      sin[i] = static_cast<float>(std::sin(angle));
-    }
-  }
-  for (int32_t h = 0; h < c.num_kv_heads; ++h) {
-    const int64_t slot = c.Offset(block, pos % c.block_size, 0, h);
-    ToFloat(ElementPtr(k.data, token * k.token_stride + h * k.head_stride, k.dtype), k.dtype, d,
-            1.0f, x);
-    if (rotary.enabled) Rotate(x, half, cos, sin);
-    FromFloat(x, d, c.dtype, c.kv_scale, const_cast<uint8_t*>(ElementPtr(c.data, slot, c.dtype)));
-    ToFloat(ElementPtr(v.data, token * v.token_stride + h * v.head_stride, v.dtype), v.dtype, d,
-            1.0f, x);
-    FromFloat(x, d, c.dtype, c.kv_scale,
-              const_cast<uint8_t*>(ElementPtr(c.data, slot + c.plane_stride, c.dtype)));
-  }
-  if (q == nullptr) return;
-  for (int32_t h = 0; h < q->num_heads; ++h) {
-    auto* at = const_cast<uint8_t*>(
-        ElementPtr(q->data, token * q->token_stride + h * q->head_stride, q->dtype));
-    ToFloat(at, q->dtype, d, 1.0f, x);
-    Rotate(x, half, cos, sin);
-    FromFloat(x, d, q->dtype, 1.0f, at);
-  }
-}
-
 }  // namespace cpu
-
-void AppendKVCpu(const PagedKV& cache, const Activations& k, const Activations& v,
-                 const Activations* q, const RotaryParams& rotary, int num_threads) {
-  // One item per sequence and chunk of its tokens.
-  constexpr int32_t kChunk = 64;
-  struct Chunk {
-    int32_t seq, begin, end;
-  };
-  std::vector<Chunk> chunks;
-  for (int32_t i = 0; i < cache.num_seqs; ++i) {
-    const int32_t n = cache.descriptors[int64_t{i} * 4 + 1];
-    for (int32_t b = 0; b < n; b += kChunk) chunks.push_back({i, b, std::min(n, b + kChunk)});
-  }
-  const int64_t heads = cache.num_kv_heads * 2 + (q != nullptr ? q->num_heads : 0);
-  const int64_t work =
-      int64_t{cache.num_tokens} * heads * cache.head_size * (rotary.enabled ? 4 : 1);
-  std::vector<std::vector<float>> rows(static_cast<size_t>(std::max(1, num_threads)));
-  cpu::ParallelFor(std::ssize(chunks), num_threads, work, [&](int64_t index, int thread) {
-    std::vector<float>& row = rows[static_cast<size_t>(thread)];
-    row.resize(static_cast<size_t>(cache.head_size) * 2);
-    const Chunk& chunk = chunks[static_cast<size_t>(index)];
-    for (int32_t j = chunk.begin; j < chunk.end; ++j) {
-      cpu::AppendToken(cache, k, v, q, rotary, chunk.seq, j, row);
-    }
-  });
-}
 
 void PagedAttentionCpu(const PagedKV& cache, const Activations& q, const Activations& out,
                        const AttentionParams& params) {
