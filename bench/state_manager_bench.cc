@@ -61,7 +61,8 @@ struct Engine {
   std::vector<SeqId> uids;
   std::vector<int64_t> prompts;
   std::vector<int64_t> ones;
-  std::vector<int64_t> token;  // one token id per sequence
+  std::vector<int64_t> token;   // the one token id every sequence gets
+  std::vector<int64_t> tokens;  // that token, once per sequence
   // With prefix caching: every sequence's prompt tokens, and the sampled token appended per step.
   bool prefix_cache = false;
   std::vector<std::vector<blockkv::TokenId>> prompt_tokens;
@@ -90,6 +91,7 @@ struct Engine {
     std::iota(uids.begin(), uids.end(), SeqId{1000});
     ones.assign(static_cast<size_t>(n), 1);
     token.assign(1, 7);
+    tokens.assign(static_cast<size_t>(n), 7);
     if (prefix_cache) {
       std::mt19937 rng(7);
       for (const int64_t length : prompts) {
@@ -136,6 +138,16 @@ struct Engine {
 // step drains the cache events, as an engine feeding a router does.
 struct PrefixCached : Engine {
   explicit PrefixCached(int n) : Engine(n, /*with_prefix_cache=*/true) {}
+};
+
+// The same step in one call: ScheduleBatch (schedule and build the batch in one pass), then
+// PostForward(batch).
+struct Fused : Engine {
+  using Engine::Engine;
+  void Step() {
+    Check(manager->ScheduleBatch(uids, ones, tokens, *batch), "ScheduleBatch");
+    Check(manager->PostForward(*batch), "PostForward");
+  }
 };
 
 // The manager's share of a step: Schedule and PostForward, no batch.
@@ -261,6 +273,7 @@ void DecodeStepArgs(benchmark::internal::Benchmark* b) {
 }
 
 BENCHMARK_TEMPLATE(BM_DecodeStep, Engine)->Name("decode_step/blockkv")->Apply(DecodeStepArgs);
+BENCHMARK_TEMPLATE(BM_DecodeStep, Fused)->Name("decode_step/blockkv_fused")->Apply(DecodeStepArgs);
 BENCHMARK_TEMPLATE(BM_DecodeStep, PrefixCached)
     ->Name("decode_step/blockkv_prefix_cache")
     ->Apply(DecodeStepArgs);

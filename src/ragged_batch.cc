@@ -12,7 +12,7 @@
 // InsertSequence validates and records a sequence and copies its tokens; Finalize builds the
 // rest from the recorded sequences' tables. Rows of the dense tables hold kNoBlock past each
 // table: Create fills them, and Finalize rewrites only the entries that changed since the last
-// step: past the table, only what the row held before (row_len); within it, only what was
+// step: past the table, only what the row held before (Group::Row::len); within it, only what was
 // appended since the row last copied the same Sequence::table_version(). A decode step thus
 // copies about one block id per sequence into the dense tables, not the whole table.
 // kv_ptrs never change: they are the addresses of the rows, written once in Create (on a CUDA
@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <iterator>
 #include <limits>
 #include <type_traits>
@@ -28,6 +29,7 @@
 #include "internal/block_size.h"
 #include "internal/host_memory.h"
 #include "internal/strings.h"
+#include "ragged_batch_impl.h"
 
 namespace blockkv {
 
@@ -39,8 +41,6 @@ namespace {
 constexpr int64_t kSmallBatchTokens = 512;  // to_padded: up to here, a multiple of 64
 constexpr int64_t kSmallPadMultiple = 64;
 constexpr int64_t kLargePadMultiple = 128;
-constexpr int32_t kPadIndex = -1;    // input_ids, tokens_to_seq and slot_mapping of padding
-constexpr int kDescriptorWidth = 4;  // [start_idx, n_tokens, seen_tokens, 0]
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
 int64_t RoundUp(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
@@ -51,30 +51,6 @@ constexpr DType DTypeOf() {
   return std::is_same_v<T, int32_t> ? DType::kInt32 : DType::kInt64;
 }
 
-// A host array and, when the batch mirrors to a CUDA device, a device buffer of the same size.
-template <class T>
-struct MirroredArray {
-  std::vector<T> host;
-  DeviceBuffer device;  // empty when there is no mirror
-
-  Status Init(int64_t capacity, T fill, Device* mirror) {
-    host.assign(static_cast<size_t>(capacity), fill);
-    if (mirror == nullptr) return Status::Ok();
-    BLOCKKV_ASSIGN_OR_RETURN(device, mirror->Allocate(capacity * int64_t{sizeof(T)}));
-    return Status::Ok();
-  }
-
-  // Copies host[0, count) into the mirror.
-  Status Upload(Device& mirror, int64_t count) const {
-    if (count == 0) return Status::Ok();
-    return mirror.CopyFromHost(device.data(), host.data(), count * int64_t{sizeof(T)});
-  }
-
-  T* data(bool on_device) const {
-    return on_device ? static_cast<T*>(device.data()) : const_cast<T*>(host.data());
-  }
-};
-
 }  // namespace
 
 int64_t PaddedTokenCount(int64_t n_tokens) {
@@ -82,61 +58,6 @@ int64_t PaddedTokenCount(int64_t n_tokens) {
   if (n_tokens <= kSmallBatchTokens) return RoundUp(n_tokens, kSmallPadMultiple);
   return RoundUp(n_tokens, kLargePadMultiple);
 }
-
-struct RaggedBatch::Impl {
-  // One inserted sequence, as it was when inserted.
-  struct Entry {
-    const Sequence* seq = nullptr;
-    SeqId uid = 0;
-    int32_t slot = 0;
-    int32_t start = 0;     // index of its first token in the batch
-    int32_t n_tokens = 0;  // its new tokens
-    int32_t seen_tokens = 0;
-  };
-
-  struct Group {
-    internal::BlockSize block_size;
-    int32_t max_blocks = 0;                   // max_blocks_per_sequence of this group
-    MirroredArray<BlockId> block_tables;      // [max_seqs, max_blocks]
-    MirroredArray<int64_t> kv_ptrs;           // [max_seqs]
-    MirroredArray<int32_t> kv_indptr;         // [max_seqs + 1]
-    MirroredArray<int32_t> kv_indices;        // [max_seqs · max_blocks]
-    MirroredArray<int32_t> kv_last_page_len;  // [max_seqs]
-    MirroredArray<int64_t> slot_mapping;      // [padded capacity]
-    std::vector<int32_t> row_len;       // [max_seqs] entries of each row that may not be kNoBlock
-    std::vector<uint64_t> row_version;  // [max_seqs] table_version() of the row's last copy
-  };
-
-  Status Init(const StateManager& manager);
-  Status InitGroup(const StateManager& manager, int g, int64_t padded_capacity);
-  Status CheckInsertable(const Sequence& seq, int64_t n) const;
-  static bool Unchanged(const Entry& e);
-  [[gnu::cold, gnu::noinline]] static Status ChangedError(const Entry& e);
-  void FillEntry(int32_t i);  // descriptors, token map, and every group's arrays for entry i
-  void FillGroupEntry(Group& group, int32_t i);
-  void FillPadding();
-  Status Upload() const;
-  Status CheckReadable(bool on_device) const;
-  Status CheckGroup(int g) const;
-  template <class T>
-  Result<TensorView> View(const MirroredArray<T>& array, bool on_device,
-                          std::initializer_list<int64_t> shape) const;
-
-  const StateManager* owner = nullptr;   // outlives the batch (RaggedBatch::Create's REQUIRES)
-  int32_t max_tokens = 0;                // max_ragged_batch_size
-  int32_t max_seqs = 0;                  // max_ragged_sequence_count
-  std::shared_ptr<Device> mirror;        // the CUDA device of the cache; null on the host
-  MirroredArray<int64_t> input_ids;      // [padded capacity]
-  MirroredArray<int32_t> tokens_to_seq;  // [padded capacity]
-  MirroredArray<int32_t> descriptors;    // [max_seqs, 4]
-  MirroredArray<int32_t> metadata;       // [2]
-  std::vector<Group> groups;
-  std::vector<Entry> entries;     // capacity max_seqs
-  std::vector<uint8_t> in_batch;  // [max_tracked_sequences] by tracking slot
-  int32_t n_tokens = 0;
-  int32_t padded = 0;
-  bool finalized = false;
-};
 
 Status RaggedBatch::Impl::Init(const StateManager& manager) {
   owner = &manager;
@@ -159,7 +80,7 @@ Status RaggedBatch::Impl::Init(const StateManager& manager) {
   for (int g = 0; g < manager.num_groups(); ++g) {
     BLOCKKV_RETURN_IF_ERROR(InitGroup(manager, g, padded_capacity));
   }
-  entries.reserve(static_cast<size_t>(max_seqs));
+  entry_buf.resize(static_cast<size_t>(max_seqs));
   in_batch.assign(static_cast<size_t>(config.max_tracked_sequences), 0);
   return Status::Ok();
 }
@@ -190,8 +111,7 @@ Status RaggedBatch::Impl::InitGroup(const StateManager& manager, int g, int64_t 
   BLOCKKV_RETURN_IF_ERROR(group.kv_indices.Init(table_size, kNoBlock, m));
   BLOCKKV_RETURN_IF_ERROR(group.kv_last_page_len.Init(max_seqs, 0, m));
   BLOCKKV_RETURN_IF_ERROR(group.slot_mapping.Init(padded_capacity, kPadIndex, m));
-  group.row_len.assign(static_cast<size_t>(max_seqs), 0);
-  group.row_version.assign(static_cast<size_t>(max_seqs), 0);  // no sequence has version 0
+  group.rows.assign(static_cast<size_t>(max_seqs), Group::Row{});
   auto write_row_addresses = [&](const BlockId* rows) {
     for (int32_t i = 0; i < max_seqs; ++i) {
       group.kv_ptrs.host[static_cast<size_t>(i)] =
@@ -222,7 +142,7 @@ Status RaggedBatch::Impl::CheckInsertable(const Sequence& seq, int64_t n) const 
   if (in_batch[slot] != 0) [[unlikely]] {
     return AlreadyExistsError(ColdStrCat("sequence ", seq.uid(), " is already in the batch"));
   }
-  if (std::ssize(entries) >= max_seqs) [[unlikely]] {
+  if (n_entries >= max_seqs) [[unlikely]] {
     return ResourceExhaustedError(
         ColdStrCat("Ragged batch is full due to sequence limit: ", max_seqs,
                    " (max_ragged_sequence_count); cannot insert sequence ", seq.uid()));
@@ -280,47 +200,6 @@ Status RaggedBatch::Impl::ChangedError(const Entry& e) {
              seq.seen_tokens(), ", ", seq.in_flight_tokens(), " in flight)"));
 }
 
-void RaggedBatch::Impl::FillEntry(int32_t i) {
-  const Entry& e = entries[static_cast<size_t>(i)];
-  std::fill_n(tokens_to_seq.host.begin() + e.start, e.n_tokens, i);
-  int32_t* row = descriptors.host.data() + int64_t{i} * kDescriptorWidth;
-  row[0] = e.start;
-  row[1] = e.n_tokens;
-  row[2] = e.seen_tokens;
-  row[3] = 0;
-  for (Group& group : groups) FillGroupEntry(group, i);
-}
-
-void RaggedBatch::Impl::FillGroupEntry(Group& group, int32_t i) {
-  const Entry& e = entries[static_cast<size_t>(i)];
-  const int g = static_cast<int>(&group - groups.data());
-  const internal::BlockSize bs = group.block_size;
-  std::span<const BlockId> table = e.seq->block_table(g);
-  BlockId* row = group.block_tables.host.data() + int64_t{i} * group.max_blocks;
-  const auto len = static_cast<int32_t>(table.size());
-  // The row still holds this table's prefix when it last copied the same table version: copy
-  // only what was appended since.
-  const int32_t kept =
-      group.row_version[i] == e.seq->table_version() ? std::min(group.row_len[i], len) : 0;
-  std::copy(table.begin() + kept, table.end(), row + kept);
-  if (group.row_len[i] > len) std::fill(row + len, row + group.row_len[i], kNoBlock);
-  group.row_len[i] = len;
-  group.row_version[i] = e.seq->table_version();
-
-  const int64_t total = int64_t{e.seen_tokens} + e.n_tokens;
-  const auto used = static_cast<int32_t>(bs.BlocksFor(total));
-  int32_t* indptr = group.kv_indptr.host.data();
-  std::copy_n(row, used, group.kv_indices.host.begin() + indptr[i]);
-  indptr[i + 1] = indptr[i] + used;
-  group.kv_last_page_len.host[i] = total == 0 ? 0 : static_cast<int32_t>(bs.Offset(total - 1) + 1);
-
-  int64_t* slots = group.slot_mapping.host.data() + e.start;
-  for (int32_t t = 0; t < e.n_tokens; ++t) {
-    const int64_t pos = int64_t{e.seen_tokens} + t;
-    slots[t] = int64_t{row[bs.Index(pos)]} * bs.value() + bs.Offset(pos);
-  }
-}
-
 void RaggedBatch::Impl::FillPadding() {
   std::fill(input_ids.host.begin() + n_tokens, input_ids.host.begin() + padded, kPadIndex);
   std::fill(tokens_to_seq.host.begin() + n_tokens, tokens_to_seq.host.begin() + padded, kPadIndex);
@@ -329,13 +208,13 @@ void RaggedBatch::Impl::FillPadding() {
               int64_t{kPadIndex});
   }
   metadata.host[0] = n_tokens;
-  metadata.host[1] = static_cast<int32_t>(entries.size());
+  metadata.host[1] = n_entries;
 }
 
 Status RaggedBatch::Impl::Upload() const {
   if (mirror == nullptr) return Status::Ok();
   Device& m = *mirror;
-  const int64_t n_seqs = std::ssize(entries);
+  const int64_t n_seqs = n_entries;
   BLOCKKV_RETURN_IF_ERROR(input_ids.Upload(m, padded));
   BLOCKKV_RETURN_IF_ERROR(tokens_to_seq.Upload(m, padded));
   BLOCKKV_RETURN_IF_ERROR(descriptors.Upload(m, n_seqs * kDescriptorWidth));
@@ -391,56 +270,53 @@ RaggedBatch::RaggedBatch(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 RaggedBatch::~RaggedBatch() = default;
 
 Status RaggedBatch::InsertSequence(const Sequence& seq, std::span<const int64_t> tokens) {
-  Impl& b = *impl_;
-  const int64_t n = std::ssize(tokens);
-  BLOCKKV_RETURN_IF_ERROR(b.CheckInsertable(seq, n));
-  b.entries.push_back(Impl::Entry{.seq = &seq,
-                                  .uid = seq.uid(),
-                                  .slot = seq.tracking_slot(),
-                                  .start = b.n_tokens,
-                                  .n_tokens = static_cast<int32_t>(n),
-                                  .seen_tokens = static_cast<int32_t>(seq.seen_tokens())});
-  if (n == 1) {  // a decode step: no call into memmove for one token
-    b.input_ids.host[static_cast<size_t>(b.n_tokens)] = tokens[0];
-  } else {
-    std::copy(tokens.begin(), tokens.end(), b.input_ids.host.begin() + b.n_tokens);
-  }
-  b.in_batch[static_cast<size_t>(seq.tracking_slot())] = 1;
-  b.n_tokens += static_cast<int32_t>(n);
+  BLOCKKV_RETURN_IF_ERROR(impl_->CheckInsertable(seq, std::ssize(tokens)));
+  impl_->Append(seq, tokens);
+  return Status::Ok();
+}
+
+void RaggedBatch::Impl::Clear() {
+  for (const Entry& e : entries()) in_batch[static_cast<size_t>(e.slot)] = 0;
+  n_entries = 0;
+  n_tokens = 0;
+  padded = 0;
+  finalized = false;
+}
+
+// After every entry's arrays are written. A failed upload to the device mirror leaves the batch
+// unfinalized.
+Status RaggedBatch::Impl::Finish(bool padding) {
+  padded = padding ? static_cast<int32_t>(PaddedTokenCount(n_tokens)) : n_tokens;
+  FillPadding();
+  BLOCKKV_RETURN_IF_ERROR(Upload());
+  finalized = true;
   return Status::Ok();
 }
 
 Status RaggedBatch::Finalize(bool padding) {
   // Every sequence is checked before any array is written, so a failed Finalize changes nothing
-  // (a batch finalized before stays finalized, its arrays intact). A failed upload to the device
-  // mirror leaves the batch unfinalized.
+  // (a batch finalized before stays finalized, its arrays intact).
   Impl& b = *impl_;
-  for (const Impl::Entry& e : b.entries) {
+  for (const Impl::Entry& e : b.entries()) {
     if (!Impl::Unchanged(e)) [[unlikely]] {
       return Impl::ChangedError(e);
     }
   }
   b.finalized = false;
-  b.padded = padding ? static_cast<int32_t>(PaddedTokenCount(b.n_tokens)) : b.n_tokens;
   for (Impl::Group& group : b.groups) group.kv_indptr.host[0] = 0;
-  for (int32_t i = 0; i < std::ssize(b.entries); ++i) b.FillEntry(i);
-  b.FillPadding();
-  BLOCKKV_RETURN_IF_ERROR(b.Upload());
-  b.finalized = true;
-  return Status::Ok();
+  for (int32_t i = 0; i < b.n_entries; ++i) b.FillEntry(i, b.entry_buf[static_cast<size_t>(i)]);
+  return b.Finish(padding);
 }
 
-void RaggedBatch::Clear() {
-  Impl& b = *impl_;
-  for (const Impl::Entry& e : b.entries) b.in_batch[static_cast<size_t>(e.slot)] = 0;
-  b.entries.clear();
-  b.n_tokens = 0;
-  b.padded = 0;
-  b.finalized = false;
+void RaggedBatch::Clear() { impl_->Clear(); }
+
+void RaggedBatch::Impl::BeginScheduled() {
+  Clear();
+  for (Group& group : groups) group.kv_indptr.host[0] = 0;
 }
 
 RaggedBatch::Inserted RaggedBatch::inserted(int32_t i) const {
-  const Impl::Entry& e = impl_->entries[static_cast<size_t>(i)];
+  const Impl::Entry& e = impl_->entry_buf[static_cast<size_t>(i)];
   return {e.seq, e.seen_tokens,
           std::span<const int64_t>(impl_->input_ids.host.data() + e.start,
                                    static_cast<size_t>(e.n_tokens))};
@@ -449,7 +325,7 @@ RaggedBatch::Inserted RaggedBatch::inserted(int32_t i) const {
 const StateManager& RaggedBatch::manager() const { return *impl_->owner; }
 int32_t RaggedBatch::current_tokens() const { return impl_->n_tokens; }
 int32_t RaggedBatch::current_sequences() const {
-  return static_cast<int32_t>(impl_->entries.size());
+  return impl_->n_entries;
 }
 int32_t RaggedBatch::padded_tokens() const { return impl_->padded; }
 bool RaggedBatch::finalized() const { return impl_->finalized; }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <utility>
@@ -16,6 +17,7 @@
 #include "internal/uid_map.h"
 #include "internal/validate.h"
 #include "prefix_host_tier.h"
+#include "ragged_batch_impl.h"
 #include "state_manager_keys.h"
 #include "state_manager_offload.h"
 
@@ -209,12 +211,6 @@ const Sequence* StateManager::Find(SeqId uid) const {
 
 int32_t StateManager::n_tracked_sequences() const { return by_uid_->size(); }
 
-int32_t StateManager::BlocksNeeded(int64_t seen, int32_t allocated, int64_t new_tokens,
-                                   int group) const {
-  const int64_t needed = block_sizes_[group].BlocksFor(seen + new_tokens) - allocated;
-  return needed > 0 ? static_cast<int32_t>(needed) : 0;
-}
-
 const Sequence* StateManager::GetSequence(SeqId uid) const { return Find(uid); }
 
 int32_t StateManager::kv_block_size(int group) const { return cache_->config(group).block_size; }
@@ -322,7 +318,7 @@ Status StateManager::PostForward(std::span<const SeqId> uids) {
   return Status::Ok();
 }
 
-void StateManager::Advance(Sequence& seq) {
+inline void StateManager::Advance(Sequence& seq) {
   seq.seen_tokens_ += seq.in_flight_tokens_;
   seq.in_flight_tokens_ = 0;
   // A resumed sequence's blocks are published once their copy is known to be good.
@@ -330,26 +326,31 @@ void StateManager::Advance(Sequence& seq) {
 }
 
 Status StateManager::PostForward(const RaggedBatch& batch) {
-  const int32_t n = batch.current_sequences();
-  for (int32_t i = 0; i < n; ++i) {
-    const RaggedBatch::Inserted e = batch.inserted(i);
+  // The batch's entries, read directly (StateManager is a friend of RaggedBatch): a decode step
+  // does this for every sequence.
+  const std::span<const RaggedBatch::Impl::Entry> entries = batch.impl_->entries();
+  const int64_t* ids = batch.impl_->input_ids.host.data();
+  auto tokens = [&](const RaggedBatch::Impl::Entry& e) {
+    return std::span<const int64_t>(ids + e.start, static_cast<size_t>(e.n_tokens));
+  };
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const RaggedBatch::Impl::Entry& e = entries[i];
     if (!Owns(*e.seq)) [[unlikely]] {
       return InvalidArgumentError(ColdStrCat("PostForward: batch sequence ", i,
                                              " is not a tracked sequence of this manager"));
     }
-    if (e.seq->seen_tokens_ != e.seen_tokens || e.seq->in_flight_tokens_ != std::ssize(e.tokens))
+    if (e.seq->seen_tokens_ != e.seen_tokens || e.seq->in_flight_tokens_ != e.n_tokens)
         [[unlikely]] {
       return FailedPreconditionError(
           ColdStrCat("PostForward: sequence ", e.seq->uid_, " changed since it was inserted"));
     }
     if (prefix_ != nullptr) {
-      BLOCKKV_RETURN_IF_ERROR(CheckRecordableTokens(*e.seq, e.seen_tokens, e.tokens));
+      BLOCKKV_RETURN_IF_ERROR(CheckRecordableTokens(*e.seq, e.seen_tokens, tokens(e)));
     }
   }
-  for (int32_t i = 0; i < n; ++i) {
-    const RaggedBatch::Inserted e = batch.inserted(i);
+  for (const RaggedBatch::Impl::Entry& e : entries) {
     Sequence& seq = sequences_[e.seq->slot_];
-    if (prefix_ != nullptr) RecordTokens(seq, e.tokens);
+    if (prefix_ != nullptr) RecordTokens(seq, tokens(e));
     Advance(seq);
   }
   return Status::Ok();
@@ -401,14 +402,24 @@ Result<KVRequirement> StateManager::Query(SeqId uid, int64_t max_new_tokens, int
   return ComputeKVRequirement(seen, allocated, tokens, max_new_blocks, kv_block_size(group));
 }
 
-SchedulingResult StateManager::Check(std::span<const SeqId> uids, std::span<const int64_t> lengths,
-                                     std::string* why) const {
-  const auto n = static_cast<int64_t>(uids.size());
-  if (n > config_.max_ragged_sequence_count) {
-    *why = ColdStrCat(
-        n, " sequences exceed max_ragged_sequence_count=", config_.max_ragged_sequence_count);
-    return SchedulingResult::kBatchSequenceLimitExceeded;
+// One pass over the uids: a step's sequences are each looked up once, and what the verdict
+// counts is left for Schedule. An argument error anywhere wins over the verdict (every uid's
+// arguments are checked, also after the verdict is known).
+Result<SchedulingResult> StateManager::Check(std::span<const SeqId> uids,
+                                             std::span<const int64_t> lengths,
+                                             std::string* why) const {
+  if (uids.size() != lengths.size()) {
+    return InvalidArgumentError(ColdStrCat(uids.size(), " uids but ", lengths.size(), " lengths"));
   }
+  // Duplicates: tracked uids by an epoch mark on their slot, new uids by sorting.
+  if (++mark_epoch_ == 0) {
+    std::fill(slot_marks_.begin(), slot_marks_.end(), 0);
+    for (std::vector<uint32_t>& marks : block_marks_) std::fill(marks.begin(), marks.end(), 0);
+    mark_epoch_ = 1;
+  }
+  std::vector<SeqId>& fresh = uid_scratch_;
+  fresh.clear();
+  slot_scratch_.resize(uids.size());
   need_scratch_.resize(uids.size() * static_cast<size_t>(num_groups()));
   std::vector<int64_t>& free = free_scratch_;
   free.assign(static_cast<size_t>(num_groups()), 0);
@@ -421,39 +432,97 @@ SchedulingResult StateManager::Check(std::span<const SeqId> uids, std::span<cons
     promote_entries_.clear();
     promoted_ = 0;
   }
+  SchedulingResult verdict = SchedulingResult::kSuccess;
+  const auto n = static_cast<int64_t>(uids.size());
+  if (n > config_.max_ragged_sequence_count) {
+    *why = ColdStrCat(
+        n, " sequences exceed max_ragged_sequence_count=", config_.max_ragged_sequence_count);
+    verdict = SchedulingResult::kBatchSequenceLimitExceeded;
+  }
   int64_t tracked = n_tracked_sequences();
   int64_t tokens = 0;
+  // The loop reads everything through locals: its stores through int32 / int64 pointers could
+  // alias members, which the compiler would then load again for every uid.
+  const auto groups = static_cast<size_t>(num_groups());
+  const internal::BlockSize* const sizes = block_sizes_.data();
+  const internal::UidMap& map = *by_uid_;
+  const Sequence* const seqs = sequences_.get();
+  int32_t* const slots = slot_scratch_.data();
+  int32_t* const need = need_scratch_.data();
+  int64_t* const left = free.data();
+  uint32_t* const marks = slot_marks_.data();
+  const uint32_t epoch = mark_epoch_;
+  const bool prefix = prefix_ != nullptr;
+  const int64_t limit = token_limit_;
+  for (size_t i = 0; i < lengths.size(); ++i) {  // before the uids' own errors
+    if (lengths[i] < 0) [[unlikely]] {
+      return InvalidArgumentError(
+          ColdStrCat("sequence ", uids[i], " has a negative length ", lengths[i]));
+    }
+  }
+  constexpr size_t kAhead = 8;  // uids whose map entries are asked for before they are looked up
+  for (size_t i = 0; i < std::min(kAhead, uids.size()); ++i) map.Prefetch(uids[i]);
   for (size_t i = 0; i < uids.size(); ++i) {
-    const Sequence* seq = Scheduled(i);
-    int64_t seen = seq ? seq->seen_tokens_ : 0;
+    if (i + kAhead < uids.size()) map.Prefetch(uids[i + kAhead]);
+    const SeqId uid = uids[i];
     int64_t length = lengths[i];
-    const PrefixHit* hit = prefix_ != nullptr ? LookupPrefix(i, seq, length) : nullptr;
+    const int32_t slot = map.Find(uid);
+    slots[i] = slot;
+    const Sequence* seq = nullptr;
+    if (slot == internal::UidMap::kAbsent) {
+      fresh.push_back(uid);
+      ++tracked;
+    } else {
+      if (marks[slot] == epoch) [[unlikely]] {
+        return InvalidArgumentError(ColdStrCat("sequence ", uid, " appears twice in one batch"));
+      }
+      marks[slot] = epoch;
+      seq = &seqs[slot];
+      if (seq->preempted_) [[unlikely]] {
+        return FailedPreconditionError(ColdStrCat(
+            "sequence ", uid, " is preempted; ResumeSequence before scheduling it"));
+      }
+    }
+    // The verdict, once known, stands; the other uids' arguments are still checked.
+    if (verdict != SchedulingResult::kSuccess) continue;
+    // DeepSpeed's order: context and table capacity, then KV blocks of every group, taken off
+    // what is left of each group's free blocks.
+    int64_t seen = seq ? seq->seen_tokens_ : 0;
+    const PrefixHit* hit = prefix ? LookupPrefix(i, seq, length) : nullptr;
     if (hit != nullptr) {
       seen = hit->tokens;
       length = hit->in_flight;
     }
-    if (seq == nullptr) ++tracked;
-    if (length > TokenCapacity(seen)) {
-      *why = ColdStrCat("sequence ", uids[i], " at ", seen, " tokens cannot take ", length,
+    if (length > (limit > seen ? limit - seen : 0)) [[unlikely]] {
+      *why = ColdStrCat("sequence ", uid, " at ", seen, " tokens cannot take ", length,
                         " more: max_context=", config_.max_context, " and its block tables hold ",
-                        seen + TokenCapacity(seen), " tokens");
-      return SchedulingResult::kSequenceTokenLimitExceeded;
+                        std::max(limit, seen), " tokens");
+      verdict = SchedulingResult::kSequenceTokenLimitExceeded;
+      continue;
     }
-    for (int g = 0; g < num_groups(); ++g) {
-      const int32_t allocated = hit != nullptr
-                                    ? static_cast<int32_t>(hit->tokens / kv_block_size(g))
-                                    : (seq ? seq->groups_[g].allocated : 0);
-      const int32_t needed = BlocksNeeded(seen, allocated, length, g);
-      need_scratch_[i * static_cast<size_t>(num_groups()) + static_cast<size_t>(g)] = needed;
-      if (needed > free[g]) {
-        *why = ColdStrCat("sequence ", uids[i], " needs ", needed, " blocks of cache group ", g,
-                          ", ", free[g], " left for it (", pools_[g].free_blocks(), " free)");
-        return SchedulingResult::kKVCacheLimitExceeded;
+    internal::ForEachGroup(groups, [&](size_t g) {
+      const int64_t allocated = hit != nullptr ? sizes[g].Index(hit->tokens)
+                                               : (seq ? seq->groups_[g].allocated : 0);
+      const int64_t needed = std::max<int64_t>(0, sizes[g].BlocksFor(seen + length) - allocated);
+      need[i * groups + g] = static_cast<int32_t>(needed);
+      if (needed > left[g]) [[unlikely]] {
+        if (verdict == SchedulingResult::kSuccess) {  // the first group short of blocks
+          *why = ColdStrCat("sequence ", uid, " needs ", needed, " blocks of cache group ", g,
+                            ", ", left[g], " left for it (", pools_[g].free_blocks(), " free)");
+          verdict = SchedulingResult::kKVCacheLimitExceeded;
+        }
+        return;
       }
-      free[g] -= needed;
-    }
+      left[g] -= needed;
+    });
     tokens += length;
   }
+  std::sort(fresh.begin(), fresh.end());
+  const auto dup = std::adjacent_find(fresh.begin(), fresh.end());
+  if (dup != fresh.end()) {
+    return InvalidArgumentError(ColdStrCat("sequence ", *dup, " appears twice in one batch"));
+  }
+  if (verdict != SchedulingResult::kSuccess) return verdict;
   if (tracked > config_.max_tracked_sequences) {
     *why = ColdStrCat(tracked, " tracked sequences would exceed max_tracked_sequences=",
                       config_.max_tracked_sequences);
@@ -467,67 +536,54 @@ SchedulingResult StateManager::Check(std::span<const SeqId> uids, std::span<cons
   return SchedulingResult::kSuccess;
 }
 
-Status StateManager::CheckScheduleArgs(std::span<const SeqId> uids,
-                                       std::span<const int64_t> lengths) const {
-  if (uids.size() != lengths.size()) {
-    return InvalidArgumentError(ColdStrCat(uids.size(), " uids but ", lengths.size(), " lengths"));
-  }
-  for (size_t i = 0; i < lengths.size(); ++i) {
-    if (lengths[i] < 0) {
-      return InvalidArgumentError(
-          ColdStrCat("sequence ", uids[i], " has a negative length ", lengths[i]));
-    }
-  }
-  // Duplicates: tracked uids by an epoch mark on their slot, new uids by sorting.
-  if (++mark_epoch_ == 0) {
-    std::fill(slot_marks_.begin(), slot_marks_.end(), 0);
-    for (std::vector<uint32_t>& marks : block_marks_) std::fill(marks.begin(), marks.end(), 0);
-    mark_epoch_ = 1;
-  }
-  std::vector<SeqId>& fresh = uid_scratch_;
-  fresh.clear();
-  slot_scratch_.resize(uids.size());
-  for (size_t i = 0; i < uids.size(); ++i) {
-    const int32_t slot = by_uid_->Find(uids[i]);
-    slot_scratch_[i] = slot;
-    if (slot == internal::UidMap::kAbsent) {
-      fresh.push_back(uids[i]);
-      continue;
-    }
-    if (slot_marks_[slot] == mark_epoch_) {
-      return InvalidArgumentError(ColdStrCat("sequence ", uids[i], " appears twice in one batch"));
-    }
-    if (sequences_[slot].preempted_) [[unlikely]] {
-      return FailedPreconditionError(
-          ColdStrCat("sequence ", uids[i], " is preempted; ResumeSequence before scheduling it"));
-    }
-    slot_marks_[slot] = mark_epoch_;
-  }
-  std::sort(fresh.begin(), fresh.end());
-  const auto dup = std::adjacent_find(fresh.begin(), fresh.end());
-  if (dup != fresh.end()) {
-    return InvalidArgumentError(ColdStrCat("sequence ", *dup, " appears twice in one batch"));
-  }
-  return Status::Ok();
-}
-
 Result<SchedulingResult> StateManager::CanSchedule(std::span<const SeqId> uids,
                                                    std::span<const int64_t> lengths) const {
-  BLOCKKV_RETURN_IF_ERROR(CheckScheduleArgs(uids, lengths));
   std::string why;
   return Check(uids, lengths, &why);
 }
 
 Status StateManager::Schedule(std::span<const SeqId> uids, std::span<const int64_t> lengths,
                               SchedulingResult* result) {
+  return ScheduleInto(uids, lengths, result, nullptr);
+}
+
+Status StateManager::ScheduleBatch(std::span<const SeqId> uids, std::span<const int64_t> lengths,
+                                   std::span<const int64_t> tokens, RaggedBatch& batch,
+                                   bool padding, SchedulingResult* result) {
+  if (&batch.manager() != this) {
+    return InvalidArgumentError("ScheduleBatch: the batch was created for another state manager");
+  }
+  const BatchOut out{.tokens = tokens, .batch = &batch, .padding = padding};
+  return ScheduleInto(uids, lengths, result, &out);
+}
+
+Status StateManager::ScheduleInto(std::span<const SeqId> uids, std::span<const int64_t> lengths,
+                                  SchedulingResult* result, const BatchOut* out) {
   BLOCKKV_RETURN_IF_ERROR(SettleRestores(uids));
-  BLOCKKV_RETURN_IF_ERROR(CheckScheduleArgs(uids, lengths));
   std::string why;
-  const SchedulingResult verdict = Check(uids, lengths, &why);
+  BLOCKKV_ASSIGN_OR_RETURN(const SchedulingResult verdict, Check(uids, lengths, &why));
+  if (out != nullptr) {  // the lengths are known not to be negative now
+    const int64_t total = std::accumulate(lengths.begin(), lengths.end(), int64_t{0});
+    if (std::ssize(out->tokens) != total) {
+      return InvalidArgumentError(ColdStrCat("ScheduleBatch: ", out->tokens.size(),
+                                             " tokens given, but the lengths add up to ", total));
+    }
+  }
   if (result != nullptr) *result = verdict;
   if (verdict != SchedulingResult::kSuccess) {
     return ResourceExhaustedError(
         StrCat("cannot schedule the batch: ", SchedulingResultName(verdict), ": ", why));
+  }
+  // A batch's descriptors hold positions as int32; only a max_context past that can exceed them.
+  // A prefix hit moves tokens from in flight to seen, so seen + length is what it was.
+  if (out != nullptr && token_limit_ > std::numeric_limits<int32_t>::max()) {
+    for (size_t i = 0; i < uids.size(); ++i) {
+      const int64_t end = (Scheduled(i) ? Scheduled(i)->seen_tokens_ : 0) + lengths[i];
+      if (end > std::numeric_limits<int32_t>::max()) {
+        return OutOfRangeError(StrCat("ScheduleBatch: sequence ", uids[i], " would reach ", end,
+                                      " tokens, past the batch's int32 positions"));
+      }
+    }
   }
   // Prefix hits first: taking new blocks may evict evictable ones, never those being hit.
   if (prefix_ != nullptr) ShareHitBlocks(/*share=*/true);
@@ -551,27 +607,50 @@ Status StateManager::Schedule(std::span<const SeqId> uids, std::span<const int64
       return s;
     }
   }
-  std::vector<size_t>& next = next_scratch_;
-  next.assign(groups, 0);
+  // Nothing can fail from here on but the copy to the batch's device mirror. Locals again, as in
+  // Check; next_scratch_ holds each group's next block to hand out. The batch is filled in a
+  // second loop: one loop doing both keeps more values live than there are registers.
+  std::vector<const BlockId*>& next = next_scratch_;
+  next.resize(groups);
+  for (size_t g = 0; g < groups; ++g) next[g] = scratch_[g].data();
+  const BlockId** const cursor = next.data();
+  int32_t* const slots = slot_scratch_.data();
+  const int32_t* const need = need_scratch_.data();
+  Sequence* const seqs = sequences_.get();
+  const bool prefix = prefix_ != nullptr;
   for (size_t i = 0; i < uids.size(); ++i) {
-    Sequence* seq = slot_scratch_[i] == internal::UidMap::kAbsent ? CreateInSlot(uids[i])
-                                                                  : &sequences_[slot_scratch_[i]];
+    if (slots[i] == internal::UidMap::kAbsent) slots[i] = CreateInSlot(uids[i])->slot_;
+    Sequence& seq = seqs[slots[i]];
     int64_t length = lengths[i];
-    if (prefix_ != nullptr && hit_index_[i] >= 0) {
-      TakePrefix(i, *seq);
+    if (prefix && hit_index_[i] >= 0) {
+      TakePrefix(i, seq);
       length = hits_[static_cast<size_t>(hit_index_[i])].in_flight;
     }
-    for (size_t g = 0; g < groups; ++g) {
-      Sequence::GroupState& state = seq->groups_[g];
-      const int32_t needed = need_scratch_[i * groups + g];
-      std::copy_n(scratch_[g].begin() + static_cast<std::ptrdiff_t>(next[g]), needed,
-                  state.row + state.allocated);
-      next[g] += static_cast<size_t>(needed);
-      state.allocated += needed;
-    }
-    seq->in_flight_tokens_ = length;
+    Sequence::GroupState* const state = seq.groups_;
+    internal::ForEachGroup(groups, [&](size_t g) {
+      const int32_t k = need[i * groups + g];
+      BlockId* const to = state[g].row + state[g].allocated;
+      if (k == 1) {  // a decode step crossing into a new block; no vectorized loop's setup
+        to[0] = *cursor[g];
+      } else if (k > 1) {
+        std::copy_n(cursor[g], k, to);
+      }
+      cursor[g] += k;
+      state[g].allocated += k;
+    });
+    seq.in_flight_tokens_ = length;
   }
-  return Status::Ok();
+  if (out == nullptr) return Status::Ok();
+  RaggedBatch::Impl& batch = *out->batch->impl_;
+  batch.BeginScheduled();
+  size_t token_end = 0;  // of the i-th uid's tokens in out->tokens
+  for (size_t i = 0; i < uids.size(); ++i) {
+    const Sequence& seq = seqs[slots[i]];
+    const auto length = static_cast<size_t>(seq.in_flight_tokens_);
+    token_end += static_cast<size_t>(lengths[i]);  // a hit's cached tokens are left out
+    batch.AppendFilled(seq, out->tokens.subspan(token_end - length, length));
+  }
+  return batch.Finish(out->padding);
 }
 
 // ---- fork -------------------------------------------------------------------------------------

@@ -3,11 +3,14 @@
 // mapping.
 //
 //   auto batch = RaggedBatch::Create(manager);
-//   Status s = manager.Schedule(uids, lengths);
+//   // One call: schedule the forward and build its batch (StateManager::ScheduleBatch) ...
+//   Status s = manager.ScheduleBatch(uids, lengths, tokens, **batch, /*padding=*/true);
+//   // ... or sequence by sequence:
+//   s = manager.Schedule(uids, lengths);
 //   for (i...) s = (*batch)->InsertSequence(*manager.GetSequence(uids[i]), tokens[i]);
 //   s = (*batch)->Finalize(/*padding=*/true);
 //   // kernels read input_ids(), tokens_to_seq(), slot_mapping(), kv_indptr(), ...
-//   (*batch)->Clear();   // next step
+//   (*batch)->Clear();   // next step (ScheduleBatch clears the batch itself)
 //
 // Layout after Finalize (S = current_sequences(), T = current_tokens(), P = padded_tokens() —
 // T rounded up to a multiple of 64 up to 512 tokens and of 128 beyond when padding, else T):
@@ -110,6 +113,10 @@ class RaggedBatch {
   Result<TensorView> slot_mapping(int group = 0, bool on_device = false) const;
 
  private:
+  // StateManager::ScheduleBatch fills the batch's Impl (src/ragged_batch_impl.h) in the pass that
+  // commits a schedule, and PostForward(batch) reads its entries.
+  friend class StateManager;
+
   struct Impl;
   explicit RaggedBatch(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;

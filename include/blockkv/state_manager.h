@@ -233,6 +233,21 @@ class StateManager {
   Status Schedule(std::span<const SeqId> uids, std::span<const int64_t> lengths,
                   SchedulingResult* result = nullptr);
 
+  // Schedule, and the RaggedBatch of that forward built in the same pass over the sequences: a
+  // step's one uid lookup per sequence and no second round of checks, where Schedule +
+  // GetSequence + InsertSequence + Finalize look each sequence up twice and check it twice.
+  // `tokens` holds each uid's lengths[i] new tokens, one uid after another; a sequence with a
+  // prefix hit gets the ones past the cached prefix. `batch` is cleared, then filled and
+  // finalized as InsertSequence + Finalize(padding) would. kInvalidArgument when `batch` was
+  // created for another manager or tokens.size() is not the sum of `lengths`; kOutOfRange when
+  // a sequence's positions would not fit the batch's int32 descriptors; everything Schedule
+  // returns. On any of these nothing changes, the batch included. A failed copy to the batch's
+  // device mirror returns that error with the forward scheduled and the batch built but not
+  // finalized: Finalize() retries the copy.
+  Status ScheduleBatch(std::span<const SeqId> uids, std::span<const int64_t> lengths,
+                       std::span<const int64_t> tokens, RaggedBatch& batch, bool padding = false,
+                       SchedulingResult* result = nullptr);
+
   // After the forward: seen_tokens += in_flight_tokens, in_flight = 0, for each uid (DeepSpeed's
   // post_forward). kNotFound (nothing changed) if any uid is unknown.
   Status PostForward(std::span<const SeqId> uids);
@@ -355,26 +370,31 @@ class StateManager {
   StateManager(StateManagerConfig config, std::unique_ptr<BlockedKVCache> cache,
                BlockedAllocator slots);
 
-  // Blocks of `group` a sequence at `seen` tokens with `allocated` table entries needs to hold
-  // `new_tokens` more.
-  int32_t BlocksNeeded(int64_t seen, int32_t allocated, int64_t new_tokens, int group) const;
   // The largest number of new tokens a sequence at `seen` may add: max_context and every
   // group's table capacity.
   int64_t TokenCapacity(int64_t seen) const {
     return token_limit_ > seen ? token_limit_ - seen : 0;
   }
   Status CheckGroupArg(int group) const;
-  // Mismatched spans, negative lengths, duplicate uids. Leaves each uid's slot (or -1 for a new
-  // one) in slot_scratch_ for Check and Schedule.
-  Status CheckScheduleArgs(std::span<const SeqId> uids, std::span<const int64_t> lengths) const;
   // The tracked sequence of the i-th uid of the call being checked, or nullptr.
   const Sequence* Scheduled(size_t i) const {
     return slot_scratch_[i] < 0 ? nullptr : &sequences_[slot_scratch_[i]];
   }
-  // CanSchedule's verdict over slot_scratch_; `why` names the limit and the values when it is not
-  // kSuccess.
-  SchedulingResult Check(std::span<const SeqId> uids, std::span<const int64_t> lengths,
-                         std::string* why) const;
+  // The arguments — mismatched spans, a negative length, a duplicate uid (kInvalidArgument), a
+  // preempted one (kFailedPrecondition) — then CanSchedule's verdict. Leaves each uid's slot (-1
+  // when new) in slot_scratch_, and what the verdict counted for Schedule; `why` names the limit
+  // and the values when the verdict is not kSuccess.
+  Result<SchedulingResult> Check(std::span<const SeqId> uids, std::span<const int64_t> lengths,
+                                 std::string* why) const;
+  // ScheduleBatch's batch: the tokens it takes, where they go, and the padding.
+  struct BatchOut {
+    std::span<const int64_t> tokens;
+    RaggedBatch* batch = nullptr;
+    bool padding = false;
+  };
+  // Schedule, and with `out`, ScheduleBatch.
+  Status ScheduleInto(std::span<const SeqId> uids, std::span<const int64_t> lengths,
+                      SchedulingResult* result, const BatchOut* out);
   Status CheckSequence(const Sequence& seq, std::vector<int32_t>* owners, int group) const;
   Sequence* Find(SeqId uid);
   const Sequence* Find(SeqId uid) const;
@@ -479,7 +499,7 @@ class StateManager {
 
   // Scratch reused across calls so a step allocates nothing once warm.
   std::vector<std::vector<BlockId>> scratch_;  // per group: blocks taken in one Schedule
-  std::vector<size_t> next_scratch_;
+  std::vector<const BlockId*> next_scratch_;
   std::vector<BlockId> tail_scratch_;
   mutable std::vector<int64_t> free_scratch_;
   mutable std::vector<SeqId> uid_scratch_;

@@ -744,3 +744,221 @@ TEST(RaggedBatchFinalize, FailingAgainChangesNothing) {
 
 }  // namespace
 }  // namespace blockkv
+
+// ---- StateManager::ScheduleBatch --------------------------------------------------------------
+
+namespace blockkv {
+namespace {
+
+// Every array of a finalized batch, by group.
+struct Arrays {
+  std::vector<int64_t> input_ids;
+  std::vector<int32_t> tokens_to_seq, descriptors, metadata;
+  std::vector<std::vector<int32_t>> tables, indptr, indices, last_page_len;
+  std::vector<std::vector<int64_t>> slots;
+  bool operator==(const Arrays&) const = default;
+};
+
+Arrays ReadAll(const RaggedBatch& batch, int groups) {
+  Arrays a;
+  a.input_ids = ReadInt64(batch.input_ids());
+  a.tokens_to_seq = ReadInt32(batch.tokens_to_seq());
+  a.descriptors = ReadInt32(batch.inflight_seq_descriptors());
+  a.metadata = ReadInt32(batch.batch_metadata());
+  for (int g = 0; g < groups; ++g) {
+    a.tables.push_back(ReadInt32(batch.block_tables(g)));
+    a.indptr.push_back(ReadInt32(batch.kv_indptr(g)));
+    a.indices.push_back(ReadInt32(batch.kv_indices(g)));
+    a.last_page_len.push_back(ReadInt32(batch.kv_last_page_len(g)));
+    a.slots.push_back(ReadInt64(batch.slot_mapping(g)));
+  }
+  return a;
+}
+
+// The tokens of every uid, one after another: lengths[i] of them, from a per-uid pattern.
+std::vector<int64_t> TokensFor(std::span<const SeqId> uids, std::span<const int64_t> lengths,
+                               int step) {
+  std::vector<int64_t> tokens;
+  for (size_t i = 0; i < uids.size(); ++i) {
+    for (int64_t t = 0; t < lengths[i]; ++t) tokens.push_back(uids[i] * 100 + step + t);
+  }
+  return tokens;
+}
+
+// Two managers run the same random program of prefills, decodes, finishes and new arrivals over
+// two cache groups; one builds each step's batch with ScheduleBatch, the other with Schedule +
+// InsertSequence + Finalize. Every array of every step must be the same.
+TEST(ScheduleBatchTest, BuildsTheBatchThatScheduleInsertAndFinalizeBuild) {
+  const uint32_t seed = std::random_device{}();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  const std::vector<KVCacheConfig> groups = {Group(16), Group(32)};
+  auto fused = MakeManager(Config(), groups);
+  auto separate = MakeManager(Config(), groups);
+  auto fused_batch = MakeBatch(*fused);
+  auto separate_batch = MakeBatch(*separate);
+  std::vector<SeqId> running;
+  SeqId next_uid = 1;
+  for (int step = 0; step < 60; ++step) {
+    SCOPED_TRACE(step);
+    // Some finish, some arrive with a prompt; the rest decode one token (or sit out with 0).
+    std::vector<SeqId> uids;
+    for (const SeqId uid : running) {
+      if (rng() % 10 == 0) {
+        ASSERT_OK(fused->FlushSequence(uid));
+        ASSERT_OK(separate->FlushSequence(uid));
+      } else {
+        uids.push_back(uid);
+      }
+    }
+    for (auto n = rng() % 3; n > 0; --n) uids.push_back(next_uid++);
+    std::shuffle(uids.begin(), uids.end(), rng);
+    std::vector<int64_t> lengths;
+    for (const SeqId uid : uids) {
+      const bool running_already = separate->GetSequence(uid) != nullptr;
+      lengths.push_back(running_already ? (rng() % 8 == 0 ? 0 : 1) : 1 + rng() % 40);
+    }
+    running = uids;
+    const bool padding = rng() % 2 == 0;
+    const std::vector<int64_t> tokens = TokensFor(uids, lengths, step);
+
+    ASSERT_OK(fused->ScheduleBatch(uids, lengths, tokens, *fused_batch, padding));
+    ASSERT_OK(separate->Schedule(uids, lengths));
+    separate_batch->Clear();
+    size_t at = 0;
+    for (size_t i = 0; i < uids.size(); ++i) {
+      const std::span<const int64_t> mine(tokens.data() + at, static_cast<size_t>(lengths[i]));
+      ASSERT_OK(separate_batch->InsertSequence(*separate->GetSequence(uids[i]), mine));
+      at += static_cast<size_t>(lengths[i]);
+    }
+    ASSERT_OK(separate_batch->Finalize(padding));
+
+    EXPECT_TRUE(fused_batch->finalized());
+    EXPECT_EQ(fused_batch->current_sequences(), separate_batch->current_sequences());
+    EXPECT_EQ(fused_batch->current_tokens(), separate_batch->current_tokens());
+    EXPECT_EQ(fused_batch->padded_tokens(), separate_batch->padded_tokens());
+    ASSERT_TRUE(ReadAll(*fused_batch, 2) == ReadAll(*separate_batch, 2));
+    ASSERT_OK(fused->PostForward(*fused_batch));
+    ASSERT_OK(separate->PostForward(*separate_batch));
+    ASSERT_OK(fused->CheckInvariants());
+  }
+}
+
+TEST(ScheduleBatchTest, APrefixHitGetsTheTokensPastTheCachedPrefix) {
+  StateManagerConfig config = Config();
+  config.prefix_cache.enabled = true;
+  auto manager = MakeManager(config, {Group(16)});
+  auto batch = MakeBatch(*manager);
+  std::vector<TokenId> prompt(40);
+  std::iota(prompt.begin(), prompt.end(), 100);
+  const std::vector<int64_t> tokens(prompt.begin(), prompt.end());
+  // The first request computes the prompt and publishes its two full blocks.
+  ASSERT_OK(manager->AddSequence(1, prompt));
+  const std::vector<SeqId> first = {1};
+  const std::vector<int64_t> length = {40};
+  ASSERT_OK(manager->ScheduleBatch(first, length, tokens, *batch));
+  ASSERT_OK(manager->PostForward(*batch));
+  // The second hits 32 cached tokens: its batch entry is the last 8, at positions 32...
+  ASSERT_OK(manager->AddSequence(2, prompt));
+  const std::vector<SeqId> second = {2};
+  ASSERT_OK(manager->ScheduleBatch(second, length, tokens, *batch));
+  EXPECT_EQ(manager->GetSequence(2)->cached_prefix_tokens(), 32);
+  EXPECT_THAT(ReadInt64(batch->input_ids()), ElementsAreArray(tokens.begin() + 32, tokens.end()));
+  EXPECT_THAT(ReadInt32(batch->inflight_seq_descriptors()), ElementsAre(0, 8, 32, 0));
+  EXPECT_THAT(ReadInt32(batch->kv_indptr()), ElementsAre(0, 3));
+  ASSERT_OK(manager->PostForward(*batch));
+  EXPECT_EQ(manager->GetSequence(2)->seen_tokens(), 40);
+  ASSERT_OK(manager->CheckInvariants());
+}
+
+// A failed ScheduleBatch leaves the manager and the batch (finalized, from the step before) as
+// they were.
+TEST(ScheduleBatchTest, ErrorsChangeNeitherTheManagerNorTheBatch) {
+  auto manager = MakeManager(Config(/*tracked=*/2048, /*batch=*/768, /*seq_count=*/512));
+  auto batch = MakeBatch(*manager);
+  const std::vector<SeqId> uids = {1, 2};
+  const std::vector<int64_t> lengths = {70, 3};
+  ASSERT_OK(manager->ScheduleBatch(uids, lengths, TokensFor(uids, lengths, 0), *batch));
+  const Arrays before = ReadAll(*batch, 1);
+  const std::vector<int32_t> free_before = manager->free_blocks();
+
+  auto other = MakeManager(Config());
+  auto foreign = MakeBatch(*other);
+  const std::vector<SeqId> three = {3};
+  const std::vector<int64_t> one = {1};
+  const std::vector<int64_t> seven = {7};
+  const Status wrong_batch = manager->ScheduleBatch(three, one, seven, *foreign);
+  EXPECT_CODE(wrong_batch, StatusCode::kInvalidArgument);
+  EXPECT_THAT(wrong_batch.message(), HasSubstr("another state manager"));
+  const Status short_tokens = manager->ScheduleBatch(three, one, {}, *batch);
+  EXPECT_CODE(short_tokens, StatusCode::kInvalidArgument);
+  EXPECT_THAT(short_tokens.message(), HasSubstr("0 tokens given, but the lengths add up to 1"));
+  const std::vector<SeqId> twice = {3, 3};
+  const std::vector<int64_t> ones = {1, 1};
+  const std::vector<int64_t> sevens = {7, 7};
+  EXPECT_CODE(manager->ScheduleBatch(twice, ones, sevens, *batch), StatusCode::kInvalidArgument);
+  // More blocks than the pool holds: ResourceExhausted naming the limit.
+  const std::vector<int64_t> huge = {int64_t{kNumBlocks} * 64 + 1};
+  SchedulingResult result = SchedulingResult::kSuccess;
+  const Status full = manager->ScheduleBatch(three, huge, TokensFor(three, huge, 0), *batch,
+                                             /*padding=*/false, &result);
+  EXPECT_CODE(full, StatusCode::kResourceExhausted);
+  EXPECT_NE(result, SchedulingResult::kSuccess);
+
+  EXPECT_EQ(manager->GetSequence(3), nullptr);
+  EXPECT_EQ(manager->free_blocks(), free_before);
+  EXPECT_EQ(manager->GetSequence(1)->in_flight_tokens(), 70);
+  EXPECT_TRUE(batch->finalized());
+  EXPECT_TRUE(ReadAll(*batch, 1) == before);
+  ASSERT_OK(manager->PostForward(*batch));
+  ASSERT_OK(manager->CheckInvariants());
+}
+
+TEST(ScheduleBatchTest, SteadyStateStepsMakeNoHeapAllocation) {
+  auto manager = MakeManager(Config(), {Group(16)});
+  auto batch = MakeBatch(*manager);
+  std::vector<SeqId> uids(32);
+  std::iota(uids.begin(), uids.end(), SeqId{1});
+  const std::vector<int64_t> lengths(uids.size(), 1);
+  const std::vector<int64_t> tokens(uids.size(), 42);
+  ASSERT_OK(manager->ScheduleBatch(uids, lengths, tokens, *batch));  // creates the sequences
+  ASSERT_OK(manager->PostForward(*batch));
+  for (int step = 0; step < 40; ++step) {  // crosses block boundaries
+    SCOPED_TRACE(step);
+    const int64_t before = g_heap_allocations.load();
+    ASSERT_OK(manager->ScheduleBatch(uids, lengths, tokens, *batch, /*padding=*/true));
+    ASSERT_OK(manager->PostForward(*batch));
+    EXPECT_EQ(g_heap_allocations.load() - before, 0);
+  }
+}
+
+TEST(ScheduleBatchTest, CopiesTheBatchToTheDeviceMirror) {
+  auto device = std::make_shared<FakeCudaDevice>();
+  auto manager = MakeManagerOn(device);
+  auto batch = MakeBatch(*manager);
+  const std::vector<SeqId> uids = {1, 2};
+  const std::vector<int64_t> lengths = {30, 5};
+  ASSERT_OK(manager->ScheduleBatch(uids, lengths, TokensFor(uids, lengths, 0), *batch));
+  ExpectMirrorEqual(batch->input_ids(), batch->input_ids(true));
+  ExpectMirrorEqual(batch->kv_indices(), batch->kv_indices(0, true));
+  ExpectMirrorEqual(batch->slot_mapping(), batch->slot_mapping(0, true));
+  ASSERT_OK(manager->PostForward(*batch));
+
+  // A failed copy: the forward is scheduled and the host arrays built, the batch unfinalized;
+  // Finalize copies again.
+  device->fail_copies = true;
+  const std::vector<int64_t> ones = {1, 1};
+  const std::vector<int64_t> next = {7, 8};
+  EXPECT_CODE(manager->ScheduleBatch(uids, ones, next, *batch), StatusCode::kInternal);
+  EXPECT_FALSE(batch->finalized());
+  EXPECT_EQ(manager->GetSequence(1)->in_flight_tokens(), 1);
+  device->fail_copies = false;
+  ASSERT_OK(batch->Finalize());
+  ExpectMirrorEqual(batch->input_ids(), batch->input_ids(true));
+  EXPECT_THAT(ReadInt64(batch->input_ids()), ElementsAre(7, 8));
+  ASSERT_OK(manager->PostForward(*batch));
+  ASSERT_OK(manager->CheckInvariants());
+}
+
+}  // namespace
+}  // namespace blockkv

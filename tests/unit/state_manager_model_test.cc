@@ -1,5 +1,6 @@
-// Model-based random test of StateManager: random programs of GetOrCreateSequence, Schedule (after
-// CanSchedule), PostForward, Fork, FreeLeadingBlocks, FlushSequence, Query, and, with offload on,
+// Model-based random test of StateManager: random programs of GetOrCreateSequence, Schedule or
+// ScheduleBatch (after CanSchedule; ScheduleBatch's batch is checked against the model's tables,
+// and left as it was when the call fails), PostForward, Fork, FreeLeadingBlocks, FlushSequence, Query, and, with offload on,
 // PreemptSequence, ResumeSequence and waits or polls of their tickets, run against a plain
 // reference model, over several configurations small enough that blocks, tracking slots, context,
 // batch limits and the host (and, in one setup, disk) tier run out often. After every operation
@@ -24,6 +25,8 @@
 // copy has finished by the next call decides some outcomes (a block still held or free again),
 // so a replay makes the same draws but may take another path after the first such point.
 #include "blockkv/state_manager.h"
+
+#include "blockkv/ragged_batch.h"
 
 #include <gtest/gtest.h>
 
@@ -178,6 +181,9 @@ class ModelDriver {
         StateManager::Create(config, setup_.groups, CpuDevice(/*memory_budget=*/64 << 20));
     MODEL_CHECK(mgr.ok()) << mgr.status();
     mgr_ = std::move(mgr).value();
+    Result<std::unique_ptr<RaggedBatch>> batch = RaggedBatch::Create(*mgr_);
+    MODEL_CHECK(batch.ok()) << batch.status();
+    batch_ = std::move(batch).value();
     num_groups_ = static_cast<int>(setup_.groups.size());
     MODEL_CHECK(mgr_->num_groups() == num_groups_);
     MODEL_CHECK((mgr_->offload_store() != nullptr) == offload());
@@ -526,7 +532,23 @@ class ModelDriver {
     std::optional<SchedulingResult> want_can;
     if (!invalid && !preempted) want_can = ModelVerdict(uids, lengths);
     SchedulingResult result = SchedulingResult::kSuccess;
-    const Status s = mgr_->Schedule(uids, lengths, &result);
+    // Half the time through ScheduleBatch, which must leave its batch as it was when it fails.
+    // (Lengths far past every limit, which test the verdict, get no tokens: Schedule takes them.)
+    constexpr int64_t kMostTokens = 1 << 16;
+    const bool via_batch =
+        Chance(50) && std::all_of(lengths.begin(), lengths.end(),
+                                  [](int64_t n) { return n < kMostTokens; });
+    const BatchState batch_before = ReadBatch();
+    std::vector<int64_t> tokens;
+    for (size_t i = 0; via_batch && i < uids.size(); ++i) {
+      for (int64_t t = 0; t < lengths[i]; ++t) tokens.push_back(uids[i] * 1000 + t);
+    }
+    const Status s = via_batch ? mgr_->ScheduleBatch(uids, lengths, tokens, *batch_,
+                                                     /*padding=*/Chance(50), &result)
+                               : mgr_->Schedule(uids, lengths, &result);
+    if (via_batch && !s.ok()) {
+      MODEL_CHECK(ReadBatch() == batch_before) << "a failed ScheduleBatch changed its batch: " << s;
+    }
     // Schedule first settles the resumes among its uids (applying the copies done by then),
     // whatever it decides next, and decides on that state.
     for (const SeqId uid : uids) Settle(uid);
@@ -575,6 +597,84 @@ class ModelDriver {
       }
       m->in_flight = lengths[i];
     }
+    if (via_batch) return CheckBatch(uids, lengths);
+    return AssertionSuccess();
+  }
+
+  // What a ScheduleBatch must leave unchanged when it fails.
+  struct BatchState {
+    bool finalized = false;
+    int32_t sequences = 0;
+    int32_t tokens = 0;
+    std::vector<int64_t> input_ids;
+    std::vector<int32_t> descriptors;
+    std::vector<int64_t> slot_mapping;
+    bool operator==(const BatchState&) const = default;
+  };
+
+  template <class T>
+  static std::vector<T> Read(const Result<TensorView>& view) {
+    if (!view.ok()) return {};
+    const auto* data = static_cast<const T*>(view->data);
+    return std::vector<T>(data, data + view->numel());
+  }
+
+  BatchState ReadBatch() const {
+    BatchState state;
+    state.finalized = batch_->finalized();
+    state.sequences = batch_->current_sequences();
+    state.tokens = batch_->current_tokens();
+    if (state.finalized) {
+      state.input_ids = Read<int64_t>(batch_->input_ids());
+      state.descriptors = Read<int32_t>(batch_->inflight_seq_descriptors());
+      state.slot_mapping = Read<int64_t>(batch_->slot_mapping());
+    }
+    return state;
+  }
+
+  // After a successful ScheduleBatch(uids, lengths) (the model already updated): the batch holds
+  // the uids in order with their tokens, descriptors, and per group the model's tables as CSR
+  // and slots.
+  AssertionResult CheckBatch(const std::vector<SeqId>& uids, const std::vector<int64_t>& lengths) {
+    MODEL_CHECK(batch_->finalized());
+    MODEL_CHECK(batch_->current_sequences() == std::ssize(uids));
+    const std::vector<int64_t> ids = Read<int64_t>(batch_->input_ids());
+    const std::vector<int32_t> descriptors = Read<int32_t>(batch_->inflight_seq_descriptors());
+    int64_t start = 0;
+    for (size_t i = 0; i < uids.size(); ++i) {
+      const ModelSequence& m = model_.sequences.at(uids[i]);
+      MODEL_CHECK(descriptors[4 * i] == start && descriptors[4 * i + 1] == lengths[i] &&
+                  descriptors[4 * i + 2] == m.seen && descriptors[4 * i + 3] == 0)
+          << "batch entry " << i << " (uid " << uids[i] << ")";
+      for (int64_t t = 0; t < lengths[i]; ++t) {
+        MODEL_CHECK(ids[static_cast<size_t>(start + t)] == uids[i] * 1000 + t)
+            << "input id " << t << " of uid " << uids[i];
+      }
+      start += lengths[i];
+    }
+    MODEL_CHECK(batch_->current_tokens() == start);
+    for (int g = 0; g < num_groups_; ++g) {
+      const std::vector<int32_t> indptr = Read<int32_t>(batch_->kv_indptr(g));
+      const std::vector<int32_t> indices = Read<int32_t>(batch_->kv_indices(g));
+      const std::vector<int64_t> slots = Read<int64_t>(batch_->slot_mapping(g));
+      int64_t token = 0;
+      for (size_t i = 0; i < uids.size(); ++i) {
+        const ModelSequence& m = model_.sequences.at(uids[i]);
+        const std::vector<BlockId>& table = m.tables[static_cast<size_t>(g)];
+        const int64_t used = CeilDiv(m.seen + lengths[i], block_size(g));
+        MODEL_CHECK(indptr[i + 1] - indptr[i] == used) << "group " << g << " entry " << i;
+        MODEL_CHECK(std::equal(table.begin(), table.begin() + used, indices.begin() + indptr[i]))
+            << "group " << g << " CSR of uid " << uids[i];
+        for (int64_t t = 0; t < lengths[i]; ++t, ++token) {
+          const int64_t pos = m.seen + t;
+          MODEL_CHECK(slots[static_cast<size_t>(token)] ==
+                      int64_t{table[static_cast<size_t>(pos / block_size(g))]} * block_size(g) +
+                          pos % block_size(g))
+              << "group " << g << " slot of token " << t << " of uid " << uids[i];
+        }
+      }
+    }
+    Count("schedule_batch/checked");
     return AssertionSuccess();
   }
 
@@ -1375,6 +1475,7 @@ class ModelDriver {
   ModelSetup setup_;
   std::mt19937_64 rng_;
   std::unique_ptr<StateManager> mgr_;
+  std::unique_ptr<RaggedBatch> batch_;  // ScheduleBatch's; destroyed before mgr_
   ReferenceModel model_;
   int num_groups_ = 0;
   int64_t capacity_ = 0;  // tokens one sequence may hold

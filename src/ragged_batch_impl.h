@@ -1,0 +1,232 @@
+// RaggedBatch::Impl, shared by ragged_batch.cc and StateManager::ScheduleBatch
+// (state_manager.cc), which fills a batch in the pass that commits a schedule; the per-sequence
+// part is inline here so that pass stays one loop.
+//
+// The hot functions read every array through a local pointer: a store through an int32_t* may
+// alias the Impl's own int32 members, so member reads after one are reloaded, and a decode step
+// does a dozen stores per sequence.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "blockkv/device.h"
+#include "blockkv/ragged_batch.h"
+#include "blockkv/state_manager.h"
+#include "blockkv/status.h"
+#include "blockkv/tensor.h"
+#include "internal/block_size.h"
+
+namespace blockkv {
+
+inline constexpr int32_t kPadIndex = -1;    // input_ids, tokens_to_seq and slot_mapping of padding
+inline constexpr int kDescriptorWidth = 4;  // [start_idx, n_tokens, seen_tokens, 0]
+
+// A host array and, when the batch mirrors to a CUDA device, a device buffer of the same size.
+template <class T>
+struct MirroredArray {
+  std::vector<T> host;
+  DeviceBuffer device;  // empty when there is no mirror
+
+  Status Init(int64_t capacity, T fill, Device* mirror) {
+    host.assign(static_cast<size_t>(capacity), fill);
+    if (mirror == nullptr) return Status::Ok();
+    BLOCKKV_ASSIGN_OR_RETURN(device, mirror->Allocate(capacity * int64_t{sizeof(T)}));
+    return Status::Ok();
+  }
+
+  // Copies host[0, count) into the mirror.
+  Status Upload(Device& mirror, int64_t count) const {
+    if (count == 0) return Status::Ok();
+    return mirror.CopyFromHost(device.data(), host.data(), count * int64_t{sizeof(T)});
+  }
+
+  T* data(bool on_device) const {
+    return on_device ? static_cast<T*>(device.data()) : const_cast<T*>(host.data());
+  }
+};
+
+struct RaggedBatch::Impl {
+  // One inserted sequence, as it was when inserted.
+  struct Entry {
+    const Sequence* seq = nullptr;
+    SeqId uid = 0;
+    int32_t slot = 0;
+    int32_t start = 0;     // index of its first token in the batch
+    int32_t n_tokens = 0;  // its new tokens
+    int32_t seen_tokens = 0;
+  };
+
+  struct Group {
+    internal::BlockSize block_size;
+    int32_t max_blocks = 0;                   // max_blocks_per_sequence of this group
+    MirroredArray<BlockId> block_tables;      // [max_seqs, max_blocks]
+    MirroredArray<int64_t> kv_ptrs;           // [max_seqs]
+    MirroredArray<int32_t> kv_indptr;         // [max_seqs + 1]
+    MirroredArray<int32_t> kv_indices;        // [max_seqs · max_blocks]
+    MirroredArray<int32_t> kv_last_page_len;  // [max_seqs]
+    MirroredArray<int64_t> slot_mapping;      // [padded capacity]
+    // Per row of block_tables: entries that may not be kNoBlock, and the table_version() of the
+    // row's last copy (no sequence has version 0).
+    struct Row {
+      int32_t len = 0;
+      uint64_t version = 0;
+    };
+    std::vector<Row> rows;  // [max_seqs]
+  };
+
+  Status Init(const StateManager& manager);
+  Status InitGroup(const StateManager& manager, int g, int64_t padded_capacity);
+  Status CheckInsertable(const Sequence& seq, int64_t n) const;
+  // Records `seq` with its `tokens` as the next entry, and returns it. REQUIRES:
+  // CheckInsertable's checks hold.
+  Entry Append(const Sequence& seq, std::span<const int64_t> tokens);
+  void Clear();
+  Status Finish(bool padding);  // padding, the mirror, finalized
+  // StateManager::ScheduleBatch: Clear, then AppendFilled for each sequence it has just
+  // scheduled (checked against every limit InsertSequence checks; `tokens` are its tokens in
+  // flight), then Finish.
+  void BeginScheduled();
+  void AppendFilled(const Sequence& seq, std::span<const int64_t> tokens) {
+    // The entry as Append computed it, not read back from where it was just stored (a load
+    // right after a store to the same bytes waits on store forwarding).
+    const Entry e = Append(seq, tokens);
+    FillEntry(n_entries - 1, e);
+  }
+  static bool Unchanged(const Entry& e);
+  [[gnu::cold, gnu::noinline]] static Status ChangedError(const Entry& e);
+  // Entry i's rows of every array: descriptors, token map, and each group's dense row, CSR
+  // indices, last page length and slots. REQUIRES: entries [0, i) are filled; `e` is entry i.
+  void FillEntry(int32_t i, const Entry& e);
+  static void FillGroupEntry(Group& group, int g, const Entry& e, int32_t i, int64_t total,
+                             bool decode);
+  void FillPadding();
+  Status Upload() const;
+  Status CheckReadable(bool on_device) const;
+  Status CheckGroup(int g) const;
+  template <class T>
+  Result<TensorView> View(const MirroredArray<T>& array, bool on_device,
+                          std::initializer_list<int64_t> shape) const;
+
+  const StateManager* owner = nullptr;   // outlives the batch (RaggedBatch::Create's REQUIRES)
+  int32_t max_tokens = 0;                // max_ragged_batch_size
+  int32_t max_seqs = 0;                  // max_ragged_sequence_count
+  std::shared_ptr<Device> mirror;        // the CUDA device of the cache; null on the host
+  MirroredArray<int64_t> input_ids;      // [padded capacity]
+  MirroredArray<int32_t> tokens_to_seq;  // [padded capacity]
+  MirroredArray<int32_t> descriptors;    // [max_seqs, 4]
+  MirroredArray<int32_t> metadata;       // [2]
+  std::vector<Group> groups;
+  std::vector<Entry> entry_buf;   // [max_seqs]; the first n_entries are the batch's
+  int32_t n_entries = 0;
+  std::span<const Entry> entries() const { return {entry_buf.data(), static_cast<size_t>(n_entries)}; }
+  std::vector<uint8_t> in_batch;  // [max_tracked_sequences] by tracking slot
+  int32_t n_tokens = 0;
+  int32_t padded = 0;
+  bool finalized = false;
+};
+
+
+inline RaggedBatch::Impl::Entry RaggedBatch::Impl::Append(const Sequence& seq,
+                                                         std::span<const int64_t> tokens) {
+  const auto n = static_cast<int32_t>(tokens.size());
+  const int32_t start = n_tokens;
+  const Entry e{.seq = &seq,
+                .uid = seq.uid(),
+                .slot = seq.tracking_slot(),
+                .start = start,
+                .n_tokens = n,
+                .seen_tokens = static_cast<int32_t>(seq.seen_tokens())};
+  // Field by field: GCC builds a whole-struct copy on the stack and reloads it in 16-byte loads
+  // that wait for the 8-byte stores before them (no store forwarding across them).
+  Entry& to = entry_buf[static_cast<size_t>(n_entries++)];
+  to.seq = e.seq;
+  to.uid = e.uid;
+  to.slot = e.slot;
+  to.start = e.start;
+  to.n_tokens = e.n_tokens;
+  to.seen_tokens = e.seen_tokens;
+  int64_t* ids = input_ids.host.data() + start;
+  if (n == 1) {  // decode: the vectorized loop's setup costs more than its one token
+    ids[0] = tokens[0];
+  } else {
+    std::copy(tokens.begin(), tokens.end(), ids);
+  }
+  in_batch[static_cast<size_t>(seq.tracking_slot())] = 1;
+  n_tokens = start + n;
+  return e;
+}
+
+inline void RaggedBatch::Impl::FillEntry(int32_t i, const Entry& e) {
+  // A decode step (one token) skips the vectorized loops' setup, which costs more than the token.
+  const bool decode = e.n_tokens == 1;
+  int32_t* to_seq = tokens_to_seq.host.data() + e.start;
+  if (decode) {
+    to_seq[0] = i;
+  } else {
+    std::fill_n(to_seq, e.n_tokens, i);
+  }
+  int32_t* row = descriptors.host.data() + int64_t{i} * kDescriptorWidth;
+  row[0] = e.start;
+  row[1] = e.n_tokens;
+  row[2] = e.seen_tokens;
+  row[3] = 0;
+  const int64_t total = int64_t{e.seen_tokens} + e.n_tokens;
+  Group* const g = groups.data();
+  internal::ForEachGroup(groups.size(), [&](size_t k) {
+    FillGroupEntry(g[k], static_cast<int>(k), e, i, total, decode);
+  });
+}
+
+inline void RaggedBatch::Impl::FillGroupEntry(Group& group, int g, const Entry& e, int32_t i,
+                                              int64_t total, bool decode) {
+  const internal::BlockSize bs = group.block_size;
+  const std::span<const BlockId> table = e.seq->block_table(g);
+  const BlockId* from = table.data();
+  const auto len = static_cast<int32_t>(table.size());
+  const uint64_t version = e.seq->table_version();
+  // The dense row still holds this table's prefix when it last copied the same table version:
+  // copy only what was appended since, and clear what the row held past the table.
+  Group::Row& last = group.rows[static_cast<size_t>(i)];
+  const Group::Row was = last;
+  BlockId* row = group.block_tables.host.data() + int64_t{i} * group.max_blocks;
+  const int32_t kept = was.version == version ? std::min(was.len, len) : 0;
+  if (kept + 1 == len) {  // a decode step that crossed into a new block
+    row[kept] = from[kept];
+  } else if (kept < len) {
+    std::copy(from + kept, from + len, row + kept);
+  }
+  for (int32_t b = len; b < was.len; ++b) row[b] = kNoBlock;
+  last = {.len = len, .version = version};
+
+  // CSR: the blocks holding tokens [0, total), copied from the table (loads of the row just
+  // written would wait on store forwarding). All three arrays below come from the last
+  // position's block and offset: used = its block + 1, the last page's length = its offset + 1,
+  // and in a decode step it is the one new token's slot.
+  const int64_t last_pos = total - 1;  // -1 for a sequence with no tokens
+  const int64_t last_block = total == 0 ? -1 : bs.Index(last_pos);
+  const int64_t last_offset = total == 0 ? -1 : bs.Offset(last_pos);
+  const auto used = static_cast<int32_t>(last_block + 1);
+  int32_t* indptr = group.kv_indptr.host.data();
+  const int32_t first = indptr[i];
+  std::memcpy(group.kv_indices.host.data() + first, from, static_cast<size_t>(used) * sizeof(BlockId));
+  indptr[i + 1] = first + used;
+  group.kv_last_page_len.host[static_cast<size_t>(i)] = static_cast<int32_t>(last_offset + 1);
+
+  int64_t* slots = group.slot_mapping.host.data() + e.start;
+  if (decode) {
+    slots[0] = int64_t{from[last_block]} * bs.value() + last_offset;
+  } else {
+    for (int32_t t = 0; t < e.n_tokens; ++t) {
+      const int64_t pos = int64_t{e.seen_tokens} + t;
+      slots[t] = int64_t{from[bs.Index(pos)]} * bs.value() + bs.Offset(pos);
+    }
+  }
+}
+
+}  // namespace blockkv
