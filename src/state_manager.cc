@@ -608,8 +608,9 @@ Status StateManager::ScheduleInto(std::span<const SeqId> uids, std::span<const i
     }
   }
   // Nothing can fail from here on but the copy to the batch's device mirror. Locals again, as in
-  // Check; next_scratch_ holds each group's next block to hand out. The batch is filled in a
-  // second loop: one loop doing both keeps more values live than there are registers.
+  // Check; next_scratch_ holds each group's next block to hand out. The batch is filled in a loop
+  // of its own after the commit (measured as fast as one loop doing both, and Schedule's path
+  // stays free of it).
   std::vector<const BlockId*>& next = next_scratch_;
   next.resize(groups);
   for (size_t g = 0; g < groups; ++g) next[g] = scratch_[g].data();
