@@ -324,9 +324,7 @@ RaggedBatch::Inserted RaggedBatch::inserted(int32_t i) const {
 
 const StateManager& RaggedBatch::manager() const { return *impl_->owner; }
 int32_t RaggedBatch::current_tokens() const { return impl_->n_tokens; }
-int32_t RaggedBatch::current_sequences() const {
-  return impl_->n_entries;
-}
+int32_t RaggedBatch::current_sequences() const { return impl_->n_entries; }
 int32_t RaggedBatch::padded_tokens() const { return impl_->padded; }
 bool RaggedBatch::finalized() const { return impl_->finalized; }
 

@@ -122,18 +122,19 @@ struct RaggedBatch::Impl {
   MirroredArray<int32_t> descriptors;    // [max_seqs, 4]
   MirroredArray<int32_t> metadata;       // [2]
   std::vector<Group> groups;
-  std::vector<Entry> entry_buf;   // [max_seqs]; the first n_entries are the batch's
+  std::vector<Entry> entry_buf;  // [max_seqs]; the first n_entries are the batch's
   int32_t n_entries = 0;
-  std::span<const Entry> entries() const { return {entry_buf.data(), static_cast<size_t>(n_entries)}; }
+  std::span<const Entry> entries() const {
+    return {entry_buf.data(), static_cast<size_t>(n_entries)};
+  }
   std::vector<uint8_t> in_batch;  // [max_tracked_sequences] by tracking slot
   int32_t n_tokens = 0;
   int32_t padded = 0;
   bool finalized = false;
 };
 
-
 inline RaggedBatch::Impl::Entry RaggedBatch::Impl::Append(const Sequence& seq,
-                                                         std::span<const int64_t> tokens) {
+                                                          std::span<const int64_t> tokens) {
   const auto n = static_cast<int32_t>(tokens.size());
   const int32_t start = n_tokens;
   const Entry e{.seq = &seq,
@@ -214,7 +215,8 @@ inline void RaggedBatch::Impl::FillGroupEntry(Group& group, int g, const Entry& 
   const auto used = static_cast<int32_t>(last_block + 1);
   int32_t* indptr = group.kv_indptr.host.data();
   const int32_t first = indptr[i];
-  std::memcpy(group.kv_indices.host.data() + first, from, static_cast<size_t>(used) * sizeof(BlockId));
+  std::memcpy(group.kv_indices.host.data() + first, from,
+              static_cast<size_t>(used) * sizeof(BlockId));
   indptr[i + 1] = first + used;
   group.kv_last_page_len.host[static_cast<size_t>(i)] = static_cast<int32_t>(last_offset + 1);
 

@@ -479,8 +479,8 @@ Result<SchedulingResult> StateManager::Check(std::span<const SeqId> uids,
       marks[slot] = epoch;
       seq = &seqs[slot];
       if (seq->preempted_) [[unlikely]] {
-        return FailedPreconditionError(ColdStrCat(
-            "sequence ", uid, " is preempted; ResumeSequence before scheduling it"));
+        return FailedPreconditionError(
+            ColdStrCat("sequence ", uid, " is preempted; ResumeSequence before scheduling it"));
       }
     }
     // The verdict, once known, stands; the other uids' arguments are still checked.
@@ -501,14 +501,14 @@ Result<SchedulingResult> StateManager::Check(std::span<const SeqId> uids,
       continue;
     }
     internal::ForEachGroup(groups, [&](size_t g) {
-      const int64_t allocated = hit != nullptr ? sizes[g].Index(hit->tokens)
-                                               : (seq ? seq->groups_[g].allocated : 0);
+      const int64_t allocated =
+          hit != nullptr ? sizes[g].Index(hit->tokens) : (seq ? seq->groups_[g].allocated : 0);
       const int64_t needed = std::max<int64_t>(0, sizes[g].BlocksFor(seen + length) - allocated);
       need[i * groups + g] = static_cast<int32_t>(needed);
       if (needed > left[g]) [[unlikely]] {
         if (verdict == SchedulingResult::kSuccess) {  // the first group short of blocks
-          *why = ColdStrCat("sequence ", uid, " needs ", needed, " blocks of cache group ", g,
-                            ", ", left[g], " left for it (", pools_[g].free_blocks(), " free)");
+          *why = ColdStrCat("sequence ", uid, " needs ", needed, " blocks of cache group ", g, ", ",
+                            left[g], " left for it (", pools_[g].free_blocks(), " free)");
           verdict = SchedulingResult::kKVCacheLimitExceeded;
         }
         return;

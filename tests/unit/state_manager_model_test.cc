@@ -1,12 +1,13 @@
 // Model-based random test of StateManager: random programs of GetOrCreateSequence, Schedule or
 // ScheduleBatch (after CanSchedule; ScheduleBatch's batch is checked against the model's tables,
-// and left as it was when the call fails), PostForward, Fork, FreeLeadingBlocks, FlushSequence, Query, and, with offload on,
-// PreemptSequence, ResumeSequence and waits or polls of their tickets, run against a plain
-// reference model, over several configurations small enough that blocks, tracking slots, context,
-// batch limits and the host (and, in one setup, disk) tier run out often. After every operation
-// the manager passes CheckInvariants() and agrees with the model on every sequence (seen, in
-// flight, preempted, table per cache group, released prefix, slot and address), every block's
-// reference count equals the tables holding it plus the offload copies in flight reading it, free
+// and left as it was when the call fails), PostForward, Fork, FreeLeadingBlocks, FlushSequence,
+// Query, and, with offload on, PreemptSequence, ResumeSequence and waits or polls of their tickets,
+// run against a plain reference model, over several configurations small enough that blocks,
+// tracking slots, context, batch limits and the host (and, in one setup, disk) tier run out often.
+// After every operation the manager passes CheckInvariants() and agrees with the model on every
+// sequence (seen, in flight, preempted, table per cache group, released prefix, slot and address),
+// every block's reference count equals the tables holding it plus the offload copies in flight
+// reading it, free
 // + referenced = total, the store's held device blocks, free host and disk slots and live handles
 // are the model's, and flushing everything leaves every block free and no handle live. Fork is
 // also checked on the data: the child's partial tail is a byte copy of the parent's in every
@@ -535,9 +536,8 @@ class ModelDriver {
     // Half the time through ScheduleBatch, which must leave its batch as it was when it fails.
     // (Lengths far past every limit, which test the verdict, get no tokens: Schedule takes them.)
     constexpr int64_t kMostTokens = 1 << 16;
-    const bool via_batch =
-        Chance(50) && std::all_of(lengths.begin(), lengths.end(),
-                                  [](int64_t n) { return n < kMostTokens; });
+    const bool via_batch = Chance(50) && std::all_of(lengths.begin(), lengths.end(),
+                                                     [](int64_t n) { return n < kMostTokens; });
     const BatchState batch_before = ReadBatch();
     std::vector<int64_t> tokens;
     for (size_t i = 0; via_batch && i < uids.size(); ++i) {
