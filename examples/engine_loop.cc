@@ -152,11 +152,14 @@ int main() {
       const blockkv::Sequence* seq = manager.GetSequence(r->uid);
       if (r->prefilled < r->prompt) {
         r->prefilled = seq->seen_tokens();
-        // Parallel sampling: request 3 asks for two more samples of its prompt.
+        // Parallel sampling: request 3 asks for two more samples of its prompt, each with a
+        // first token of its own.
         if (r->uid == 3 && r->prefilled == r->prompt) {
           for (SeqId child : {1003, 2003}) {
             if (!Ok(manager.Fork(3, child), "Fork")) return 1;
-            running.push_back({child, r->tokens, r->prompt, r->output, r->prompt, 0});
+            Request sample{child, r->tokens, r->prompt, r->output, r->prompt, 0};
+            sample.tokens.push_back(vocab(rng));
+            running.push_back(std::move(sample));
             ++forks;
           }
           r = std::find_if(running.begin(), running.end(),
@@ -165,8 +168,8 @@ int main() {
       } else {
         ++r->generated;
       }
-      // The next token, sampled from the logits (here: made up).
-      if (r->generated < r->output) r->tokens.push_back(vocab(rng));
+      // The next token, sampled from the logits (here: made up) once the whole prompt has run.
+      if (r->prefilled == r->prompt && r->generated < r->output) r->tokens.push_back(vocab(rng));
       // A sliding window of 256 tokens: blocks wholly before it are no longer needed.
       seq = manager.GetSequence(r->uid);
       const int64_t window_start = seq->seen_tokens() - kWindow;
