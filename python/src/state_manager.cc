@@ -277,6 +277,40 @@ void BindManager(py::module_& m) {
           "All or nothing: creates unknown sequences, reserves their blocks and sets "
           "in_flight_tokens. SchedulingError (with .result) when a limit is hit.")
       .def(
+          "schedule_batch",
+          [](StateManager& self, py::handle uids, py::handle lengths, py::handle tokens,
+             const BatchWrapper& batch, bool padding) {
+            const std::vector<SeqId> u = ToInt64Vector(uids, "uids");
+            const std::vector<int64_t> l = ToInt64Vector(lengths, "lengths");
+            const std::vector<int64_t> t = ToInt64Vector(tokens, "tokens");
+            SchedulingResult result = SchedulingResult::kSuccess;
+            Status status;
+            {
+              // Released always: the arguments are C++ values now, and with offload on it waits
+              // for the resume copies of the uids it names, as schedule does.
+              py::gil_scoped_release release;
+              status = self.ScheduleBatch(u, l, t, *batch.batch, padding, &result);
+            }
+            if (status.ok()) return;
+            // `result` is only written once the arguments passed, so an argument error (another
+            // manager's batch, a wrong token count) keeps kSuccess and raises ValueError.
+            if (result != SchedulingResult::kSuccess) {
+              ThrowSchedulingError(result, status.message());
+            }
+            ThrowStatus(status);
+          },
+          py::arg("uids"), py::arg("lengths"), py::arg("tokens"), py::arg("batch"),
+          py::arg("padding") = false,
+          "schedule, and the RaggedBatchWrapper of that forward built in the same pass (the fast "
+          "path of a decode step): `batch` is cleared, filled and finalized as insert_sequence + "
+          "finalize(padding) would. `tokens` holds each uid's lengths[i] tokens, one uid after "
+          "another (a list, a NumPy array, a torch tensor); a sequence with a prefix hit "
+          "gets the ones past its cached prefix. All or nothing: SchedulingError (with .result) "
+          "when a limit is hit, ValueError for bad arguments (a wrong token count, a batch of "
+          "another StateManager), and the manager and the batch are as they were. A failed copy "
+          "to the batch's device mirror raises with the forward scheduled and the batch not "
+          "finalized: finalize() retries the copy.")
+      .def(
           "post_forward",
           [](StateManager& self, py::handle uids) {
             if (py::isinstance<BatchWrapper>(uids)) {

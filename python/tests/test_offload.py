@@ -441,6 +441,26 @@ def test_preempt_and_resume_keep_the_data():
     m.check_invariants()
 
 
+def test_schedule_batch_waits_for_a_resume_and_refuses_a_preempted_sequence():
+    m = make_offload_manager(num_blocks=16, host_blocks=8)
+    batch = blockkv.RaggedBatchWrapper(m)
+    a = prefill(m, 1, 10, seed=26)  # 3 blocks
+    m.preempt_sequence(1).wait()
+    with pytest.raises(ValueError, match="preempted"):
+        m.schedule_batch([1], [1], [5], batch)
+    assert not batch.finalized
+    ticket = m.resume_sequence(1)
+    m.schedule_batch([1], [1], [5], batch)  # waits for the copy itself, the GIL released
+    ticket.wait()
+    seq = m.get_sequence(1)
+    assert same(contents(manager_layers(m), seq.block_table()[:3]), a)
+    assert batch.inflight_seq_descriptors().tolist() == [[0, 1, 10, 0]]
+    assert batch.kv_indices().tolist() == seq.block_table().tolist()
+    m.post_forward(batch)
+    assert seq.seen_tokens == 11
+    m.check_invariants()
+
+
 def test_preemption_falls_back_to_disk_and_flush_drops_handles(tmp_path):
     m = make_offload_manager(num_blocks=16, host_blocks=2, disk_path=tmp_path / "kv.bin",
                              disk_blocks=4)
