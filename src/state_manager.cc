@@ -644,12 +644,21 @@ Status StateManager::ScheduleInto(std::span<const SeqId> uids, std::span<const i
   if (out == nullptr) return Status::Ok();
   RaggedBatch::Impl& batch = *out->batch->impl_;
   batch.BeginScheduled();
-  size_t token_end = 0;  // of the i-th uid's tokens in out->tokens
+  size_t first_token = 0;  // of the i-th uid's tokens in out->tokens
   for (size_t i = 0; i < uids.size(); ++i) {
     const Sequence& seq = seqs[slots[i]];
-    const auto length = static_cast<size_t>(seq.in_flight_tokens_);
-    token_end += static_cast<size_t>(lengths[i]);  // a hit's cached tokens are left out
-    batch.AppendFilled(seq, out->tokens.subspan(token_end - length, length));
+    std::span<const int64_t> tokens = out->tokens.subspan(first_token, lengths[i]);
+    first_token += static_cast<size_t>(lengths[i]);
+    if (prefix && hit_index_[i] >= 0) {
+      // A prefix hit runs the prompt's positions [cached, cached + in flight), whichever of its
+      // chunks the engine passed (it passes them from position 0): their tokens are the prompt's,
+      // which the manager knows.
+      const std::vector<TokenId>& known = keys_[slots[i]].tokens;
+      const auto begin = known.begin() + seq.seen_tokens_;
+      hit_tokens_.assign(begin, begin + seq.in_flight_tokens_);
+      tokens = hit_tokens_;
+    }
+    batch.AppendFilled(seq, tokens);
   }
   return batch.Finish(out->padding);
 }

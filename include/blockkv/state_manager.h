@@ -236,8 +236,10 @@ class StateManager {
   // Schedule, and the RaggedBatch of that forward built in the same pass over the sequences: a
   // step's one uid lookup per sequence and no second round of checks, where Schedule +
   // GetSequence + InsertSequence + Finalize look each sequence up twice and check it twice.
-  // `tokens` holds each uid's lengths[i] new tokens, one uid after another; a sequence with a
-  // prefix hit gets the ones past the cached prefix. `batch` is cleared, then filled and
+  // `tokens` holds each uid's lengths[i] new tokens, one uid after another. A first schedule
+  // that hits the prefix cache runs the prompt from the end of the cached prefix, whatever chunk
+  // of it was passed: its batch entry gets the prompt's tokens at those positions (as given to
+  // AddSequence). `batch` is cleared, then filled and
   // finalized as InsertSequence + Finalize(padding) would. kInvalidArgument when `batch` was
   // created for another manager or tokens.size() is not the sum of `lengths`; kOutOfRange when
   // a sequence's positions would not fit the batch's int32 descriptors; everything Schedule
@@ -501,6 +503,7 @@ class StateManager {
   std::vector<std::vector<BlockId>> scratch_;  // per group: blocks taken in one Schedule
   std::vector<const BlockId*> next_scratch_;
   std::vector<BlockId> tail_scratch_;
+  std::vector<int64_t> hit_tokens_;  // ScheduleBatch: a prefix hit's tokens for the batch
   mutable std::vector<int64_t> free_scratch_;
   mutable std::vector<SeqId> uid_scratch_;
   mutable std::vector<int32_t> slot_scratch_;  // per uid of the call: its slot, or -1 when new

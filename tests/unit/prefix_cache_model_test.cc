@@ -3,9 +3,10 @@
 // Random programs of AddSequence (prompts cut from four shared "system prompts" plus short
 // suffixes over a 3-token vocabulary, twins of the previous prompt, recent prompts cut or grown;
 // namespace "", "a" or "b", adapter 0 or 1, retention priority 0..100, now and then per-block
-// bytes), AppendTokens, Schedule of one to three sequences (a first schedule takes the whole
-// prompt, a chunk or nothing; later ones the rest of the prompt, then decode steps of one token
-// appended first; now and then a sequence the manager creates without known tokens),
+// bytes), AppendTokens, Schedule or ScheduleBatch of one to three sequences (a first schedule
+// takes the whole prompt, a chunk or nothing; later ones the rest of the prompt, then decode steps
+// of one token appended first; now and then a sequence the manager creates without known tokens;
+// ScheduleBatch's batch must hold, for a hit, the prompt's tokens at the positions it runs),
 // PostForward, FlushSequence, Fork, ResetPrefixCache and DrainCacheEvents, on caches small
 // enough that eviction and the KV limit come every few steps: 8 to 40 blocks per group, block
 // sizes 2 to 4, one or two cache groups (equal or different block sizes), event queues of 0 to
@@ -111,6 +112,7 @@
 #include <vector>
 
 #include "blockkv/prefix_cache.h"
+#include "blockkv/ragged_batch.h"
 #include "blockkv/state_manager.h"
 #include "unit/test_util.h"
 
@@ -334,6 +336,9 @@ class PrefixCacheModel {
         StateManager::Create(config, groups, CpuDevice(/*memory_budget=*/16 << 20));
     MODEL_CHECK(mgr.ok()) << mgr.status();
     mgr_ = std::move(mgr).value();
+    Result<std::unique_ptr<RaggedBatch>> batch = RaggedBatch::Create(*mgr_);
+    MODEL_CHECK(batch.ok()) << batch.status();
+    batch_ = std::move(batch).value();
     num_groups_ = static_cast<int>(groups.size());
     MODEL_CHECK(!host() || num_groups_ == 1) << "the host level needs one cache group";
     blocks_.assign(groups.size(), std::vector<ModelBlock>(static_cast<size_t>(setup_.num_blocks)));
@@ -1089,7 +1094,27 @@ class PrefixCacheModel {
     }
     const int64_t host_entries = host() ? mgr_->host_prefix_stats().entries : 0;
     SchedulingResult verdict = SchedulingResult::kSuccess;
-    const Status scheduled = mgr_->Schedule(uids, lengths, &verdict);
+    // Every other schedule through ScheduleBatch (taking no draw from rng_, so the random programs
+    // stay those whose coverage the counts below check), given what an engine passes: each
+    // sequence's known tokens from its position (a first schedule's from the prompt's start), 7
+    // past them.
+    const bool via_batch = schedules_++ % 2 == 1;
+    std::vector<int64_t> tokens;
+    for (size_t i = 0; via_batch && i < uids.size(); ++i) {
+      const ModelSequence* s = Find(uids[i]);  // nullptr: one the manager creates
+      const int64_t seen = s != nullptr ? s->seen : 0;
+      for (int64_t t = seen; t < seen + lengths[i]; ++t) {
+        tokens.push_back(
+            s != nullptr && t < std::ssize(s->tokens) ? s->tokens[static_cast<size_t>(t)] : 7);
+      }
+    }
+    const Status scheduled = via_batch ? mgr_->ScheduleBatch(uids, lengths, tokens, *batch_,
+                                                             /*padding=*/false, &verdict)
+                                       : mgr_->Schedule(uids, lengths, &verdict);
+    if (via_batch && scheduled.ok()) {
+      const AssertionResult batched = CheckBatchTokens(uids, lengths, tokens);
+      if (!batched) return batched;
+    }
     note_ << " -> " << SchedulingResultName(verdict);
     MODEL_CHECK(verdicts.count(verdict) != 0)
         << "Schedule said " << SchedulingResultName(verdict) << ", the model "
@@ -1123,6 +1148,36 @@ class PrefixCacheModel {
         << "with the promotions it made the model says " << SchedulingResultName(plan.verdict)
         << (plan.valid ? "" : ", and there were not enough free blocks for them");
     return ApplySchedule(uids, plan);
+  }
+
+  // After a successful ScheduleBatch (before the model applies it): each entry holds the tokens
+  // at the positions its sequence now runs, [seen, seen + in flight): for a prefix hit its known
+  // tokens there, whatever chunk was passed; otherwise what was passed.
+  AssertionResult CheckBatchTokens(const std::vector<SeqId>& uids,
+                                   const std::vector<int64_t>& lengths,
+                                   const std::vector<int64_t>& passed) {
+    MODEL_CHECK(batch_->finalized() && batch_->current_sequences() == std::ssize(uids));
+    const Result<TensorView> view = batch_->input_ids();
+    MODEL_CHECK(view.ok()) << view.status();
+    const auto* ids = static_cast<const int64_t*>(view->data);
+    int64_t at = 0;    // in the batch
+    int64_t from = 0;  // in `passed`
+    for (size_t i = 0; i < uids.size(); ++i) {
+      const Sequence* seq = mgr_->GetSequence(uids[i]);
+      MODEL_CHECK(seq != nullptr) << "sequence " << uids[i];
+      const ModelSequence* s = Find(uids[i]);
+      const bool hit = s != nullptr && s->seen == 0 && seq->cached_prefix_tokens() > 0;
+      for (int64_t t = 0; t < seq->in_flight_tokens(); ++t) {
+        const int64_t want = hit ? s->tokens[static_cast<size_t>(seq->seen_tokens() + t)]
+                                 : passed[static_cast<size_t>(from + t)];
+        MODEL_CHECK(ids[at + t] == want)
+            << "batch token " << t << " of sequence " << uids[i] << (hit ? " (a prefix hit)" : "");
+      }
+      at += seq->in_flight_tokens();
+      from += lengths[i];
+    }
+    Count(at == from ? "schedule_batch/no hit" : "schedule_batch/a hit");
+    return AssertionSuccess();
   }
 
   // Every verdict of a Schedule whose hits promote promoted[0, i) and then anything from 0 to
@@ -1787,6 +1842,8 @@ class PrefixCacheModel {
   ModelSetup setup_;
   std::mt19937_64 rng_;
   std::unique_ptr<StateManager> mgr_;
+  std::unique_ptr<RaggedBatch> batch_;  // ScheduleBatch's; destroyed before mgr_
+  int64_t schedules_ = 0;               // Schedule ops that reached the call
   int num_groups_ = 0;
   int64_t capacity_ = 0;  // tokens one sequence may hold
   int64_t lcm_ = 1;       // of the block sizes: a hit is a multiple of it

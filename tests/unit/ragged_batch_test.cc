@@ -844,7 +844,7 @@ TEST(ScheduleBatchTest, BuildsTheBatchThatScheduleInsertAndFinalizeBuild) {
   }
 }
 
-TEST(ScheduleBatchTest, APrefixHitGetsTheTokensPastTheCachedPrefix) {
+TEST(ScheduleBatchTest, APrefixHitGetsThePromptsTokensAtThePositionsItRuns) {
   StateManagerConfig config = Config();
   config.prefix_cache.enabled = true;
   auto manager = MakeManager(config, {Group(16)});
@@ -868,6 +868,18 @@ TEST(ScheduleBatchTest, APrefixHitGetsTheTokensPastTheCachedPrefix) {
   EXPECT_THAT(ReadInt32(batch->kv_indptr()), ElementsAre(0, 3));
   ASSERT_OK(manager->PostForward(*batch));
   EXPECT_EQ(manager->GetSequence(2)->seen_tokens(), 40);
+
+  // A third request's first chunk, 4 tokens passed from the prompt's start: it runs positions
+  // 32..35 after the hit, and its batch entry holds the prompt's tokens there.
+  ASSERT_OK(manager->AddSequence(3, prompt));
+  const std::vector<SeqId> third = {3};
+  const std::vector<int64_t> chunk = {4};
+  const std::vector<int64_t> chunk_tokens(tokens.begin(), tokens.begin() + 4);
+  ASSERT_OK(manager->ScheduleBatch(third, chunk, chunk_tokens, *batch));
+  EXPECT_THAT(ReadInt32(batch->inflight_seq_descriptors()), ElementsAre(0, 4, 32, 0));
+  EXPECT_THAT(ReadInt64(batch->input_ids()),
+              ElementsAreArray(tokens.begin() + 32, tokens.begin() + 36));
+  ASSERT_OK(manager->PostForward(*batch));
   ASSERT_OK(manager->CheckInvariants());
 }
 
