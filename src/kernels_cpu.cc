@@ -16,8 +16,9 @@
 // transposing reduction per 4 keys instead of a horizontal sum per key), and bf16 is split into
 // its even and odd elements with two integer ops (queries and accumulators are kept in that
 // order). Only fp8 (a table lookup per element) and prefill items (many row blocks per K row)
-// first copy the tile's rows to fp32. Each head's rows of a tile are prefetched (into L2) while
-// the head before it is computed. Memory per thread: (2 · rows + 2 · kTile) · D floats.
+// first copy the tile's rows to fp32. Each head's rows of a tile are prefetched into L2 while
+// the head before it is computed, and into L1 a few keys before their loads. Memory per thread:
+// (2 · rows + 2 · kTile) · D floats.
 // Threads: a work-stealing loop over items (an atomic counter), the calling thread plus up to
 // num_threads − 1 std::jthreads started per call when the work is large enough to pay for them.
 #ifndef BLOCKKV_KERNELS_CPU_SHARED_
