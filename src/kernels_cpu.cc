@@ -325,7 +325,7 @@ void TileScores(const float* q, int32_t d, const typename Rows::T* const* k, int
     for (; i + 2 * n <= d; i += 2 * n) {
       VF lo[4], hi[4];
       for (int32_t key = 0; key < 4; ++key) Rows::Load2(k[j + key] + i, lo[key], hi[key]);
-      for (int32_t r = 0; r < RB; ++r) {
+      for (int64_t r = 0; r < RB; ++r) {
         const VF q_lo = hn::LoadU(df, q + r * d + i);
         const VF q_hi = hn::LoadU(df, q + r * d + i + n);
         for (int32_t key = 0; key < 4; ++key) {
@@ -337,12 +337,12 @@ void TileScores(const float* q, int32_t d, const typename Rows::T* const* k, int
     if (i < d) {
       VF x[4];
       for (int32_t key = 0; key < 4; ++key) x[key] = Rows::Load1(k[j + key] + i);
-      for (int32_t r = 0; r < RB; ++r) {
+      for (int64_t r = 0; r < RB; ++r) {
         const VF qv = hn::LoadU(df, q + r * d + i);
         for (int32_t key = 0; key < 4; ++key) acc[r][key] = hn::MulAdd(qv, x[key], acc[r][key]);
       }
     }
-    for (int32_t r = 0; r < RB; ++r) {
+    for (int64_t r = 0; r < RB; ++r) {
       StoreSums4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], scores + r * kTile + j);
     }
   }
@@ -387,9 +387,9 @@ HWY_INLINE void AccumulateColumns(const float* p, const float* alpha,
   const auto n = static_cast<int32_t>(hn::Lanes(df));
   constexpr int kVectors = kSteps == 0 ? 1 : 2 * kSteps;
   VF a[RB][kVectors];
-  for (int32_t r = 0; r < RB; ++r) {
+  for (int64_t r = 0; r < RB; ++r) {
     const VF scale = hn::Set(df, alpha[r]);
-    for (int32_t c = 0; c < kVectors; ++c) {
+    for (int64_t c = 0; c < kVectors; ++c) {
       a[r][c] = hn::Mul(hn::LoadU(df, acc + r * d + i + c * n), scale);
     }
   }
@@ -400,16 +400,16 @@ HWY_INLINE void AccumulateColumns(const float* p, const float* alpha,
     if constexpr (kSteps == 0) {
       x[0] = Rows::Load1(v[j] + i);
     } else {
-      for (int32_t c = 0; c < kSteps; ++c)
+      for (int64_t c = 0; c < kSteps; ++c)
         Rows::Load2(v[j] + i + 2 * c * n, x[2 * c], x[2 * c + 1]);
     }
-    for (int32_t r = 0; r < RB; ++r) {
+    for (int64_t r = 0; r < RB; ++r) {
       const VF pj = hn::Set(df, p[r * kTile + j]);
-      for (int32_t c = 0; c < kVectors; ++c) a[r][c] = hn::MulAdd(pj, x[c], a[r][c]);
+      for (int64_t c = 0; c < kVectors; ++c) a[r][c] = hn::MulAdd(pj, x[c], a[r][c]);
     }
   }
-  for (int32_t r = 0; r < RB; ++r) {
-    for (int32_t c = 0; c < kVectors; ++c) hn::StoreU(a[r][c], df, acc + r * d + i + c * n);
+  for (int64_t r = 0; r < RB; ++r) {
+    for (int64_t c = 0; c < kVectors; ++c) hn::StoreU(a[r][c], df, acc + r * d + i + c * n);
   }
 }
 
@@ -458,7 +458,7 @@ void AttendRowBlock(const TileRows<Rows>& t, const int32_t* j0, const int32_t* j
   float* scores = s.scores.data();
   TileScores<Rows, RB>(s.q.data() + row * d, d, t.k, lo, hi, scores);
   float alpha[RB];
-  for (int32_t r = 0; r < RB; ++r) {
+  for (int64_t r = 0; r < RB; ++r) {
     float* sc = scores + r * kTile;
     if (j0[r] >= j1[r]) {  // weights 0, accumulator unchanged
       std::fill_n(sc, kTile, 0.0f);
