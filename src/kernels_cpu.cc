@@ -232,8 +232,8 @@ void Reorder(const float* from, int32_t d, float* to) {
 
 // How many keys ahead of their loads the tile kernels ask for rows to move from L2 (where
 // PrefetchRows put them) into L1: close enough that rows 4 KiB apart, which share a few L1 sets,
-// are still there when used.
-inline constexpr int32_t kNearKeys = 4;
+// are still there when used (16 measured better than 4 or 8: 6% contiguous, 10% paged, 4k).
+inline constexpr int32_t kNearKeys = 16;
 
 HWY_INLINE void PrefetchNear(const void* p, int32_t bytes) {
   for (int32_t b = 0; b < bytes; b += 64) hwy::Prefetch(static_cast<const uint8_t*>(p) + b);
