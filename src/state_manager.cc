@@ -575,10 +575,15 @@ Status StateManager::ScheduleInto(std::span<const SeqId> uids, std::span<const i
         StrCat("cannot schedule the batch: ", SchedulingResultName(verdict), ": ", why));
   }
   // A batch's descriptors hold positions as int32; only a max_context past that can exceed them.
-  // A prefix hit moves tokens from in flight to seen, so seen + length is what it was.
+  // A prefix hit runs from the end of its cached prefix.
   if (out != nullptr && token_limit_ > std::numeric_limits<int32_t>::max()) {
     for (size_t i = 0; i < uids.size(); ++i) {
-      const int64_t end = (Scheduled(i) ? Scheduled(i)->seen_tokens_ : 0) + lengths[i];
+      const PrefixHit* hit = prefix_ != nullptr && hit_index_[i] >= 0
+                                 ? &hits_[static_cast<size_t>(hit_index_[i])]
+                                 : nullptr;
+      const int64_t end = hit != nullptr
+                              ? hit->tokens + hit->in_flight
+                              : (Scheduled(i) ? Scheduled(i)->seen_tokens_ : 0) + lengths[i];
       if (end > std::numeric_limits<int32_t>::max()) {
         return OutOfRangeError(StrCat("ScheduleBatch: sequence ", uids[i], " would reach ", end,
                                       " tokens, past the batch's int32 positions"));
