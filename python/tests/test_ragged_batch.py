@@ -404,9 +404,6 @@ def test_schedule_batch_gives_a_prefix_hit_the_tokens_past_its_cached_prefix():
     m.check_invariants()
 
 
-@pytest.mark.xfail(strict=True, reason="C++ ScheduleBatch: a first chunk shorter than the prompt "
-                   "past its prefix hit gets the chunk's leading tokens, not those at its "
-                   "positions after the hit")
 def test_schedule_batch_gives_a_chunked_prefix_hit_the_tokens_at_its_positions():
     m = make_manager(num_blocks=16, block_size=16, prefix_cache=blockkv.PrefixCacheConfig())
     batch = blockkv.RaggedBatchWrapper(m)
@@ -420,4 +417,4 @@ def test_schedule_batch_gives_a_chunked_prefix_hit_the_tokens_at_its_positions()
     m.schedule_batch([2], [4], prompt[:4], batch)
     assert (seq.seen_tokens, seq.in_flight_tokens) == (32, 4)
     assert batch.inflight_seq_descriptors().tolist() == [[0, 4, 32, 0]]
-    assert batch.input_ids().tolist() == prompt[32:36]  # fails: prompt[:4]
+    assert batch.input_ids().tolist() == prompt[32:36]
