@@ -2,6 +2,9 @@
 // RaggedBatch — prefix caching of shared system prompts, chunked prefill under a token budget,
 // decode, parallel sampling by Fork, a sliding window released with FreeLeadingBlocks,
 // all-or-nothing admission when the cache is full, and flushing — with no model arithmetic.
+// Each step is one StateManager::ScheduleBatch: the forward scheduled and its RaggedBatch built
+// in one call (include/blockkv/ragged_batch.h shows the same step as Schedule, InsertSequence
+// and Finalize).
 // Prints one line per 16 steps and a summary; exits 1 if any blockkv call fails or a block is
 // left held at the end.
 #include <algorithm>
@@ -78,20 +81,29 @@ int main() {
   }
   std::vector<Request> running;
   int64_t steps = 0, tokens = 0, refused = 0, forks = 0, released = 0, peak_used = 0;
-  std::vector<int64_t> ids;
+  std::vector<SeqId> uids;
+  std::vector<int64_t> lengths;
+  std::vector<int64_t> ids;  // the step's new tokens: lengths[i] for uids[i], one after another
 
   while (!waiting.empty() || !running.empty()) {
     // Decode every running sequence that finished its prompt; chunk the prompts of the rest and
     // of newly admitted requests into what is left of the token budget.
-    std::vector<SeqId> uids;
-    std::vector<int64_t> lengths;
+    uids.clear();
+    lengths.clear();
+    ids.clear();
     int64_t budget = config.max_ragged_batch_size;
+    // Puts the next n tokens of `r` in the step: those from the first it has not run.
+    auto add = [&](const Request& r, int64_t n) {
+      uids.push_back(r.uid);
+      lengths.push_back(n);
+      const auto from = r.tokens.begin() + r.prefilled + r.generated;
+      ids.insert(ids.end(), from, from + n);
+      budget -= n;
+    };
     for (const Request& r : running) {
       const int64_t n = r.prefilled < r.prompt ? std::min(r.prompt - r.prefilled, budget) : 1;
       if (n == 0 || budget == 0) continue;
-      uids.push_back(r.uid);
-      lengths.push_back(n);
-      budget -= n;
+      add(r, n);
     }
     // Admit while the cache keeps a reserve for the running sequences' next blocks.
     while (!waiting.empty() && budget > 0 &&
@@ -101,22 +113,25 @@ int main() {
       if (!Ok(manager.AddSequence(waiting.front().uid, waiting.front().tokens).status(), "Add")) {
         return 1;
       }
-      uids.push_back(waiting.front().uid);
-      lengths.push_back(std::min(waiting.front().prompt, budget));
-      budget -= lengths.back();
+      add(waiting.front(), std::min(waiting.front().prompt, budget));
       running.push_back(waiting.front());
       waiting.pop_front();
     }
-    // All or nothing: when the cache is short, give the newest back and try again.
-    blockkv::SchedulingResult result = blockkv::SchedulingResult::kSuccess;
-    while (!manager.Schedule(uids, lengths, &result).ok()) {
+    // Schedule and build the batch, all or nothing: when the cache is short, give the newest
+    // back and try again. A new sequence whose prompt starts with a cached prefix runs only the
+    // tokens past it: ScheduleBatch takes those from `ids`.
+    while (true) {
+      blockkv::SchedulingResult result = blockkv::SchedulingResult::kSuccess;
+      const blockkv::Status scheduled =
+          manager.ScheduleBatch(uids, lengths, ids, batch, /*padding=*/true, &result);
+      if (scheduled.ok()) break;
       if (result != blockkv::SchedulingResult::kKVCacheLimitExceeded || uids.size() <= 1) {
-        std::fprintf(stderr, "engine_loop: cannot schedule even one sequence (%s)\n",
-                     std::string(blockkv::SchedulingResultName(result)).c_str());
+        Ok(scheduled, "ScheduleBatch");
         return 1;
       }
       ++refused;
       const SeqId last = uids.back();
+      ids.resize(ids.size() - static_cast<size_t>(lengths.back()));  // its tokens are the last
       uids.pop_back();
       lengths.pop_back();
       auto it = std::find_if(running.begin(), running.end(),
@@ -127,17 +142,6 @@ int main() {
         running.erase(it);
       }
     }
-    batch.Clear();
-    for (const SeqId uid : uids) {
-      // A first schedule may have started after a cached prefix: the sequence says what runs.
-      const blockkv::Sequence& seq = *manager.GetSequence(uid);
-      const Request& r = *std::find_if(running.begin(), running.end(),
-                                       [&](const Request& q) { return q.uid == uid; });
-      const auto from = r.tokens.begin() + seq.seen_tokens();
-      ids.assign(from, from + seq.in_flight_tokens());
-      if (!Ok(batch.InsertSequence(seq, ids), "InsertSequence")) return 1;
-    }
-    if (!Ok(batch.Finalize(/*padding=*/true), "Finalize")) return 1;
     // ... the model's forward reads batch.slot_mapping(), batch.kv_indptr(), ... here ...
     // Advances every sequence of the batch, and gives the prefix cache the tokens it ran.
     if (!Ok(manager.PostForward(batch), "PostForward")) return 1;

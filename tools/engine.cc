@@ -203,12 +203,18 @@ Status Engine::ScheduleStep(std::vector<Entry>* entries) {
   while (true) {
     uids_.clear();
     lengths_.clear();
+    ids_.clear();
     for (const Entry& e : *entries) {
       uids_.push_back(e.live->uid);
       lengths_.push_back(e.length);
+      // Its tokens from the first not computed; a new sequence with a cached prefix runs only
+      // those past it, which ScheduleBatch picks out.
+      const auto from = e.live->tokens.begin() + e.live->computed;
+      ids_.insert(ids_.end(), from, from + e.length);
     }
     SchedulingResult why = SchedulingResult::kSuccess;
-    Status status = manager_->Schedule(uids_, lengths_, &why);
+    Status status =
+        manager_->ScheduleBatch(uids_, lengths_, ids_, *batch_, /*padding=*/false, &why);
     if (status.ok() || why != SchedulingResult::kKVCacheLimitExceeded) return status;
     // Too few blocks: give back this step's admissions (newest first), then preempt the newest
     // running request.
@@ -293,22 +299,18 @@ Status Engine::Resume() {
 }
 
 Status Engine::RunStep(std::vector<Entry>& entries, StepRunner& runner) {
-  batch_->Clear();
   const size_t n = entries.size();
   entry_requests_.resize(n);
   sample_.resize(n);
   next_.assign(n, 0);
   for (size_t i = 0; i < n; ++i) {
-    Live& live = *entries[i].live;
-    const Sequence& seq = *manager_->GetSequence(live.uid);
-    // A first schedule may start after a cached prefix and run fewer tokens: the sequence says.
-    const auto from = live.tokens.begin() + seq.seen_tokens();
-    ids_.assign(from, from + seq.in_flight_tokens());
-    BLOCKKV_RETURN_IF_ERROR(batch_->InsertSequence(seq, ids_));
-    entry_requests_[i] = live.index;
-    sample_[i] = seq.seen_tokens() + seq.in_flight_tokens() == std::ssize(live.tokens) ? 1 : 0;
+    // Entry i of the batch ScheduleStep built; it ends at the request's last known token when
+    // the forward samples the next one.
+    const RaggedBatch::Inserted entry = batch_->inserted(static_cast<int32_t>(i));
+    entry_requests_[i] = entries[i].live->index;
+    const int64_t end = entry.seen_tokens + std::ssize(entry.tokens);
+    sample_[i] = end == std::ssize(entries[i].live->tokens) ? 1 : 0;
   }
-  BLOCKKV_RETURN_IF_ERROR(batch_->Finalize());
   BLOCKKV_RETURN_IF_ERROR(runner.Run(*batch_, entry_requests_, sample_, next_));
   BLOCKKV_RETURN_IF_ERROR(manager_->PostForward(*batch_));
   for (size_t i = 0; i < n; ++i) {

@@ -148,8 +148,8 @@ class Engine {
   Status CheckRequest(const EngineRequest& request, size_t index) const;
   // This step's decodes and prefill chunks of running requests, then admissions.
   Status PlanStep(std::vector<Entry>* entries);
-  // Schedules `entries`, shrinking them (admissions first, then preempting the newest running
-  // request) until it fits.
+  // Schedules `entries` and builds the step's batch from them (StateManager::ScheduleBatch),
+  // shrinking them (admissions first, then preempting the newest running request) until it fits.
   Status ScheduleStep(std::vector<Entry>* entries);
   // Adds a request to `list` (running_ or preempted_) at its place in arrival order.
   static void InsertByArrival(std::vector<std::unique_ptr<Live>>& list, std::unique_ptr<Live> live);
@@ -157,6 +157,7 @@ class Engine {
   Status Preempt(Live* victim);
   // Brings preempted requests back, oldest first, while the cache keeps its reserve.
   Status Resume();
+  // The forward over the batch of `entries` (ScheduleStep's), then its bookkeeping.
   Status RunStep(std::vector<Entry>& entries, StepRunner& runner);
   void RecordStep();
 
