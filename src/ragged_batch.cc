@@ -302,18 +302,12 @@ Status RaggedBatch::Finalize(bool padding) {
       return Impl::ChangedError(e);
     }
   }
-  b.finalized = false;
-  for (Impl::Group& group : b.groups) group.kv_indptr.host[0] = 0;
+  b.finalized = false;  // kv_indptr[0] is 0 from Create on: only [1, S] are ever written
   for (int32_t i = 0; i < b.n_entries; ++i) b.FillEntry(i, b.entry_buf[static_cast<size_t>(i)]);
   return b.Finish(padding);
 }
 
 void RaggedBatch::Clear() { impl_->Clear(); }
-
-void RaggedBatch::Impl::BeginScheduled() {
-  Clear();
-  for (Group& group : groups) group.kv_indptr.host[0] = 0;
-}
 
 RaggedBatch::Inserted RaggedBatch::inserted(int32_t i) const {
   const Impl::Entry& e = impl_->entry_buf[static_cast<size_t>(i)];

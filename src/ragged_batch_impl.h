@@ -91,7 +91,6 @@ struct RaggedBatch::Impl {
   // StateManager::ScheduleBatch: Clear, then AppendFilled for each sequence it has just
   // scheduled (checked against every limit InsertSequence checks; `tokens` are its tokens in
   // flight), then Finish.
-  void BeginScheduled();
   void AppendFilled(const Sequence& seq, std::span<const int64_t> tokens) {
     // The entry as Append computed it, not read back from where it was just stored (a load
     // right after a store to the same bytes waits on store forwarding).

@@ -453,7 +453,6 @@ Result<SchedulingResult> StateManager::Check(std::span<const SeqId> uids,
   uint32_t* const marks = slot_marks_.data();
   const uint32_t epoch = mark_epoch_;
   const bool prefix = prefix_ != nullptr;
-  const int64_t limit = token_limit_;
   for (size_t i = 0; i < lengths.size(); ++i) {  // before the uids' own errors
     if (lengths[i] < 0) [[unlikely]] {
       return InvalidArgumentError(
@@ -493,10 +492,10 @@ Result<SchedulingResult> StateManager::Check(std::span<const SeqId> uids,
       seen = hit->tokens;
       length = hit->in_flight;
     }
-    if (length > (limit > seen ? limit - seen : 0)) [[unlikely]] {
+    if (length > TokenCapacity(seen)) [[unlikely]] {
       *why = ColdStrCat("sequence ", uid, " at ", seen, " tokens cannot take ", length,
                         " more: max_context=", config_.max_context, " and its block tables hold ",
-                        std::max(limit, seen), " tokens");
+                        seen + TokenCapacity(seen), " tokens");
       verdict = SchedulingResult::kSequenceTokenLimitExceeded;
       continue;
     }
@@ -578,9 +577,7 @@ Status StateManager::ScheduleInto(std::span<const SeqId> uids, std::span<const i
   // A prefix hit runs from the end of its cached prefix.
   if (out != nullptr && token_limit_ > std::numeric_limits<int32_t>::max()) {
     for (size_t i = 0; i < uids.size(); ++i) {
-      const PrefixHit* hit = prefix_ != nullptr && hit_index_[i] >= 0
-                                 ? &hits_[static_cast<size_t>(hit_index_[i])]
-                                 : nullptr;
+      const PrefixHit* hit = HitOf(i);
       const int64_t end = hit != nullptr
                               ? hit->tokens + hit->in_flight
                               : (Scheduled(i) ? Scheduled(i)->seen_tokens_ : 0) + lengths[i];
@@ -623,14 +620,13 @@ Status StateManager::ScheduleInto(std::span<const SeqId> uids, std::span<const i
   int32_t* const slots = slot_scratch_.data();
   const int32_t* const need = need_scratch_.data();
   Sequence* const seqs = sequences_.get();
-  const bool prefix = prefix_ != nullptr;
   for (size_t i = 0; i < uids.size(); ++i) {
     if (slots[i] == internal::UidMap::kAbsent) slots[i] = CreateInSlot(uids[i])->slot_;
     Sequence& seq = seqs[slots[i]];
     int64_t length = lengths[i];
-    if (prefix && hit_index_[i] >= 0) {
+    if (const PrefixHit* hit = HitOf(i)) {
       TakePrefix(i, seq);
-      length = hits_[static_cast<size_t>(hit_index_[i])].in_flight;
+      length = hit->in_flight;
     }
     Sequence::GroupState* const state = seq.groups_;
     internal::ForEachGroup(groups, [&](size_t g) {
@@ -648,13 +644,13 @@ Status StateManager::ScheduleInto(std::span<const SeqId> uids, std::span<const i
   }
   if (out == nullptr) return Status::Ok();
   RaggedBatch::Impl& batch = *out->batch->impl_;
-  batch.BeginScheduled();
+  batch.Clear();
   size_t first_token = 0;  // of the i-th uid's tokens in out->tokens
   for (size_t i = 0; i < uids.size(); ++i) {
     const Sequence& seq = seqs[slots[i]];
     std::span<const int64_t> tokens = out->tokens.subspan(first_token, lengths[i]);
     first_token += static_cast<size_t>(lengths[i]);
-    if (prefix && hit_index_[i] >= 0) {
+    if (HitOf(i) != nullptr) {
       // A prefix hit runs the prompt's positions [cached, cached + in flight), whichever of its
       // chunks the engine passed (it passes them from position 0): their tokens are the prompt's,
       // which the manager knows.

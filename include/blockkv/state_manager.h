@@ -445,6 +445,11 @@ class StateManager {
   // hit (valid until the next lookup), with the evictable blocks it revives marked and taken
   // off free_scratch_; else nullptr.
   const PrefixHit* LookupPrefix(size_t i, const Sequence* seq, int64_t length) const;
+  // The hit Check found for the i-th uid of the call, or nullptr.
+  const PrefixHit* HitOf(size_t i) const {
+    return prefix_ != nullptr && hit_index_[i] >= 0 ? &hits_[static_cast<size_t>(hit_index_[i])]
+                                                    : nullptr;
+  }
   void EnablePrefixCache();  // from the constructor
   // One reference to every block of this call's hits, before Schedule takes new blocks (which
   // may evict evictable ones); or, with share = false, drops them again (UndoSchedule).
