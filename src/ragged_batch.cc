@@ -275,8 +275,24 @@ Status RaggedBatch::InsertSequence(const Sequence& seq, std::span<const int64_t>
   return Status::Ok();
 }
 
+void RaggedBatch::Impl::Append(const Sequence& seq, std::span<const int64_t> tokens) {
+  Writer writer(*this);
+  writer.Append(seq, tokens);
+  writer.Done();
+  in_batch[static_cast<size_t>(seq.tracking_slot())] = 1;
+  marked = true;
+}
+
+void RaggedBatch::Impl::MarkEntries() {
+  for (const Entry& e : entries()) in_batch[static_cast<size_t>(e.slot)] = 1;
+  marked = true;
+}
+
 void RaggedBatch::Impl::Clear() {
-  for (const Entry& e : entries()) in_batch[static_cast<size_t>(e.slot)] = 0;
+  if (marked) {
+    for (const Entry& e : entries()) in_batch[static_cast<size_t>(e.slot)] = 0;
+    marked = false;
+  }
   n_entries = 0;
   n_tokens = 0;
   padded = 0;
@@ -303,7 +319,8 @@ Status RaggedBatch::Finalize(bool padding) {
     }
   }
   b.finalized = false;  // kv_indptr[0] is 0 from Create on: only [1, S] are ever written
-  for (int32_t i = 0; i < b.n_entries; ++i) b.FillEntry(i, b.entry_buf[static_cast<size_t>(i)]);
+  Impl::Writer writer(b);
+  for (int32_t i = 0; i < b.n_entries; ++i) writer.Fill(i, b.entry_buf[static_cast<size_t>(i)]);
   return b.Finish(padding);
 }
 

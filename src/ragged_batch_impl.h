@@ -83,27 +83,18 @@ struct RaggedBatch::Impl {
   Status Init(const StateManager& manager);
   Status InitGroup(const StateManager& manager, int g, int64_t padded_capacity);
   Status CheckInsertable(const Sequence& seq, int64_t n) const;
-  // Records `seq` with its `tokens` as the next entry, and returns it. REQUIRES:
-  // CheckInsertable's checks hold.
-  Entry Append(const Sequence& seq, std::span<const int64_t> tokens);
+  // InsertSequence: records `seq` with its `tokens` as the next entry and marks its slot in
+  // in_batch. REQUIRES: CheckInsertable's checks hold.
+  void Append(const Sequence& seq, std::span<const int64_t> tokens);
   void Clear();
+  // ScheduleBatch's entries leave in_batch unmarked (its duplicates are the manager's to catch,
+  // and a finalized batch takes no InsertSequence): marks them after all, when the batch stays
+  // open to InsertSequence (its Finish failed).
+  void MarkEntries();
   Status Finish(bool padding);  // padding, the mirror, finalized
-  // StateManager::ScheduleBatch: Clear, then AppendFilled for each sequence it has just
-  // scheduled (checked against every limit InsertSequence checks; `tokens` are its tokens in
-  // flight), then Finish.
-  void AppendFilled(const Sequence& seq, std::span<const int64_t> tokens) {
-    // The entry as Append computed it, not read back from where it was just stored (a load
-    // right after a store to the same bytes waits on store forwarding).
-    const Entry e = Append(seq, tokens);
-    FillEntry(n_entries - 1, e);
-  }
   static bool Unchanged(const Entry& e);
   [[gnu::cold, gnu::noinline]] static Status ChangedError(const Entry& e);
-  // Entry i's rows of every array: descriptors, token map, and each group's dense row, CSR
-  // indices, last page length and slots. REQUIRES: entries [0, i) are filled; `e` is entry i.
-  void FillEntry(int32_t i, const Entry& e);
-  static void FillGroupEntry(Group& group, int g, const Entry& e, int32_t i, int64_t total,
-                             bool decode);
+  class Writer;
   void FillPadding();
   Status Upload() const;
   Status CheckReadable(bool on_device) const;
@@ -127,107 +118,176 @@ struct RaggedBatch::Impl {
     return {entry_buf.data(), static_cast<size_t>(n_entries)};
   }
   std::vector<uint8_t> in_batch;  // [max_tracked_sequences] by tracking slot
+  bool marked = false;            // some entries' slots are marked in in_batch
   int32_t n_tokens = 0;
   int32_t padded = 0;
   bool finalized = false;
 };
 
-inline RaggedBatch::Impl::Entry RaggedBatch::Impl::Append(const Sequence& seq,
-                                                          std::span<const int64_t> tokens) {
-  const auto n = static_cast<int32_t>(tokens.size());
-  const int32_t start = n_tokens;
-  const Entry e{.seq = &seq,
-                .uid = seq.uid(),
-                .slot = seq.tracking_slot(),
-                .start = start,
-                .n_tokens = n,
-                .seen_tokens = static_cast<int32_t>(seq.seen_tokens())};
-  // Field by field: GCC builds a whole-struct copy on the stack and reloads it in 16-byte loads
-  // that wait for the 8-byte stores before them (no store forwarding across them).
-  Entry& to = entry_buf[static_cast<size_t>(n_entries++)];
-  to.seq = e.seq;
-  to.uid = e.uid;
-  to.slot = e.slot;
-  to.start = e.start;
-  to.n_tokens = e.n_tokens;
-  to.seen_tokens = e.seen_tokens;
-  int64_t* ids = input_ids.host.data() + start;
-  if (n == 1) {  // decode: the vectorized loop's setup costs more than its one token
-    ids[0] = tokens[0];
-  } else {
-    std::copy(tokens.begin(), tokens.end(), ids);
+// Writes the batch entry after entry: Finalize fills the entries InsertSequence recorded,
+// ScheduleBatch appends and fills each sequence it has just scheduled. Every array is held as a
+// raw pointer and the counts as locals, so that the dozen int32 / int64 stores per sequence (which
+// may alias the Impl's own members) do not make the compiler reload them; a batch of one cache
+// group (almost every model) has that group's arrays hoisted too. Done() writes the counts back.
+class RaggedBatch::Impl::Writer {
+ public:
+  explicit Writer(Impl& batch)
+      : batch_(batch),
+        entries_(batch.entry_buf.data()),
+        ids_(batch.input_ids.host.data()),
+        to_seq_(batch.tokens_to_seq.host.data()),
+        descriptors_(batch.descriptors.host.data()),
+        n_entries_(batch.n_entries),
+        n_tokens_(batch.n_tokens),
+        one_group_(batch.groups.size() == 1),
+        first_(batch.groups[0]) {}
+
+  // `seq` with its `tokens` as the next entry, which it returns. REQUIRES: CheckInsertable's
+  // checks hold (ScheduleBatch: they hold by its own checks).
+  [[gnu::always_inline]] Entry Append(const Sequence& seq, std::span<const int64_t> tokens) {
+    const auto n = static_cast<int32_t>(tokens.size());
+    const int32_t start = n_tokens_;
+    const Entry e{.seq = &seq,
+                  .uid = seq.uid(),
+                  .slot = seq.tracking_slot(),
+                  .start = start,
+                  .n_tokens = n,
+                  .seen_tokens = static_cast<int32_t>(seq.seen_tokens())};
+    // Field by field: GCC builds a whole-struct copy on the stack and reloads it in 16-byte loads
+    // that wait for the 8-byte stores before them (no store forwarding across them).
+    Entry& to = entries_[n_entries_++];
+    to.seq = e.seq;
+    to.uid = e.uid;
+    to.slot = e.slot;
+    to.start = e.start;
+    to.n_tokens = e.n_tokens;
+    to.seen_tokens = e.seen_tokens;
+    int64_t* ids = ids_ + start;
+    if (n == 1) {  // decode: the vectorized loop's setup costs more than its one token
+      ids[0] = tokens[0];
+    } else {
+      std::copy(tokens.begin(), tokens.end(), ids);
+    }
+    n_tokens_ = start + n;
+    return e;
   }
-  in_batch[static_cast<size_t>(seq.tracking_slot())] = 1;
-  n_tokens = start + n;
-  return e;
-}
 
-inline void RaggedBatch::Impl::FillEntry(int32_t i, const Entry& e) {
-  // A decode step (one token) skips the vectorized loops' setup, which costs more than the token.
-  const bool decode = e.n_tokens == 1;
-  int32_t* to_seq = tokens_to_seq.host.data() + e.start;
-  if (decode) {
-    to_seq[0] = i;
-  } else {
-    std::fill_n(to_seq, e.n_tokens, i);
+  // ScheduleBatch: Append, then the entry's rows of every array. The entry is passed on as
+  // computed, not read back from where it was just stored (a load right after a store to the
+  // same bytes waits on store forwarding).
+  [[gnu::always_inline]] void AppendFilled(const Sequence& seq, std::span<const int64_t> tokens) {
+    const Entry e = Append(seq, tokens);
+    Fill(n_entries_ - 1, e);
   }
-  int32_t* row = descriptors.host.data() + int64_t{i} * kDescriptorWidth;
-  row[0] = e.start;
-  row[1] = e.n_tokens;
-  row[2] = e.seen_tokens;
-  row[3] = 0;
-  const int64_t total = int64_t{e.seen_tokens} + e.n_tokens;
-  Group* const g = groups.data();
-  internal::ForEachGroup(groups.size(), [&](size_t k) {
-    FillGroupEntry(g[k], static_cast<int>(k), e, i, total, decode);
-  });
-}
 
-inline void RaggedBatch::Impl::FillGroupEntry(Group& group, int g, const Entry& e, int32_t i,
-                                              int64_t total, bool decode) {
-  const internal::BlockSize bs = group.block_size;
-  const std::span<const BlockId> table = e.seq->block_table(g);
-  const BlockId* from = table.data();
-  const auto len = static_cast<int32_t>(table.size());
-  const uint64_t version = e.seq->table_version();
-  // The dense row still holds this table's prefix when it last copied the same table version:
-  // copy only what was appended since, and clear what the row held past the table.
-  Group::Row& last = group.rows[static_cast<size_t>(i)];
-  const Group::Row was = last;
-  BlockId* row = group.block_tables.host.data() + int64_t{i} * group.max_blocks;
-  const int32_t kept = was.version == version ? std::min(was.len, len) : 0;
-  if (kept + 1 == len) {  // a decode step that crossed into a new block
-    row[kept] = from[kept];
-  } else if (kept < len) {
-    std::copy(from + kept, from + len, row + kept);
-  }
-  for (int32_t b = len; b < was.len; ++b) row[b] = kNoBlock;
-  last = {.len = len, .version = version};
-
-  // CSR: the blocks holding tokens [0, total), copied from the table (loads of the row just
-  // written would wait on store forwarding). All three arrays below come from the last
-  // position's block and offset: used = its block + 1, the last page's length = its offset + 1,
-  // and in a decode step it is the one new token's slot.
-  const int64_t last_pos = total - 1;  // -1 for a sequence with no tokens
-  const int64_t last_block = total == 0 ? -1 : bs.Index(last_pos);
-  const int64_t last_offset = total == 0 ? -1 : bs.Offset(last_pos);
-  const auto used = static_cast<int32_t>(last_block + 1);
-  int32_t* indptr = group.kv_indptr.host.data();
-  const int32_t first = indptr[i];
-  std::memcpy(group.kv_indices.host.data() + first, from,
-              static_cast<size_t>(used) * sizeof(BlockId));
-  indptr[i + 1] = first + used;
-  group.kv_last_page_len.host[static_cast<size_t>(i)] = static_cast<int32_t>(last_offset + 1);
-
-  int64_t* slots = group.slot_mapping.host.data() + e.start;
-  if (decode) {
-    slots[0] = int64_t{from[last_block]} * bs.value() + last_offset;
-  } else {
-    for (int32_t t = 0; t < e.n_tokens; ++t) {
-      const int64_t pos = int64_t{e.seen_tokens} + t;
-      slots[t] = int64_t{from[bs.Index(pos)]} * bs.value() + bs.Offset(pos);
+  // Entry i's rows of every array: descriptors, token map, and each group's dense row, CSR
+  // indices, last page length and slots. REQUIRES: entries [0, i) are filled; `e` is entry i.
+  [[gnu::always_inline]] void Fill(int32_t i, const Entry& e) {
+    // A decode step (one token) skips the vectorized loops' setup, which costs more than it.
+    const bool decode = e.n_tokens == 1;
+    int32_t* to_seq = to_seq_ + e.start;
+    if (decode) {
+      to_seq[0] = i;
+    } else {
+      std::fill_n(to_seq, e.n_tokens, i);
+    }
+    int32_t* row = descriptors_ + int64_t{i} * kDescriptorWidth;
+    row[0] = e.start;
+    row[1] = e.n_tokens;
+    row[2] = e.seen_tokens;
+    row[3] = 0;
+    const int64_t total = int64_t{e.seen_tokens} + e.n_tokens;
+    const uint64_t version = e.seq->table_version();
+    if (one_group_) [[likely]] {
+      first_.Fill(e.seq->block_table(0), version, e, i, total, decode);
+      return;
+    }
+    for (size_t g = 0; g < batch_.groups.size(); ++g) {
+      GroupOut(batch_.groups[g])
+          .Fill(e.seq->block_table(static_cast<int>(g)), version, e, i, total, decode);
     }
   }
-}
+
+  void Done() {
+    batch_.n_entries = n_entries_;
+    batch_.n_tokens = n_tokens_;
+  }
+
+ private:
+  // One group's arrays.
+  struct GroupOut {
+    explicit GroupOut(Group& group)
+        : block_size(group.block_size),
+          max_blocks(group.max_blocks),
+          rows(group.rows.data()),
+          tables(group.block_tables.host.data()),
+          indptr(group.kv_indptr.host.data()),
+          indices(group.kv_indices.host.data()),
+          last_page_len(group.kv_last_page_len.host.data()),
+          slots(group.slot_mapping.host.data()) {}
+
+    [[gnu::always_inline]] void Fill(std::span<const BlockId> table, uint64_t version,
+                                     const Entry& e, int32_t i, int64_t total, bool decode) const {
+      const internal::BlockSize bs = block_size;
+      const BlockId* from = table.data();
+      const auto len = static_cast<int32_t>(table.size());
+      // The dense row still holds this table's prefix when it last copied the same table
+      // version: copy only what was appended since, and clear what the row held past the table.
+      Group::Row& last = rows[i];
+      const Group::Row was = last;
+      BlockId* row = tables + int64_t{i} * max_blocks;
+      const int32_t kept = was.version == version ? std::min(was.len, len) : 0;
+      if (kept + 1 == len) {  // a decode step that crossed into a new block
+        row[kept] = from[kept];
+      } else if (kept < len) {
+        std::copy(from + kept, from + len, row + kept);
+      }
+      for (int32_t b = len; b < was.len; ++b) row[b] = kNoBlock;
+      last = {.len = len, .version = version};
+
+      // CSR: the blocks holding tokens [0, total), copied from the table (loads of the row just
+      // written would wait on store forwarding). All three arrays below come from the last
+      // position's block and offset: used = its block + 1, the last page's length = its offset
+      // + 1, and in a decode step it is the one new token's slot.
+      const int64_t last_pos = total - 1;  // -1 for a sequence with no tokens
+      const int64_t last_block = total == 0 ? -1 : bs.Index(last_pos);
+      const int64_t last_offset = total == 0 ? -1 : bs.Offset(last_pos);
+      const auto used = static_cast<int32_t>(last_block + 1);
+      const int32_t first = indptr[i];
+      std::memcpy(indices + first, from, static_cast<size_t>(used) * sizeof(BlockId));
+      indptr[i + 1] = first + used;
+      last_page_len[i] = static_cast<int32_t>(last_offset + 1);
+
+      int64_t* to = slots + e.start;
+      if (decode) {
+        to[0] = int64_t{from[last_block]} * bs.value() + last_offset;
+      } else {
+        for (int32_t t = 0; t < e.n_tokens; ++t) {
+          const int64_t pos = int64_t{e.seen_tokens} + t;
+          to[t] = int64_t{from[bs.Index(pos)]} * bs.value() + bs.Offset(pos);
+        }
+      }
+    }
+
+    internal::BlockSize block_size;
+    int32_t max_blocks;
+    Group::Row* rows;        // [max_seqs]
+    BlockId* tables;         // [max_seqs, max_blocks]
+    int32_t* indptr;         // [max_seqs + 1]
+    int32_t* indices;        // [max_seqs · max_blocks]
+    int32_t* last_page_len;  // [max_seqs]
+    int64_t* slots;          // [padded capacity]
+  };
+
+  Impl& batch_;
+  Entry* entries_;        // [max_seqs]
+  int64_t* ids_;          // [padded capacity]
+  int32_t* to_seq_;       // [padded capacity]
+  int32_t* descriptors_;  // [max_seqs, 4]
+  int32_t n_entries_;
+  int32_t n_tokens_;
+  bool one_group_;
+  GroupOut first_;  // group 0's arrays
+};
 
 }  // namespace blockkv

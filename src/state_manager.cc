@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <limits>
-#include <numeric>
 #include <optional>
 #include <string>
 #include <utility>
@@ -453,12 +452,23 @@ Result<SchedulingResult> StateManager::Check(std::span<const SeqId> uids,
   uint32_t* const marks = slot_marks_.data();
   const uint32_t epoch = mark_epoch_;
   const bool prefix = prefix_ != nullptr;
-  for (size_t i = 0; i < lengths.size(); ++i) {  // before the uids' own errors
-    if (lengths[i] < 0) [[unlikely]] {
-      return InvalidArgumentError(
-          ColdStrCat("sequence ", uids[i], " has a negative length ", lengths[i]));
+  // Negative lengths before the uids' own errors; their sum for ScheduleBatch. One branch-free
+  // pass, the error looked for only when there is one.
+  int64_t sum = 0;
+  bool negative = false;
+  for (const int64_t length : lengths) {
+    sum += length;
+    negative |= length < 0;
+  }
+  if (negative) [[unlikely]] {
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      if (lengths[i] < 0) {
+        return InvalidArgumentError(
+            ColdStrCat("sequence ", uids[i], " has a negative length ", lengths[i]));
+      }
     }
   }
+  lengths_sum_ = sum;
   constexpr size_t kAhead = 8;  // uids whose map entries are asked for before they are looked up
   for (size_t i = 0; i < std::min(kAhead, uids.size()); ++i) map.Prefetch(uids[i]);
   for (size_t i = 0; i < uids.size(); ++i) {
@@ -561,12 +571,10 @@ Status StateManager::ScheduleInto(std::span<const SeqId> uids, std::span<const i
   BLOCKKV_RETURN_IF_ERROR(SettleRestores(uids));
   std::string why;
   BLOCKKV_ASSIGN_OR_RETURN(const SchedulingResult verdict, Check(uids, lengths, &why));
-  if (out != nullptr) {  // the lengths are known not to be negative now
-    const int64_t total = std::accumulate(lengths.begin(), lengths.end(), int64_t{0});
-    if (std::ssize(out->tokens) != total) {
-      return InvalidArgumentError(ColdStrCat("ScheduleBatch: ", out->tokens.size(),
-                                             " tokens given, but the lengths add up to ", total));
-    }
+  if (out != nullptr && std::ssize(out->tokens) != lengths_sum_) {  // no length is negative
+    return InvalidArgumentError(ColdStrCat("ScheduleBatch: ", out->tokens.size(),
+                                           " tokens given, but the lengths add up to ",
+                                           lengths_sum_));
   }
   if (result != nullptr) *result = verdict;
   if (verdict != SchedulingResult::kSuccess) {
@@ -595,8 +603,13 @@ Status StateManager::ScheduleInto(std::span<const SeqId> uids, std::span<const i
   // Take every group's blocks at once; Check counted them and guaranteed they are there.
   const auto groups = static_cast<size_t>(num_groups());
   for (size_t g = 0; g < groups; ++g) {
-    int64_t total = g == 0 && prefix_ != nullptr ? promoted_ : 0;  // promotions last
-    for (size_t i = 0; i < uids.size(); ++i) total += need_scratch_[i * groups + g];
+    int64_t total = 0;
+    if (prefix_ == nullptr) {  // what Check took off the free blocks is what it counted
+      total = pools_[g].free_blocks() - free_scratch_[g];
+    } else {  // Check also took off the evictable blocks hits revive; promotions go last
+      total = g == 0 ? promoted_ : 0;
+      for (size_t i = 0; i < uids.size(); ++i) total += need_scratch_[i * groups + g];
+    }
     scratch_[g].resize(static_cast<size_t>(total));
     const Status taken = pools_[g].Take(static_cast<int32_t>(total), scratch_[g]);
     BLOCKKV_CHECK(taken.ok(), "Schedule: blocks that Check counted were not there");
@@ -609,10 +622,9 @@ Status StateManager::ScheduleInto(std::span<const SeqId> uids, std::span<const i
       return s;
     }
   }
-  // Nothing can fail from here on but the copy to the batch's device mirror. Locals again, as in
-  // Check; next_scratch_ holds each group's next block to hand out. The batch is filled in a loop
-  // of its own after the commit (measured as fast as one loop doing both, and Schedule's path
-  // stays free of it).
+  // Nothing can fail from here on but the copy to the batch's device mirror. One pass commits
+  // each sequence and, for ScheduleBatch, writes its batch entry. Locals again, as in Check;
+  // next_scratch_ holds each group's next block to hand out.
   std::vector<const BlockId*>& next = next_scratch_;
   next.resize(groups);
   for (size_t g = 0; g < groups; ++g) next[g] = scratch_[g].data();
@@ -620,37 +632,33 @@ Status StateManager::ScheduleInto(std::span<const SeqId> uids, std::span<const i
   int32_t* const slots = slot_scratch_.data();
   const int32_t* const need = need_scratch_.data();
   Sequence* const seqs = sequences_.get();
+  RaggedBatch::Impl* const batch = out != nullptr ? out->batch->impl_.get() : nullptr;
+  if (batch != nullptr) batch->Clear();
+  std::optional<RaggedBatch::Impl::Writer> writer;
+  if (batch != nullptr) writer.emplace(*batch);
+  size_t first_token = 0;  // of the i-th uid's tokens in out->tokens
   for (size_t i = 0; i < uids.size(); ++i) {
-    if (slots[i] == internal::UidMap::kAbsent) slots[i] = CreateInSlot(uids[i])->slot_;
+    if (slots[i] == internal::UidMap::kAbsent) [[unlikely]] {
+      slots[i] = CreateInSlot(uids[i])->slot_;
+    }
     Sequence& seq = seqs[slots[i]];
     int64_t length = lengths[i];
-    if (const PrefixHit* hit = HitOf(i)) {
+    const PrefixHit* const hit = HitOf(i);
+    if (hit != nullptr) [[unlikely]] {
       TakePrefix(i, seq);
       length = hit->in_flight;
     }
     Sequence::GroupState* const state = seq.groups_;
-    internal::ForEachGroup(groups, [&](size_t g) {
-      const int32_t k = need[i * groups + g];
-      BlockId* const to = state[g].row + state[g].allocated;
-      if (k == 1) {  // a decode step crossing into a new block; no vectorized loop's setup
-        to[0] = *cursor[g];
-      } else if (k > 1) {
-        std::copy_n(cursor[g], k, to);
-      }
-      cursor[g] += k;
-      state[g].allocated += k;
-    });
+    if (groups == 1) [[likely]] {
+      state[0].Take(cursor[0], need[i]);
+    } else {
+      for (size_t g = 0; g < groups; ++g) state[g].Take(cursor[g], need[i * groups + g]);
+    }
     seq.in_flight_tokens_ = length;
-  }
-  if (out == nullptr) return Status::Ok();
-  RaggedBatch::Impl& batch = *out->batch->impl_;
-  batch.Clear();
-  size_t first_token = 0;  // of the i-th uid's tokens in out->tokens
-  for (size_t i = 0; i < uids.size(); ++i) {
-    const Sequence& seq = seqs[slots[i]];
+    if (batch == nullptr) continue;
     std::span<const int64_t> tokens = out->tokens.subspan(first_token, lengths[i]);
     first_token += static_cast<size_t>(lengths[i]);
-    if (HitOf(i) != nullptr) {
+    if (hit != nullptr) [[unlikely]] {
       // A prefix hit runs the prompt's positions [cached, cached + in flight), whichever of its
       // chunks the engine passed (it passes them from position 0): their tokens are the prompt's,
       // which the manager knows.
@@ -659,9 +667,13 @@ Status StateManager::ScheduleInto(std::span<const SeqId> uids, std::span<const i
       hit_tokens_.assign(begin, begin + seq.in_flight_tokens_);
       tokens = hit_tokens_;
     }
-    batch.AppendFilled(seq, tokens);
+    writer->AppendFilled(seq, tokens);
   }
-  return batch.Finish(out->padding);
+  if (batch == nullptr) return Status::Ok();
+  writer->Done();
+  Status finished = batch->Finish(out->padding);
+  if (!finished.ok()) batch->MarkEntries();  // open to InsertSequence: its duplicate check
+  return finished;
 }
 
 // ---- fork -------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@
 // kUnimplemented.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -152,6 +153,17 @@ class Sequence {
     // Table entries [released, allocated): the blocks it holds (kNoBlock while preempted).
     std::span<BlockId> held() const {
       return {row + released, static_cast<size_t>(allocated - released)};
+    }
+    // Appends the `k` blocks at `cursor` to the table and moves the cursor past them.
+    void Take(const BlockId*& cursor, int32_t k) {
+      BlockId* const to = row + allocated;
+      if (k == 1) {  // a decode step crossing into a new block: no vectorized loop's setup
+        to[0] = *cursor;
+      } else if (k > 1) {
+        std::copy_n(cursor, k, to);
+      }
+      cursor += k;
+      allocated += k;
     }
   };
 
@@ -508,8 +520,9 @@ class StateManager {
   std::vector<std::vector<BlockId>> scratch_;  // per group: blocks taken in one Schedule
   std::vector<const BlockId*> next_scratch_;
   std::vector<BlockId> tail_scratch_;
-  std::vector<int64_t> hit_tokens_;  // ScheduleBatch: a prefix hit's tokens for the batch
-  mutable std::vector<int64_t> free_scratch_;
+  std::vector<int64_t> hit_tokens_;            // ScheduleBatch: a prefix hit's tokens for the batch
+  mutable std::vector<int64_t> free_scratch_;  // per group: free blocks Check left uncounted
+  mutable int64_t lengths_sum_ = 0;            // of the lengths Check was given
   mutable std::vector<SeqId> uid_scratch_;
   mutable std::vector<int32_t> slot_scratch_;  // per uid of the call: its slot, or -1 when new
   mutable std::vector<int32_t> need_scratch_;  // [uids, groups]: new blocks Check counted

@@ -15,9 +15,10 @@ std::string StrCat(const Args&... args) {
 }
 
 // StrCat kept out of line: for error messages built inside hot loops, so that the loop does not
-// carry the stream's stack frame and code.
+// carry the stream's stack frame and code. The arguments are taken by value: a loop's counters
+// passed by reference would need an address, and the loop would keep them in memory.
 template <class... Args>
-[[gnu::cold, gnu::noinline]] std::string ColdStrCat(const Args&... args) {
+[[gnu::cold, gnu::noinline]] std::string ColdStrCat(Args... args) {
   return StrCat(args...);
 }
 

@@ -786,13 +786,13 @@ std::vector<int64_t> TokensFor(std::span<const SeqId> uids, std::span<const int6
 }
 
 // Two managers run the same random program of prefills, decodes, finishes and new arrivals over
-// two cache groups; one builds each step's batch with ScheduleBatch, the other with Schedule +
+// `groups`; one builds each step's batch with ScheduleBatch, the other with Schedule +
 // InsertSequence + Finalize. Every array of every step must be the same.
-TEST(ScheduleBatchTest, BuildsTheBatchThatScheduleInsertAndFinalizeBuild) {
+void ExpectScheduleBatchBuildsWhatInsertAndFinalizeBuild(const std::vector<KVCacheConfig>& groups) {
   const uint32_t seed = std::random_device{}();
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
-  const std::vector<KVCacheConfig> groups = {Group(16), Group(32)};
+  const auto n_groups = static_cast<int>(groups.size());
   auto fused = MakeManager(Config(), groups);
   auto separate = MakeManager(Config(), groups);
   auto fused_batch = MakeBatch(*fused);
@@ -837,11 +837,20 @@ TEST(ScheduleBatchTest, BuildsTheBatchThatScheduleInsertAndFinalizeBuild) {
     EXPECT_EQ(fused_batch->current_sequences(), separate_batch->current_sequences());
     EXPECT_EQ(fused_batch->current_tokens(), separate_batch->current_tokens());
     EXPECT_EQ(fused_batch->padded_tokens(), separate_batch->padded_tokens());
-    ASSERT_TRUE(ReadAll(*fused_batch, 2) == ReadAll(*separate_batch, 2));
+    ASSERT_TRUE(ReadAll(*fused_batch, n_groups) == ReadAll(*separate_batch, n_groups));
     ASSERT_OK(fused->PostForward(*fused_batch));
     ASSERT_OK(separate->PostForward(*separate_batch));
     ASSERT_OK(fused->CheckInvariants());
   }
+}
+
+TEST(ScheduleBatchTest, BuildsTheBatchThatScheduleInsertAndFinalizeBuild) {
+  ExpectScheduleBatchBuildsWhatInsertAndFinalizeBuild({Group(16), Group(32)});
+}
+
+// One cache group takes the batch writer's path with that group's arrays hoisted.
+TEST(ScheduleBatchTest, BuildsTheBatchThatScheduleInsertAndFinalizeBuildForOneGroup) {
+  ExpectScheduleBatchBuildsWhatInsertAndFinalizeBuild({Group(16)});
 }
 
 TEST(ScheduleBatchTest, APrefixHitGetsThePromptsTokensAtThePositionsItRuns) {
