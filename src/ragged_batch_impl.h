@@ -175,13 +175,16 @@ class RaggedBatch::Impl::Writer {
   // ScheduleBatch: Append, then the entry's rows of every array. The entry is passed on as
   // computed, not read back from where it was just stored (a load right after a store to the
   // same bytes waits on store forwarding).
+  // kOneGroup: REQUIRES the batch has one cache group, and takes its path without asking.
+  template <bool kOneGroup = false>
   [[gnu::always_inline]] void AppendFilled(const Sequence& seq, std::span<const int64_t> tokens) {
     const Entry e = Append(seq, tokens);
-    Fill(n_entries_ - 1, e);
+    Fill<kOneGroup>(n_entries_ - 1, e);
   }
 
   // Entry i's rows of every array: descriptors, token map, and each group's dense row, CSR
   // indices, last page length and slots. REQUIRES: entries [0, i) are filled; `e` is entry i.
+  template <bool kOneGroup = false>
   [[gnu::always_inline]] void Fill(int32_t i, const Entry& e) {
     // A decode step (one token) skips the vectorized loops' setup, which costs more than it.
     const bool decode = e.n_tokens == 1;
@@ -198,7 +201,7 @@ class RaggedBatch::Impl::Writer {
     row[3] = 0;
     const int64_t total = int64_t{e.seen_tokens} + e.n_tokens;
     const uint64_t version = e.seq->table_version();
-    if (one_group_) [[likely]] {
+    if (kOneGroup || one_group_) [[likely]] {
       first_.Fill(e.seq->block_table(0), version, e, i, total, decode);
       return;
     }

@@ -438,20 +438,6 @@ Result<SchedulingResult> StateManager::Check(std::span<const SeqId> uids,
         n, " sequences exceed max_ragged_sequence_count=", config_.max_ragged_sequence_count);
     verdict = SchedulingResult::kBatchSequenceLimitExceeded;
   }
-  int64_t tracked = n_tracked_sequences();
-  int64_t tokens = 0;
-  // The loop reads everything through locals: its stores through int32 / int64 pointers could
-  // alias members, which the compiler would then load again for every uid.
-  const auto groups = static_cast<size_t>(num_groups());
-  const internal::BlockSize* const sizes = block_sizes_.data();
-  const internal::UidMap& map = *by_uid_;
-  const Sequence* const seqs = sequences_.get();
-  int32_t* const slots = slot_scratch_.data();
-  int32_t* const need = need_scratch_.data();
-  int64_t* const left = free.data();
-  uint32_t* const marks = slot_marks_.data();
-  const uint32_t epoch = mark_epoch_;
-  const bool prefix = prefix_ != nullptr;
   // Negative lengths before the uids' own errors; their sum for ScheduleBatch. One branch-free
   // pass, the error looked for only when there is one.
   int64_t sum = 0;
@@ -469,6 +455,54 @@ Result<SchedulingResult> StateManager::Check(std::span<const SeqId> uids,
     }
   }
   lengths_sum_ = sum;
+  CheckTotals totals{.verdict = verdict, .tracked = n_tracked_sequences()};
+  const Status checked = num_groups() == 1 && prefix_ == nullptr
+                             ? CheckEach<true>(uids, lengths, why, totals)
+                             : CheckEach<false>(uids, lengths, why, totals);
+  BLOCKKV_RETURN_IF_ERROR(checked);
+  verdict = totals.verdict;
+  const int64_t tracked = totals.tracked;
+  const int64_t tokens = totals.tokens;
+  std::sort(fresh.begin(), fresh.end());
+  const auto dup = std::adjacent_find(fresh.begin(), fresh.end());
+  if (dup != fresh.end()) {
+    return InvalidArgumentError(ColdStrCat("sequence ", *dup, " appears twice in one batch"));
+  }
+  if (verdict != SchedulingResult::kSuccess) return verdict;
+  if (tracked > config_.max_tracked_sequences) {
+    *why = ColdStrCat(tracked, " tracked sequences would exceed max_tracked_sequences=",
+                      config_.max_tracked_sequences);
+    return SchedulingResult::kEngineSequenceLimitExceeded;
+  }
+  if (tokens > config_.max_ragged_batch_size) {
+    *why =
+        ColdStrCat(tokens, " tokens exceed max_ragged_batch_size=", config_.max_ragged_batch_size);
+    return SchedulingResult::kBatchTokenLimitExceeded;
+  }
+  return SchedulingResult::kSuccess;
+}
+
+// Check's pass over the uids. kSimple (one cache group, no prefix caching) is compiled on its
+// own: its loop is free of the hits and the group loop.
+template <bool kSimple>
+Status StateManager::CheckEach(std::span<const SeqId> uids, std::span<const int64_t> lengths,
+                               std::string* why, CheckTotals& totals) const {
+  // The loop reads everything through locals: its stores through int32 / int64 pointers could
+  // alias members, which the compiler would then load again for every uid.
+  const size_t groups = kSimple ? 1 : static_cast<size_t>(num_groups());
+  const internal::BlockSize* const sizes = block_sizes_.data();
+  const internal::UidMap& map = *by_uid_;
+  const Sequence* const seqs = sequences_.get();
+  int32_t* const slots = slot_scratch_.data();
+  int32_t* const need = need_scratch_.data();
+  int64_t* const left = free_scratch_.data();
+  std::vector<SeqId>& fresh = uid_scratch_;
+  SchedulingResult verdict = totals.verdict;
+  int64_t tracked = totals.tracked;
+  int64_t tokens = 0;
+  uint32_t* const marks = slot_marks_.data();
+  const uint32_t epoch = mark_epoch_;
+  const bool prefix = !kSimple && prefix_ != nullptr;
   constexpr size_t kAhead = 8;  // uids whose map entries are asked for before they are looked up
   for (size_t i = 0; i < std::min(kAhead, uids.size()); ++i) map.Prefetch(uids[i]);
   for (size_t i = 0; i < uids.size(); ++i) {
@@ -509,7 +543,7 @@ Result<SchedulingResult> StateManager::Check(std::span<const SeqId> uids,
       verdict = SchedulingResult::kSequenceTokenLimitExceeded;
       continue;
     }
-    internal::ForEachGroup(groups, [&](size_t g) {
+    for (size_t g = 0; g < groups; ++g) {
       const int64_t allocated =
           hit != nullptr ? sizes[g].Index(hit->tokens) : (seq ? seq->groups_[g].allocated : 0);
       const int64_t needed = std::max<int64_t>(0, sizes[g].BlocksFor(seen + length) - allocated);
@@ -520,29 +554,14 @@ Result<SchedulingResult> StateManager::Check(std::span<const SeqId> uids,
                             left[g], " left for it (", pools_[g].free_blocks(), " free)");
           verdict = SchedulingResult::kKVCacheLimitExceeded;
         }
-        return;
+        continue;
       }
       left[g] -= needed;
-    });
+    }
     tokens += length;
   }
-  std::sort(fresh.begin(), fresh.end());
-  const auto dup = std::adjacent_find(fresh.begin(), fresh.end());
-  if (dup != fresh.end()) {
-    return InvalidArgumentError(ColdStrCat("sequence ", *dup, " appears twice in one batch"));
-  }
-  if (verdict != SchedulingResult::kSuccess) return verdict;
-  if (tracked > config_.max_tracked_sequences) {
-    *why = ColdStrCat(tracked, " tracked sequences would exceed max_tracked_sequences=",
-                      config_.max_tracked_sequences);
-    return SchedulingResult::kEngineSequenceLimitExceeded;
-  }
-  if (tokens > config_.max_ragged_batch_size) {
-    *why =
-        ColdStrCat(tokens, " tokens exceed max_ragged_batch_size=", config_.max_ragged_batch_size);
-    return SchedulingResult::kBatchTokenLimitExceeded;
-  }
-  return SchedulingResult::kSuccess;
+  totals = {.verdict = verdict, .tracked = tracked, .tokens = tokens};
+  return Status::Ok();
 }
 
 Result<SchedulingResult> StateManager::CanSchedule(std::span<const SeqId> uids,
@@ -622,58 +641,78 @@ Status StateManager::ScheduleInto(std::span<const SeqId> uids, std::span<const i
       return s;
     }
   }
-  // Nothing can fail from here on but the copy to the batch's device mirror. One pass commits
-  // each sequence and, for ScheduleBatch, writes its batch entry. Locals again, as in Check;
-  // next_scratch_ holds each group's next block to hand out.
-  std::vector<const BlockId*>& next = next_scratch_;
-  next.resize(groups);
-  for (size_t g = 0; g < groups; ++g) next[g] = scratch_[g].data();
-  const BlockId** const cursor = next.data();
+  // Nothing can fail from here on but the copy to the batch's device mirror.
+  next_scratch_.resize(groups);
+  for (size_t g = 0; g < groups; ++g) next_scratch_[g] = scratch_[g].data();
+  const bool simple = groups == 1 && prefix_ == nullptr;
+  if (out == nullptr) {
+    simple ? Commit<false, true>(uids, lengths, nullptr)
+           : Commit<false, false>(uids, lengths, nullptr);
+    return Status::Ok();
+  }
+  RaggedBatch::Impl& batch = *out->batch->impl_;
+  batch.Clear();
+  simple ? Commit<true, true>(uids, lengths, out) : Commit<true, false>(uids, lengths, out);
+  Status finished = batch.Finish(out->padding);
+  if (!finished.ok()) batch.MarkEntries();  // open to InsertSequence: its duplicate check
+  return finished;
+}
+
+// One pass commits each sequence and, for ScheduleBatch (kBatch), writes its batch entry. Locals
+// again, as in Check; next_scratch_ holds each group's next block to hand out. kSimple (one cache
+// group, no prefix caching: almost every decode step) is compiled on its own, its loop free of
+// the hits and the group loop, which would otherwise keep more values live than there are
+// registers.
+template <bool kBatch, bool kSimple>
+void StateManager::Commit(std::span<const SeqId> uids, std::span<const int64_t> lengths,
+                          const BatchOut* out) {
+  const size_t groups = kSimple ? 1 : static_cast<size_t>(num_groups());
+  const BlockId** const cursor = next_scratch_.data();
+  const BlockId* next = cursor[0];  // kSimple: the one group's cursor
   int32_t* const slots = slot_scratch_.data();
   const int32_t* const need = need_scratch_.data();
   Sequence* const seqs = sequences_.get();
-  RaggedBatch::Impl* const batch = out != nullptr ? out->batch->impl_.get() : nullptr;
-  if (batch != nullptr) batch->Clear();
   std::optional<RaggedBatch::Impl::Writer> writer;
-  if (batch != nullptr) writer.emplace(*batch);
-  size_t first_token = 0;  // of the i-th uid's tokens in out->tokens
+  const int64_t* tokens = nullptr;  // the i-th uid's tokens
+  if constexpr (kBatch) {
+    writer.emplace(*out->batch->impl_);
+    tokens = out->tokens.data();
+  }
   for (size_t i = 0; i < uids.size(); ++i) {
     if (slots[i] == internal::UidMap::kAbsent) [[unlikely]] {
       slots[i] = CreateInSlot(uids[i])->slot_;
     }
     Sequence& seq = seqs[slots[i]];
-    int64_t length = lengths[i];
-    const PrefixHit* const hit = HitOf(i);
+    const int64_t length = lengths[i];
+    const PrefixHit* const hit = kSimple ? nullptr : HitOf(i);
     if (hit != nullptr) [[unlikely]] {
       TakePrefix(i, seq);
-      length = hit->in_flight;
+      seq.in_flight_tokens_ = hit->in_flight;
+    } else {
+      seq.in_flight_tokens_ = length;
     }
     Sequence::GroupState* const state = seq.groups_;
-    if (groups == 1) [[likely]] {
-      state[0].Take(cursor[0], need[i]);
+    if (kSimple) {
+      state[0].Take(next, need[i]);
     } else {
       for (size_t g = 0; g < groups; ++g) state[g].Take(cursor[g], need[i * groups + g]);
     }
-    seq.in_flight_tokens_ = length;
-    if (batch == nullptr) continue;
-    std::span<const int64_t> tokens = out->tokens.subspan(first_token, lengths[i]);
-    first_token += static_cast<size_t>(lengths[i]);
-    if (hit != nullptr) [[unlikely]] {
-      // A prefix hit runs the prompt's positions [cached, cached + in flight), whichever of its
-      // chunks the engine passed (it passes them from position 0): their tokens are the prompt's,
-      // which the manager knows.
-      const std::vector<TokenId>& known = keys_[slots[i]].tokens;
-      const auto begin = known.begin() + seq.seen_tokens_;
-      hit_tokens_.assign(begin, begin + seq.in_flight_tokens_);
-      tokens = hit_tokens_;
+    if constexpr (kBatch) {
+      std::span<const int64_t> mine(tokens, static_cast<size_t>(length));
+      tokens += length;
+      if (hit != nullptr) [[unlikely]] {
+        // A prefix hit runs the prompt's positions [cached, cached + in flight), whichever of its
+        // chunks the engine passed (it passes them from position 0): their tokens are the
+        // prompt's, which the manager knows.
+        const std::vector<TokenId>& known = keys_[slots[i]].tokens;
+        const auto begin = known.begin() + seq.seen_tokens_;
+        hit_tokens_.assign(begin, begin + seq.in_flight_tokens_);
+        mine = hit_tokens_;
+      }
+      writer->template AppendFilled<kSimple>(seq, mine);
     }
-    writer->AppendFilled(seq, tokens);
   }
-  if (batch == nullptr) return Status::Ok();
-  writer->Done();
-  Status finished = batch->Finish(out->padding);
-  if (!finished.ok()) batch->MarkEntries();  // open to InsertSequence: its duplicate check
-  return finished;
+  if constexpr (kBatch) writer->Done();
 }
 
 // ---- fork -------------------------------------------------------------------------------------

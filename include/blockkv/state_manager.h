@@ -400,6 +400,17 @@ class StateManager {
   // and the values when the verdict is not kSuccess.
   Result<SchedulingResult> Check(std::span<const SeqId> uids, std::span<const int64_t> lengths,
                                  std::string* why) const;
+  // What Check's pass over the uids counted.
+  struct CheckTotals {
+    SchedulingResult verdict = SchedulingResult::kSuccess;  // the first limit exceeded
+    int64_t tracked = 0;                                    // sequences tracked after the call
+    int64_t tokens = 0;                                     // tokens the call schedules
+  };
+  // Check's pass over the uids: their arguments and lookups (an argument error is returned), and
+  // the verdict's per-sequence limits. kSimple: one cache group, no prefix caching.
+  template <bool kSimple>
+  Status CheckEach(std::span<const SeqId> uids, std::span<const int64_t> lengths, std::string* why,
+                   CheckTotals& totals) const;
   // ScheduleBatch's batch: the tokens it takes, where they go, and the padding.
   struct BatchOut {
     std::span<const int64_t> tokens;
@@ -409,6 +420,10 @@ class StateManager {
   // Schedule, and with `out`, ScheduleBatch.
   Status ScheduleInto(std::span<const SeqId> uids, std::span<const int64_t> lengths,
                       SchedulingResult* result, const BatchOut* out);
+  // ScheduleInto's pass after the blocks are taken: each sequence's blocks and tokens in flight,
+  // and with kBatch, its entry in out's batch. kSimple: one cache group, no prefix caching.
+  template <bool kBatch, bool kSimple>
+  void Commit(std::span<const SeqId> uids, std::span<const int64_t> lengths, const BatchOut* out);
   Status CheckSequence(const Sequence& seq, std::vector<int32_t>* owners, int group) const;
   Sequence* Find(SeqId uid);
   const Sequence* Find(SeqId uid) const;
