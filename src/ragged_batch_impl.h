@@ -175,21 +175,44 @@ class RaggedBatch::Impl::Writer {
   // ScheduleBatch: Append, then the entry's rows of every array. The entry is passed on as
   // computed, not read back from where it was just stored (a load right after a store to the
   // same bytes waits on store forwarding).
-  // kOneGroup: REQUIRES the batch has one cache group, and takes its path without asking.
-  template <bool kOneGroup = false>
   [[gnu::always_inline]] void AppendFilled(const Sequence& seq, std::span<const int64_t> tokens) {
     const Entry e = Append(seq, tokens);
-    Fill<kOneGroup>(n_entries_ - 1, e);
+    Fill(n_entries_ - 1, e);
+  }
+  // The same for a batch of one cache group (REQUIRED), whose table `seq` has, entries
+  // [0, allocated) at `row`, the caller passes (the manager reads them where the sequence keeps
+  // them, in the same cache line as the rest).
+  [[gnu::always_inline]] void AppendFilledOneGroup(const Sequence& seq,
+                                                   std::span<const int64_t> tokens,
+                                                   const BlockId* row, int32_t allocated) {
+    const Entry e = Append(seq, tokens);
+    const int32_t i = n_entries_ - 1;
+    FillSequenceRows(i, e);
+    first_.Fill({row, static_cast<size_t>(allocated)}, seq.table_version(), e, i,
+                int64_t{e.seen_tokens} + e.n_tokens, e.n_tokens == 1);
   }
 
   // Entry i's rows of every array: descriptors, token map, and each group's dense row, CSR
   // indices, last page length and slots. REQUIRES: entries [0, i) are filled; `e` is entry i.
-  template <bool kOneGroup = false>
   [[gnu::always_inline]] void Fill(int32_t i, const Entry& e) {
-    // A decode step (one token) skips the vectorized loops' setup, which costs more than it.
+    FillSequenceRows(i, e);
     const bool decode = e.n_tokens == 1;
+    const int64_t total = int64_t{e.seen_tokens} + e.n_tokens;
+    const uint64_t version = e.seq->table_version();
+    if (one_group_) [[likely]] {
+      first_.Fill(e.seq->block_table(0), version, e, i, total, decode);
+      return;
+    }
+    for (size_t g = 0; g < batch_.groups.size(); ++g) {
+      GroupOut(batch_.groups[g])
+          .Fill(e.seq->block_table(static_cast<int>(g)), version, e, i, total, decode);
+    }
+  }
+
+  // Entry i's token map and descriptor.
+  [[gnu::always_inline]] void FillSequenceRows(int32_t i, const Entry& e) {
     int32_t* to_seq = to_seq_ + e.start;
-    if (decode) {
+    if (e.n_tokens == 1) {  // decode: the vectorized loop's setup costs more than its one token
       to_seq[0] = i;
     } else {
       std::fill_n(to_seq, e.n_tokens, i);
@@ -199,16 +222,6 @@ class RaggedBatch::Impl::Writer {
     row[1] = e.n_tokens;
     row[2] = e.seen_tokens;
     row[3] = 0;
-    const int64_t total = int64_t{e.seen_tokens} + e.n_tokens;
-    const uint64_t version = e.seq->table_version();
-    if (kOneGroup || one_group_) [[likely]] {
-      first_.Fill(e.seq->block_table(0), version, e, i, total, decode);
-      return;
-    }
-    for (size_t g = 0; g < batch_.groups.size(); ++g) {
-      GroupOut(batch_.groups[g])
-          .Fill(e.seq->block_table(static_cast<int>(g)), version, e, i, total, decode);
-    }
   }
 
   void Done() {

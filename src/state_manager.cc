@@ -3,6 +3,7 @@
 #include "blockkv/ragged_batch.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <limits>
 #include <optional>
 #include <string>
@@ -180,10 +181,13 @@ StateManager::StateManager(StateManagerConfig config, std::unique_ptr<BlockedKVC
     token_limit_ = std::min(token_limit_, int64_t{max_blocks_per_sequence(g)} * kv_block_size(g));
   }
   sequences_.reset(new Sequence[tracked]);
-  group_states_.resize(tracked * static_cast<size_t>(num_groups));
+  static_assert(offsetof(Sequence, one_group_) + sizeof(Sequence::GroupState) <= 64,
+                "a sequence's hot state is its first cache line");
+  if (num_groups > 1) group_states_.resize(tracked * static_cast<size_t>(num_groups));
   for (size_t slot = 0; slot < tracked; ++slot) {
     Sequence& seq = sequences_[slot];
-    seq.groups_ = &group_states_[slot * static_cast<size_t>(num_groups)];
+    seq.groups_ =
+        num_groups == 1 ? &seq.one_group_ : &group_states_[slot * static_cast<size_t>(num_groups)];
     for (int g = 0; g < num_groups; ++g) {
       seq.groups_[g].row =
           tables_[g].data() + slot * static_cast<size_t>(max_blocks_per_sequence(g));
@@ -332,10 +336,10 @@ Status StateManager::PostForward(const RaggedBatch& batch) {
   auto tokens = [&](const RaggedBatch::Impl::Entry& e) {
     return std::span<const int64_t>(ids + e.start, static_cast<size_t>(e.n_tokens));
   };
-  for (size_t i = 0; i < entries.size(); ++i) {
-    const RaggedBatch::Impl::Entry& e = entries[i];
+  const bool prefix = prefix_ != nullptr;
+  for (const RaggedBatch::Impl::Entry& e : entries) {
     if (!Owns(*e.seq)) [[unlikely]] {
-      return InvalidArgumentError(ColdStrCat("PostForward: batch sequence ", i,
+      return InvalidArgumentError(ColdStrCat("PostForward: batch sequence ", &e - entries.data(),
                                              " is not a tracked sequence of this manager"));
     }
     if (e.seq->seen_tokens_ != e.seen_tokens || e.seq->in_flight_tokens_ != e.n_tokens)
@@ -343,13 +347,17 @@ Status StateManager::PostForward(const RaggedBatch& batch) {
       return FailedPreconditionError(
           ColdStrCat("PostForward: sequence ", e.seq->uid_, " changed since it was inserted"));
     }
-    if (prefix_ != nullptr) {
-      BLOCKKV_RETURN_IF_ERROR(CheckRecordableTokens(*e.seq, e.seen_tokens, tokens(e)));
-    }
+    if (prefix) BLOCKKV_RETURN_IF_ERROR(CheckRecordableTokens(*e.seq, e.seen_tokens, tokens(e)));
   }
   for (const RaggedBatch::Impl::Entry& e : entries) {
-    Sequence& seq = sequences_[e.seq->slot_];
-    if (prefix_ != nullptr) RecordTokens(seq, tokens(e));
+    // One of this manager's own sequences (Owns above), which it may change.
+    Sequence& seq = const_cast<Sequence&>(*e.seq);
+    if (!prefix) {
+      seq.seen_tokens_ += seq.in_flight_tokens_;
+      seq.in_flight_tokens_ = 0;
+      continue;
+    }
+    RecordTokens(seq, tokens(e));
     Advance(seq);
   }
   return Status::Ok();
@@ -439,22 +447,26 @@ Result<SchedulingResult> StateManager::Check(std::span<const SeqId> uids,
     verdict = SchedulingResult::kBatchSequenceLimitExceeded;
   }
   // Negative lengths before the uids' own errors; their sum for ScheduleBatch. One branch-free
-  // pass, the error looked for only when there is one.
-  int64_t sum = 0;
-  bool negative = false;
+  // pass: fewer than 2^31 lengths below 2^32 add up to less than 2^63; otherwise (a negative
+  // length among them) a second, checked pass.
+  uint64_t sum = 0;
+  uint64_t bits = 0;
   for (const int64_t length : lengths) {
-    sum += length;
-    negative |= length < 0;
+    sum += static_cast<uint64_t>(length);
+    bits |= static_cast<uint64_t>(length);
   }
-  if (negative) [[unlikely]] {
+  lengths_sum_ = static_cast<int64_t>(sum);
+  if ((bits >> 32) != 0 || lengths.size() >= (size_t{1} << 31)) [[unlikely]] {
+    int64_t checked = 0;
     for (size_t i = 0; i < lengths.size(); ++i) {
       if (lengths[i] < 0) {
         return InvalidArgumentError(
             ColdStrCat("sequence ", uids[i], " has a negative length ", lengths[i]));
       }
+      if (checked >= 0 && __builtin_add_overflow(checked, lengths[i], &checked)) checked = -1;
     }
+    lengths_sum_ = checked;
   }
-  lengths_sum_ = sum;
   CheckTotals totals{.verdict = verdict, .tracked = n_tracked_sequences()};
   const Status checked = num_groups() == 1 && prefix_ == nullptr
                              ? CheckEach<true>(uids, lengths, why, totals)
@@ -491,11 +503,12 @@ Status StateManager::CheckEach(std::span<const SeqId> uids, std::span<const int6
   // alias members, which the compiler would then load again for every uid.
   const size_t groups = kSimple ? 1 : static_cast<size_t>(num_groups());
   const internal::BlockSize* const sizes = block_sizes_.data();
-  const internal::UidMap& map = *by_uid_;
+  const internal::UidMap::Reader map = by_uid_->reader();
   const Sequence* const seqs = sequences_.get();
   int32_t* const slots = slot_scratch_.data();
   int32_t* const need = need_scratch_.data();
   int64_t* const left = free_scratch_.data();
+  const int64_t token_limit = token_limit_;
   std::vector<SeqId>& fresh = uid_scratch_;
   SchedulingResult verdict = totals.verdict;
   int64_t tracked = totals.tracked;
@@ -536,7 +549,7 @@ Status StateManager::CheckEach(std::span<const SeqId> uids, std::span<const int6
       seen = hit->tokens;
       length = hit->in_flight;
     }
-    if (length > TokenCapacity(seen)) [[unlikely]] {
+    if (length > (token_limit > seen ? token_limit - seen : 0)) [[unlikely]] {  // TokenCapacity
       *why = ColdStrCat("sequence ", uid, " at ", seen, " tokens cannot take ", length,
                         " more: max_context=", config_.max_context, " and its block tables hold ",
                         seen + TokenCapacity(seen), " tokens");
@@ -544,8 +557,12 @@ Status StateManager::CheckEach(std::span<const SeqId> uids, std::span<const int6
       continue;
     }
     for (size_t g = 0; g < groups; ++g) {
-      const int64_t allocated =
-          hit != nullptr ? sizes[g].Index(hit->tokens) : (seq ? seq->groups_[g].allocated : 0);
+      int64_t allocated = 0;
+      if (hit != nullptr) {
+        allocated = sizes[g].Index(hit->tokens);
+      } else if (seq != nullptr) {
+        allocated = kSimple ? seq->one_group_.allocated : seq->groups_[g].allocated;
+      }
       const int64_t needed = std::max<int64_t>(0, sizes[g].BlocksFor(seen + length) - allocated);
       need[i * groups + g] = static_cast<int32_t>(needed);
       if (needed > left[g]) [[unlikely]] {
@@ -591,9 +608,9 @@ Status StateManager::ScheduleInto(std::span<const SeqId> uids, std::span<const i
   std::string why;
   BLOCKKV_ASSIGN_OR_RETURN(const SchedulingResult verdict, Check(uids, lengths, &why));
   if (out != nullptr && std::ssize(out->tokens) != lengths_sum_) {  // no length is negative
-    return InvalidArgumentError(ColdStrCat("ScheduleBatch: ", out->tokens.size(),
-                                           " tokens given, but the lengths add up to ",
-                                           lengths_sum_));
+    return InvalidArgumentError(ColdStrCat(
+        "ScheduleBatch: ", out->tokens.size(), " tokens given, but the lengths add up to ",
+        lengths_sum_ < 0 ? std::string("more than 2^63 - 1") : std::to_string(lengths_sum_)));
   }
   if (result != nullptr) *result = verdict;
   if (verdict != SchedulingResult::kSuccess) {
@@ -691,11 +708,10 @@ void StateManager::Commit(std::span<const SeqId> uids, std::span<const int64_t> 
     } else {
       seq.in_flight_tokens_ = length;
     }
-    Sequence::GroupState* const state = seq.groups_;
     if (kSimple) {
-      state[0].Take(next, need[i]);
+      seq.one_group_.Take(next, need[i]);
     } else {
-      for (size_t g = 0; g < groups; ++g) state[g].Take(cursor[g], need[i * groups + g]);
+      for (size_t g = 0; g < groups; ++g) seq.groups_[g].Take(cursor[g], need[i * groups + g]);
     }
     if constexpr (kBatch) {
       std::span<const int64_t> mine(tokens, static_cast<size_t>(length));
@@ -709,7 +725,11 @@ void StateManager::Commit(std::span<const SeqId> uids, std::span<const int64_t> 
         hit_tokens_.assign(begin, begin + seq.in_flight_tokens_);
         mine = hit_tokens_;
       }
-      writer->template AppendFilled<kSimple>(seq, mine);
+      if constexpr (kSimple) {
+        writer->AppendFilledOneGroup(seq, mine, seq.one_group_.row, seq.one_group_.allocated);
+      } else {
+        writer->AppendFilled(seq, mine);
+      }
     }
   }
   if constexpr (kBatch) writer->Done();

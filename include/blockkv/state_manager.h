@@ -109,8 +109,10 @@ KVRequirement ComputeKVRequirement(int64_t seen_tokens, int32_t allocated_blocks
 class StateManager;
 
 // One tracked sequence (DeepSpeed's DSSequenceDescriptor). Read-only to the engine: the manager
-// changes it through Schedule, PostForward, FreeLeadingBlocks and Fork.
-class Sequence {
+// changes it through Schedule, PostForward, FreeLeadingBlocks and Fork. Aligned to a cache line:
+// what a step reads and writes of it (with one cache group, that group's table state included)
+// is its first 64 bytes.
+class alignas(64) Sequence {
  public:
   // Not copyable: a Sequence is known by its address (RaggedBatch checks that what it is given
   // is the manager's own), so a copy would be a stale snapshot.
@@ -167,14 +169,20 @@ class Sequence {
     }
   };
 
+  // The first cache line: everything a decode step touches (Schedule's checks and commit, the
+  // batch's entry, PostForward).
   SeqId uid_ = 0;
   int32_t slot_ = -1;
+  bool preempted_ = false;
   int64_t seen_tokens_ = 0;
   int64_t in_flight_tokens_ = 0;
   uint64_t table_version_ = 0;
+  // [num_groups]: with one cache group (almost every model), &one_group_, in this line; with
+  // more, this slot's row of the manager's flat group_states_ (one_group_ unused).
+  GroupState* groups_ = nullptr;
+  GroupState one_group_;
+  // The second line.
   int64_t cached_prefix_tokens_ = 0;
-  bool preempted_ = false;
-  GroupState* groups_ = nullptr;  // [num_groups] in the manager's flat group_states_
 };
 
 class StateManager {
@@ -213,7 +221,9 @@ class StateManager {
   // manager, nor a flushed one: flushing sets its slot to -1).
   bool Owns(const Sequence& seq) const {
     const int32_t slot = seq.slot_;
-    return slot >= 0 && slot < config_.max_tracked_sequences && &sequences_[slot] == &seq;
+    // One unsigned comparison for 0 <= slot < max_tracked_sequences.
+    return static_cast<uint32_t>(slot) < static_cast<uint32_t>(config_.max_tracked_sequences) &&
+           &sequences_[slot] == &seq;
   }
   // Drops the sequence's references to its blocks (blocks nobody else holds are freed) and its
   // slot. kNotFound for an unknown uid (DeepSpeed only warns).
@@ -509,14 +519,16 @@ class StateManager {
 
   StateManagerConfig config_;
   std::unique_ptr<BlockedKVCache> cache_;
-  std::vector<BlockPool> pools_;                    // one per cache group
-  std::vector<std::vector<BlockId>> tables_;        // per group [max_tracked, max_blocks]
-  BlockedAllocator slots_;                          // tracking slots
-  std::unique_ptr<Sequence[]> sequences_;           // [max_tracked_sequences], indexed by slot
-  std::vector<Sequence::GroupState> group_states_;  // [max_tracked_sequences, num_groups]
-  std::unique_ptr<internal::UidMap> by_uid_;        // uid -> slot
-  std::vector<internal::BlockSize> block_sizes_;    // per group
-  int64_t token_limit_ = 0;               // min(max_context, every table's token capacity)
+  std::vector<BlockPool> pools_;              // one per cache group
+  std::vector<std::vector<BlockId>> tables_;  // per group [max_tracked, max_blocks]
+  BlockedAllocator slots_;                    // tracking slots
+  std::unique_ptr<Sequence[]> sequences_;     // [max_tracked_sequences], indexed by slot
+  // [max_tracked_sequences, num_groups] with several cache groups; empty with one (each
+  // Sequence holds its own).
+  std::vector<Sequence::GroupState> group_states_;
+  std::unique_ptr<internal::UidMap> by_uid_;      // uid -> slot
+  std::vector<internal::BlockSize> block_sizes_;  // per group
+  int64_t token_limit_ = 0;                       // min(max_context, every table's token capacity)
   int64_t hit_step_ = 1;                  // a prefix hit is a multiple of every group's block size
   std::unique_ptr<PrefixCache> prefix_;   // when enabled
   std::unique_ptr<SequenceKeys[]> keys_;  // [max_tracked_sequences] when prefix_ is set
@@ -537,7 +549,7 @@ class StateManager {
   std::vector<BlockId> tail_scratch_;
   std::vector<int64_t> hit_tokens_;            // ScheduleBatch: a prefix hit's tokens for the batch
   mutable std::vector<int64_t> free_scratch_;  // per group: free blocks Check left uncounted
-  mutable int64_t lengths_sum_ = 0;            // of the lengths Check was given
+  mutable int64_t lengths_sum_ = 0;            // of the lengths Check was given; -1 past int64
   mutable std::vector<SeqId> uid_scratch_;
   mutable std::vector<int32_t> slot_scratch_;  // per uid of the call: its slot, or -1 when new
   mutable std::vector<int32_t> need_scratch_;  // [uids, groups]: new blocks Check counted

@@ -15,6 +15,8 @@
 namespace blockkv::internal {
 
 class UidMap {
+  struct Entry;
+
  public:
   static constexpr int32_t kAbsent = -1;
 
@@ -71,6 +73,30 @@ class UidMap {
 
   int32_t size() const { return size_; }
 
+  // Find and Prefetch over a copy of the table's shape: a loop that also stores through int32
+  // pointers (which may alias the map's own members) keeps these in registers.
+  class Reader {
+   public:
+    int32_t Find(int64_t key) const {
+      for (size_t i = Home(key);; i = (i + 1) & mask_) {
+        const Entry& e = entries_[i];
+        if (e.value == kAbsent) return kAbsent;
+        if (e.key == key) return e.value;
+      }
+    }
+    void Prefetch(int64_t key) const { __builtin_prefetch(&entries_[Home(key)]); }
+
+   private:
+    friend class UidMap;
+    explicit Reader(const UidMap& map)
+        : entries_(map.entries_.data()), mask_(map.mask_), shift_(map.shift_) {}
+    size_t Home(int64_t key) const { return UidMap::Home(key, shift_); }
+    const Entry* entries_;
+    size_t mask_;
+    int shift_;
+  };
+  Reader reader() const { return Reader(*this); }
+
   // Calls f(key, value) for every entry, in table order.
   template <class F>
   void ForEach(F&& f) const {
@@ -89,9 +115,10 @@ class UidMap {
   // which a plain mask would cluster; the multiplication spreads consecutive keys evenly over the
   // table, and costs two instructions where a mixing finalizer (splitmix64's) costs eleven — a
   // step hashes every uid twice (its prefetch and its lookup).
-  size_t Home(int64_t key) const {
-    return static_cast<size_t>((static_cast<uint64_t>(key) * 0x9e3779b97f4a7c15ULL) >> shift_);
+  static size_t Home(int64_t key, int shift) {
+    return static_cast<size_t>((static_cast<uint64_t>(key) * 0x9e3779b97f4a7c15ULL) >> shift);
   }
+  size_t Home(int64_t key) const { return Home(key, shift_); }
 
   std::vector<Entry> entries_;
   size_t mask_;
