@@ -351,7 +351,7 @@ Status StateManager::PostForward(const RaggedBatch& batch) {
   }
   for (const RaggedBatch::Impl::Entry& e : entries) {
     // One of this manager's own sequences (Owns above), which it may change.
-    Sequence& seq = const_cast<Sequence&>(*e.seq);
+    auto& seq = const_cast<Sequence&>(*e.seq);
     if (!prefix) {
       seq.seen_tokens_ += seq.in_flight_tokens_;
       seq.in_flight_tokens_ = 0;
