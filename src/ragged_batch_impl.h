@@ -252,14 +252,20 @@ class RaggedBatch::Impl::Writer {
       Group::Row& last = rows[i];
       const Group::Row was = last;
       BlockId* row = tables + int64_t{i} * max_blocks;
-      const int32_t kept = was.version == version ? std::min(was.len, len) : 0;
-      if (kept + 1 == len) {  // a decode step that crossed into a new block
-        row[kept] = from[kept];
-      } else if (kept < len) {
+      if (was.version == version && was.len <= len) [[likely]] {  // the same table, grown
+        if (was.len + 1 == len) {  // a decode step that crossed into a new block
+          row[was.len] = from[was.len];
+          last.len = len;
+        } else if (was.len < len) {
+          std::copy(from + was.len, from + len, row + was.len);
+          last.len = len;
+        }
+      } else {
+        const int32_t kept = was.version == version ? std::min(was.len, len) : 0;
         std::copy(from + kept, from + len, row + kept);
+        for (int32_t b = len; b < was.len; ++b) row[b] = kNoBlock;
+        last = {.len = len, .version = version};
       }
-      for (int32_t b = len; b < was.len; ++b) row[b] = kNoBlock;
-      last = {.len = len, .version = version};
 
       // CSR: the blocks holding tokens [0, total), copied from the table (loads of the row just
       // written would wait on store forwarding). All three arrays below come from the last
