@@ -7,18 +7,19 @@
 // kMaxRows / G query tokens), G = Hq / Hkv: its rows are the chunk's tokens × the G query heads
 // of each of its KV heads, so every key and value row read from the cache serves all of them.
 // Keys are visited in tiles of kTile positions, gathered across block boundaries from the
-// sequence's CSR table; per tile and KV head the rows go in blocks of up to kRowBlock:
-// scores = q · kᵀ (queries prescaled), then the online softmax of FlashAttention:
-// m' = max(m, max(scores)); acc = acc · e^(m − m') + Σ e^(s − m') · v; l likewise; out = acc / l
-// at the end. Decode should be bound by how fast the K/V bytes stream in, so the per-key work is
-// kept small: fp16/bf16 rows are converted in registers where they are read (no fp32 copy), each
-// loaded K or V vector serves every row of the block (kRowBlock × 4 dot products in flight, one
-// transposing reduction per 4 keys instead of a horizontal sum per key), and bf16 is split into
-// its even and odd elements with two integer ops (queries and accumulators are kept in that
-// order). Only fp8 (a table lookup per element) and prefill items (many row blocks per K row)
-// first copy the tile's rows to fp32. Each head's rows of a tile are prefetched into L2 while
-// the head before it is computed, and into L1 a few keys before their loads. Memory per thread:
-// (2 · rows + 2 · kTile) · D floats.
+// sequence's CSR table. Per tile, in three passes over the item's KV heads (each head's rows in
+// blocks of up to kRowBlock): scores = q · kᵀ for every row (queries prescaled), then each row's
+// online-softmax step of FlashAttention: m' = max(m, max(scores)); acc = acc · e^(m − m') +
+// Σ e^(s − m') · v; l likewise; out = acc / l at the end; then the V sums. Decode should be
+// bound by how fast the K/V bytes stream in, so the per-key work is kept small: fp16/bf16 rows
+// are converted in registers where they are read (no fp32 copy), each loaded K or V vector
+// serves every row of the block (kRowBlock × 4 dot products in flight, one transposing reduction
+// per 4 keys instead of a horizontal sum per key), and bf16 is split into its even and odd
+// elements with two integer ops (queries and accumulators are kept in that order). Only fp8 (a
+// table lookup per element) and prefill items (many row blocks per K row) first copy the tile's
+// rows to fp32. Each pass asks for the next head's rows into L2 while it computes one head
+// (TilePrefetch), and for rows into L1 a few keys before their loads. Memory per thread:
+// (2 · rows · D + rows · kTile) floats, and 2 · heads · kTile · D more for an item that copies.
 // Threads: a work-stealing loop over items (an atomic counter), the calling thread plus up to
 // num_threads − 1 std::jthreads started per call when the work is large enough to pay for them.
 #ifndef BLOCKKV_KERNELS_CPU_SHARED_
@@ -28,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -55,26 +57,34 @@ struct WorkItem {
   int32_t q_end = 0;
 };
 
+// Whether an item's K/V rows are copied to fp32 (Scratch::k, v) before use rather than read in
+// place: fp8 always (a table lookup per element); fp16/bf16 when many rows share them (prefill),
+// where converting each row again for every block of kRowBlock rows would cost more than the copy.
+inline bool CopiesRows(DType dtype, const WorkItem& item, int32_t g) {
+  return dtype == DType::kFloat8E4M3 ||
+         (dtype != DType::kFloat32 && (item.q_end - item.q_begin) * g > kMaxDirectRows);
+}
+
 // One thread's buffers, sized once per call.
 struct Scratch {
   std::vector<float> q;        // [rows, D] queries times the softmax scale, in load order
   std::vector<float> acc;      // [rows, D] unnormalized outputs, in load order
   std::vector<float> m;        // [rows] running maxima
   std::vector<float> l;        // [rows] running sums
-  std::vector<float> scores;   // [kRowBlock, kTile] one row block's scores, then probabilities
-  std::vector<float> k;        // [kTile, D] the tile's K rows of one head in fp32, when copied
-  std::vector<float> v;        // [kTile, D] the same for V
+  std::vector<float> scores;   // [rows, kTile] the tile's scores, then probabilities
+  std::vector<float> k;        // [heads, kTile, D] the tile's K rows in fp32 (CopiesRows)
+  std::vector<float> v;        // [heads, kTile, D] the same for V
   std::vector<int64_t> slots;  // [kTile] cache offsets of the tile's positions (plane 0, head 0)
   std::vector<int64_t> next_slots;  // [kTile] the same for the next tile
 
-  void Resize(int32_t rows, int32_t d) {
+  void Resize(int32_t rows, int32_t heads, int32_t d) {
     const auto rd = static_cast<size_t>(rows) * static_cast<size_t>(d);
-    const auto td = static_cast<size_t>(kTile) * static_cast<size_t>(d);
+    const auto td = static_cast<size_t>(heads) * kTile * static_cast<size_t>(d);
     q.resize(rd);
     acc.resize(rd);
     m.resize(static_cast<size_t>(rows));
     l.resize(static_cast<size_t>(rows));
-    scores.resize(static_cast<size_t>(kRowBlock) * kTile);
+    scores.resize(static_cast<size_t>(rows) * kTile);
     k.resize(td);
     v.resize(td);
     slots.resize(kTile);
@@ -134,32 +144,28 @@ void TileSlots(const PagedKV& c, int32_t seq, int64_t k0, int32_t count, int64_t
   }
 }
 
-// Asks for the K and V rows of `head` at the tile's positions, into L2. The tile loop reads one
-// head's rows at a time, pieces a position's row apart (256 bytes every 4 KiB for 8 KV heads of
-// 128 bf16), which the hardware prefetcher does not follow: without this the loads wait on
-// memory. Not into L1: pieces 4 KiB apart all fall in the same few L1 sets, and most would be
-// evicted before their use.
-void PrefetchRows(const PagedKV& c, const int64_t* slots, int32_t count, int32_t head) {
+// Asks for one plane's rows of KV head `head` at a tile's first `count` positions, into L2.
+void PrefetchRows(const PagedKV& c, const int64_t* slots, int32_t count, int plane, int32_t head) {
   const auto elem = static_cast<int64_t>(ElementSize(c.dtype));
   const int64_t bytes = c.head_size * elem;
   for (int32_t j = 0; j < count; ++j) {
-    const uint8_t* k =
-        static_cast<const uint8_t*>(c.data) + (slots[j] + head * c.head_stride) * elem;
-    const uint8_t* v = k + c.plane_stride * elem;
-    for (int64_t b = 0; b < bytes; b += 64) {
-      __builtin_prefetch(k + b, 0, 2);
-      __builtin_prefetch(v + b, 0, 2);
-    }
+    const uint8_t* row = static_cast<const uint8_t*>(c.data) +
+                         (slots[j] + plane * c.plane_stride + head * c.head_stride) * elem;
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
   }
 }
 
-// Converts the K / V rows of `head` at the tile's slots into s.k / s.v.
-void GatherTile(const PagedKV& c, int32_t head, int32_t count, Scratch& s) {
+// Converts the K / V rows of KV heads [kv_begin, kv_end) at the tile's slots into s.k / s.v
+// ([heads, kTile, D]).
+void GatherTile(const PagedKV& c, int32_t kv_begin, int32_t kv_end, int32_t count, Scratch& s) {
   const int32_t d = c.head_size;
   for (int32_t j = 0; j < count; ++j) {
-    const int64_t at = s.slots[static_cast<size_t>(j)] + head * c.head_stride;
-    RowToFloat(c, ElementPtr(c.data, at, c.dtype), s.k.data() + int64_t{j} * d);
-    RowToFloat(c, ElementPtr(c.data, at + c.plane_stride, c.dtype), s.v.data() + int64_t{j} * d);
+    for (int32_t h = 0; h < kv_end - kv_begin; ++h) {
+      const int64_t at = s.slots[static_cast<size_t>(j)] + (kv_begin + h) * c.head_stride;
+      const int64_t to = (int64_t{h} * kTile + j) * d;
+      RowToFloat(c, ElementPtr(c.data, at, c.dtype), s.k.data() + to);
+      RowToFloat(c, ElementPtr(c.data, at + c.plane_stride, c.dtype), s.v.data() + to);
+    }
   }
 }
 
@@ -231,7 +237,7 @@ void Reorder(const float* from, int32_t d, float* to) {
 }
 
 // How many keys ahead of their loads the tile kernels ask for rows to move from L2 (where
-// PrefetchRows put them) into L1: close enough that rows 4 KiB apart, which share a few L1 sets,
+// TilePrefetch put them) into L1: close enough that rows 4 KiB apart, which share a few L1 sets,
 // are still there when used (16 measured better than 4 or 8: 6% contiguous, 10% paged, 4k).
 inline constexpr int32_t kNearKeys = 16;
 
@@ -239,21 +245,24 @@ HWY_INLINE void PrefetchNear(const void* p, int32_t bytes) {
   for (int32_t b = 0; b < bytes; b += 64) hwy::Prefetch(static_cast<const uint8_t*>(p) + b);
 }
 
-// Where the K and V rows of one KV head start for each position of a tile. Positions past the
-// tile's `count` repeat its last one, so that blocks of four keys never read out of range.
+// Where the K and V rows of the item's first KV head start for each position of a tile; the
+// next head's are head_offset elements on. Positions past the tile's `count` repeat its last
+// one, so that blocks of four keys never read out of range.
 template <class Rows>
 struct TileRows {
   const typename Rows::T* k[kTile];
   const typename Rows::T* v[kTile];
+  int64_t head_offset;
 };
 
-// The rows of KV head `head` at the tile's slots: in the cache itself, or (`copied`, Rows =
-// F32Rows) converted to fp32 into s.k / s.v first.
+// The rows of KV heads [kv_begin, kv_end) at the tile's slots: in the cache itself, or
+// (`copied`, Rows = F32Rows) converted to fp32 into s.k / s.v first.
 template <class Rows>
-void FindRows(const PagedKV& c, int32_t head, int32_t count, bool copied, Scratch& s,
-              TileRows<Rows>& rows) {
+void FindRows(const PagedKV& c, int32_t kv_begin, int32_t kv_end, int32_t count, bool copied,
+              Scratch& s, TileRows<Rows>& rows) {
   using T = typename Rows::T;
   const int32_t d = c.head_size;
+  rows.head_offset = copied ? int64_t{kTile} * d : c.head_stride;
   for (int32_t j = 0; j < kTile; ++j) {
     const int32_t at = std::min(j, count - 1);
     if (copied) {
@@ -263,10 +272,10 @@ void FindRows(const PagedKV& c, int32_t head, int32_t count, bool copied, Scratc
     }
     // Not copied: T is the cache's element type.
     rows.k[j] =
-        static_cast<const T*>(c.data) + s.slots[static_cast<size_t>(at)] + head * c.head_stride;
+        static_cast<const T*>(c.data) + s.slots[static_cast<size_t>(at)] + kv_begin * c.head_stride;
     rows.v[j] = rows.k[j] + c.plane_stride;
   }
-  if (copied) GatherTile(c, head, count, s);
+  if (copied) GatherTile(c, kv_begin, kv_end, count, s);
 }
 
 #if HWY_TARGET != HWY_SCALAR
@@ -306,16 +315,17 @@ HWY_INLINE void StoreSums4(VF a, VF b, VF c, VF e, float* out) {
 #endif
 }
 
-// scores[r · kTile + j] = q_r · k_j for rows r < RB (q: [RB, d] in load order) and the blocks of
-// four keys that cover [j0, j1): RB × 4 accumulators, each K vector loaded once for all RB rows.
+// scores[r · kTile + j] = q_r · k_j for rows r < RB (q: [RB, d] in load order), the keys' rows
+// `off` elements on from k[j], and the blocks of four keys that cover [j0, j1): RB × 4
+// accumulators, each K vector loaded once for all RB rows.
 template <class Rows, int RB>
-void TileScores(const float* q, int32_t d, const typename Rows::T* const* k, int32_t j0, int32_t j1,
-                float* scores) {
+HWY_INLINE void TileScores(const float* q, int32_t d, const typename Rows::T* const* k, int64_t off,
+                           int32_t j0, int32_t j1, float* scores) {
   const DF df;
   const auto n = static_cast<int32_t>(hn::Lanes(df));
   for (int32_t j = j0 & ~3; j < j1; j += 4) {
     for (int32_t key = kNearKeys; key < kNearKeys + 4; ++key) {
-      PrefetchNear(k[std::min(j + key, kTile - 1)], d * static_cast<int32_t>(sizeof(*k[0])));
+      PrefetchNear(k[std::min(j + key, kTile - 1)] + off, d * static_cast<int32_t>(sizeof(*k[0])));
     }
     VF acc[RB][4];
     for (auto& row : acc) {
@@ -324,7 +334,7 @@ void TileScores(const float* q, int32_t d, const typename Rows::T* const* k, int
     int32_t i = 0;
     for (; i + 2 * n <= d; i += 2 * n) {
       VF lo[4], hi[4];
-      for (int32_t key = 0; key < 4; ++key) Rows::Load2(k[j + key] + i, lo[key], hi[key]);
+      for (int32_t key = 0; key < 4; ++key) Rows::Load2(k[j + key] + off + i, lo[key], hi[key]);
       for (int64_t r = 0; r < RB; ++r) {
         const VF q_lo = hn::LoadU(df, q + r * d + i);
         const VF q_hi = hn::LoadU(df, q + r * d + i + n);
@@ -336,7 +346,7 @@ void TileScores(const float* q, int32_t d, const typename Rows::T* const* k, int
     }
     if (i < d) {
       VF x[4];
-      for (int32_t key = 0; key < 4; ++key) x[key] = Rows::Load1(k[j + key] + i);
+      for (int32_t key = 0; key < 4; ++key) x[key] = Rows::Load1(k[j + key] + off + i);
       for (int64_t r = 0; r < RB; ++r) {
         const VF qv = hn::LoadU(df, q + r * d + i);
         for (int32_t key = 0; key < 4; ++key) acc[r][key] = hn::MulAdd(qv, x[key], acc[r][key]);
@@ -375,33 +385,29 @@ float SoftmaxStep(float* scores, float& m, float& l) {
   return alpha;
 }
 
-// acc[r, i + c) = acc[r, i + c) · alpha_r + Σ_j p[r · kTile + j] · v_j[i + c) for rows r < RB,
-// keys [j0, j1) and columns c < kSteps · 2N (kSteps = 0: the last N columns, Load1): those
-// columns of every row stay in registers while the keys stream by, so each V vector is loaded
+// acc[r, i + c) += Σ_j p[r · kTile + j] · v_j[i + c) for rows r < RB, keys [j0, j1) (their rows
+// `off` elements on from v[j]) and columns c < kSteps · 2N (kSteps = 0: the last N columns, Load1):
+// those columns of every row stay in registers while the keys stream by, so each V vector is loaded
 // once for all RB rows, and there are 2 · RB · kSteps independent sums to keep the FMAs busy.
 template <class Rows, int RB, int kSteps>
-HWY_INLINE void AccumulateColumns(const float* p, const float* alpha,
-                                  const typename Rows::T* const* v, int32_t j0, int32_t j1,
-                                  int32_t d, int32_t i, float* acc) {
+HWY_INLINE void AccumulateColumns(const float* p, const typename Rows::T* const* v, int64_t off,
+                                  int32_t j0, int32_t j1, int32_t d, int32_t i, float* acc) {
   const DF df;
   const auto n = static_cast<int32_t>(hn::Lanes(df));
   constexpr int kVectors = kSteps == 0 ? 1 : 2 * kSteps;
   VF a[RB][kVectors];
   for (int64_t r = 0; r < RB; ++r) {
-    const VF scale = hn::Set(df, alpha[r]);
-    for (int64_t c = 0; c < kVectors; ++c) {
-      a[r][c] = hn::Mul(hn::LoadU(df, acc + r * d + i + c * n), scale);
-    }
+    for (int64_t c = 0; c < kVectors; ++c) a[r][c] = hn::LoadU(df, acc + r * d + i + c * n);
   }
   for (int32_t j = j0; j < j1; ++j) {
-    PrefetchNear(v[std::min(j + kNearKeys, kTile - 1)] + i,
+    PrefetchNear(v[std::min(j + kNearKeys, kTile - 1)] + off + i,
                  kVectors * n * static_cast<int32_t>(sizeof(*v[0])));
     VF x[kVectors];
     if constexpr (kSteps == 0) {
-      x[0] = Rows::Load1(v[j] + i);
+      x[0] = Rows::Load1(v[j] + off + i);
     } else {
       for (int64_t c = 0; c < kSteps; ++c)
-        Rows::Load2(v[j] + i + 2 * c * n, x[2 * c], x[2 * c + 1]);
+        Rows::Load2(v[j] + off + i + 2 * c * n, x[2 * c], x[2 * c + 1]);
     }
     for (int64_t r = 0; r < RB; ++r) {
       const VF pj = hn::Set(df, p[r * kTile + j]);
@@ -413,19 +419,20 @@ HWY_INLINE void AccumulateColumns(const float* p, const float* alpha,
   }
 }
 
-// acc_r = acc_r · alpha_r + Σ_j p[r · kTile + j] · v_j for rows r < RB (acc: [RB, d] in load
-// order) and keys [j0, j1), in passes of up to 4N columns (16 sums for 4 rows).
+// acc_r += Σ_j p[r · kTile + j] · v_j for rows r < RB (acc: [RB, d] in load order) and keys
+// [j0, j1) (their rows `off` elements on from v[j]), in passes of up to 4N columns (16 sums for
+// 4 rows).
 template <class Rows, int RB>
-void TileAccumulate(const float* p, const float* alpha, const typename Rows::T* const* v,
-                    int32_t j0, int32_t j1, int32_t d, float* acc) {
+void TileAccumulate(const float* p, const typename Rows::T* const* v, int64_t off, int32_t j0,
+                    int32_t j1, int32_t d, float* acc) {
   const auto n = static_cast<int32_t>(hn::Lanes(DF()));
   int32_t i = 0;
-  for (; i + 4 * n <= d; i += 4 * n) AccumulateColumns<Rows, RB, 2>(p, alpha, v, j0, j1, d, i, acc);
+  for (; i + 4 * n <= d; i += 4 * n) AccumulateColumns<Rows, RB, 2>(p, v, off, j0, j1, d, i, acc);
   if (i + 2 * n <= d) {
-    AccumulateColumns<Rows, RB, 1>(p, alpha, v, j0, j1, d, i, acc);
+    AccumulateColumns<Rows, RB, 1>(p, v, off, j0, j1, d, i, acc);
     i += 2 * n;
   }
-  if (i < d) AccumulateColumns<Rows, RB, 0>(p, alpha, v, j0, j1, d, i, acc);
+  if (i < d) AccumulateColumns<Rows, RB, 0>(p, v, off, j0, j1, d, i, acc);
 }
 
 // The keys query row at position `pos` sees: [lo, hi).
@@ -450,64 +457,176 @@ struct ItemShape {
   int32_t rows_per_kv;  // the item's rows of each KV head: tokens × g
 };
 
-// Rows [row, row + RB) of the scratch, whose keys in the tile are [j0[r], j1[r]) (empty for a
-// row that sees none), [lo, hi) together.
-template <class Rows, int RB>
-void AttendRowBlock(const TileRows<Rows>& t, const int32_t* j0, const int32_t* j1, int32_t lo,
-                    int32_t hi, int32_t d, int64_t row, Scratch& s) {
-  float* scores = s.scores.data();
-  TileScores<Rows, RB>(s.q.data() + row * d, d, t.k, lo, hi, scores);
-  float alpha[RB];
-  for (int64_t r = 0; r < RB; ++r) {
-    float* sc = scores + r * kTile;
-    if (j0[r] >= j1[r]) {  // weights 0, accumulator unchanged
-      std::fill_n(sc, kTile, 0.0f);
-      alpha[r] = 1.0f;
-      continue;
-    }
-    std::fill(sc, sc + j0[r], -std::numeric_limits<float>::infinity());
-    std::fill(sc + j1[r], sc + kTile, -std::numeric_limits<float>::infinity());
-    const auto at = static_cast<size_t>(row + r);
-    alpha[r] = SoftmaxStep(sc, s.m[at], s.l[at]);
+// The keys each row of one block of up to kRowBlock rows (of any KV head: the blocks of every
+// head see the same keys) sees in a tile: row r [j0[r], j1[r]), the block [lo, hi) (lo >= hi:
+// none).
+struct RowBlock {
+  int32_t rows;
+  int32_t j0[kRowBlock];
+  int32_t j1[kRowBlock];
+  int32_t lo;
+  int32_t hi;
+};
+
+// Calls fn(std::integral_constant<int, rb>()) for rb in [1, kRowBlock].
+template <class Fn>
+HWY_INLINE void WithRowBlock(int32_t rb, const Fn& fn) {
+  static_assert(kRowBlock == 4);
+  switch (rb) {
+    case 1:
+      fn(std::integral_constant<int, 1>());
+      break;
+    case 2:
+      fn(std::integral_constant<int, 2>());
+      break;
+    case 3:
+      fn(std::integral_constant<int, 3>());
+      break;
+    default:
+      fn(std::integral_constant<int, 4>());
   }
-  TileAccumulate<Rows, RB>(scores, alpha, t.v, lo, hi, d, s.acc.data() + row * d);
 }
 
-// One tile of keys [k0, k0 + count) for the rows of the item's `kv_index`-th KV head, in blocks
-// of kRowBlock rows (each row with its own range: the tokens of a prefill chunk see different
-// keys).
-template <class Rows>
-void AttendTile(const AttentionParams& p, const ItemShape& x, int64_t k0, int32_t count,
-                int32_t kv_index, const TileRows<Rows>& t, Scratch& s) {
-  for (int32_t r0 = 0; r0 < x.rows_per_kv; r0 += kRowBlock) {
-    const int32_t rb = std::min(kRowBlock, x.rows_per_kv - r0);
-    int32_t j0[kRowBlock];
-    int32_t j1[kRowBlock];
-    int32_t lo = count;
-    int32_t hi = 0;
-    for (int32_t r = 0; r < rb; ++r) {
+// The row blocks of one KV head's rows for the tile of keys [k0, k0 + count) (each row with its
+// own range: the tokens of a prefill chunk see different keys); returns their number and sets
+// [*lo, *hi) to the keys any of them sees.
+int32_t TileRowBlocks(const AttentionParams& p, const ItemShape& x, int64_t k0, int32_t count,
+                      RowBlock* blocks, int32_t* lo, int32_t* hi) {
+  int32_t n = 0;
+  *lo = count;
+  *hi = 0;
+  for (int32_t r0 = 0; r0 < x.rows_per_kv; r0 += kRowBlock, ++n) {
+    RowBlock& b = blocks[n];
+    b.rows = std::min(kRowBlock, x.rows_per_kv - r0);
+    b.lo = count;
+    b.hi = 0;
+    for (int32_t r = 0; r < b.rows; ++r) {
       const KeyRange keys = VisibleKeys(p, x.seen + x.q_begin + (r0 + r) / x.g, x.total);
-      j0[r] = static_cast<int32_t>(std::clamp<int64_t>(keys.lo - k0, 0, count));
-      j1[r] = static_cast<int32_t>(std::clamp<int64_t>(keys.hi - k0, 0, count));
-      if (j0[r] < j1[r]) {
-        lo = std::min(lo, j0[r]);
-        hi = std::max(hi, j1[r]);
+      b.j0[r] = static_cast<int32_t>(std::clamp<int64_t>(keys.lo - k0, 0, count));
+      b.j1[r] = static_cast<int32_t>(std::clamp<int64_t>(keys.hi - k0, 0, count));
+      if (b.j0[r] < b.j1[r]) {
+        b.lo = std::min(b.lo, b.j0[r]);
+        b.hi = std::max(b.hi, b.j1[r]);
       }
     }
-    if (lo >= hi) continue;
-    const int64_t row = int64_t{kv_index} * x.rows_per_kv + r0;
-    switch (rb) {
-      case 1:
-        AttendRowBlock<Rows, 1>(t, j0, j1, lo, hi, x.d, row, s);
-        break;
-      case 2:
-        AttendRowBlock<Rows, 2>(t, j0, j1, lo, hi, x.d, row, s);
-        break;
-      case 3:
-        AttendRowBlock<Rows, 3>(t, j0, j1, lo, hi, x.d, row, s);
-        break;
-      default:
-        AttendRowBlock<Rows, kRowBlock>(t, j0, j1, lo, hi, x.d, row, s);
+    if (b.lo < b.hi) {
+      *lo = std::min(*lo, b.lo);
+      *hi = std::max(*hi, b.hi);
+    }
+  }
+  return n;
+}
+
+// The rows a tile asks for into L2 one head ahead of their use. Every position of a block is its
+// own 4 KiB page for 8 KV heads of 128 bf16, and a head's rows are 256 bytes of it: within a long
+// block the hardware prefetchers follow a head from one position to the next, but they lose the
+// stride at every block jump. The scores pass asks for the next head's K rows (after the last
+// head: the first head's V rows), the V pass for the next head's V rows (after the last: the
+// next tile's K rows of the first head): 128 lines at a time for 32 positions, each about one
+// head's work ahead.
+struct TilePrefetch {
+  const PagedKV* c;
+  const int64_t* slots;  // this tile's
+  int32_t count;
+  const int64_t* next_slots;  // the next tile's
+  int32_t next_count;         // 0: no next tile
+  int32_t kv_begin;
+  int32_t heads;
+
+  void Head(const int64_t* at, int32_t n, int plane, int32_t h) const {
+    PrefetchRows(*c, at, n, plane, kv_begin + h);
+  }
+  // The first tile's K rows of the first head, before anything else.
+  void First() const { Head(slots, count, 0, 0); }
+  void BeforeScores(int32_t h) const {
+    if (h + 1 < heads) {
+      Head(slots, count, 0, h + 1);
+    } else {
+      Head(slots, count, 1, 0);
+    }
+  }
+  void BeforeValues(int32_t h) const {
+    if (h + 1 < heads) {
+      Head(slots, count, 1, h + 1);
+    } else {
+      Head(next_slots, next_count, 0, 0);
+    }
+  }
+};
+
+// scores = q · kᵀ for every row of the item over the tile's keys, head by head; of each head's
+// row blocks the last has RB rows, the others kRowBlock.
+template <class Rows, int RB>
+void ScoresPass(const TileRows<Rows>& t, const RowBlock* blocks, int32_t n_blocks,
+                int32_t rows_per_kv, int32_t d, const TilePrefetch& ahead, Scratch& s) {
+  for (int32_t h = 0; h < ahead.heads; ++h) {
+    ahead.BeforeScores(h);
+    const int64_t off = h * t.head_offset;
+    for (int32_t b = 0; b < n_blocks; ++b) {
+      const RowBlock& rb = blocks[b];
+      if (rb.lo >= rb.hi) continue;
+      const int64_t row = int64_t{h} * rows_per_kv + int64_t{b} * kRowBlock;
+      float* scores = s.scores.data() + row * kTile;
+      const float* q = s.q.data() + row * d;
+      if (b + 1 < n_blocks) {
+        TileScores<Rows, kRowBlock>(q, d, t.k, off, rb.lo, rb.hi, scores);
+      } else {
+        TileScores<Rows, RB>(q, d, t.k, off, rb.lo, rb.hi, scores);
+      }
+    }
+  }
+}
+
+// One tile of keys [k0, k0 + count) for every row of the item, in three steps: scores = q · kᵀ
+// for every row (ScoresPass), the online softmax of each row, acc += p · v head by head.
+template <class Rows>
+void AttendTile(const AttentionParams& p, const ItemShape& x, int64_t k0, int32_t count,
+                const TileRows<Rows>& t, const TilePrefetch& ahead, Scratch& s) {
+  const int32_t heads = ahead.heads;
+  RowBlock blocks[kMaxRows / kRowBlock];
+  int32_t lo = 0;
+  int32_t hi = 0;
+  const int32_t n_blocks = TileRowBlocks(p, x, k0, count, blocks, &lo, &hi);
+  if (lo >= hi) {
+    ahead.BeforeValues(heads - 1);
+    return;
+  }
+  const int32_t d = x.d;
+  float* scores = s.scores.data();
+  WithRowBlock(blocks[n_blocks - 1].rows, [&](auto n) {
+    ScoresPass<Rows, decltype(n)::value>(t, blocks, n_blocks, x.rows_per_kv, d, ahead, s);
+  });
+  for (int32_t h = 0; h < heads; ++h) {
+    for (int32_t b = 0; b < n_blocks; ++b) {
+      const RowBlock& rb = blocks[b];
+      for (int32_t r = 0; r < rb.rows; ++r) {
+        const int64_t row = int64_t{h} * x.rows_per_kv + int64_t{b} * kRowBlock + r;
+        float* sc = scores + row * kTile;
+        if (rb.j0[r] >= rb.j1[r]) {  // weights 0, accumulator unchanged
+          std::fill_n(sc, kTile, 0.0f);
+          continue;
+        }
+        std::fill(sc, sc + rb.j0[r], -std::numeric_limits<float>::infinity());
+        std::fill(sc + rb.j1[r], sc + kTile, -std::numeric_limits<float>::infinity());
+        const auto at = static_cast<size_t>(row);
+        const float alpha = SoftmaxStep(sc, s.m[at], s.l[at]);
+        if (alpha != 1.0f) {
+          float* acc = s.acc.data() + row * d;
+          for (int32_t i = 0; i < d; ++i) acc[i] *= alpha;
+        }
+      }
+    }
+  }
+  for (int32_t h = 0; h < heads; ++h) {
+    ahead.BeforeValues(h);
+    for (int32_t b = 0; b < n_blocks; ++b) {
+      const RowBlock& rb = blocks[b];
+      if (rb.lo >= rb.hi) continue;
+      const int64_t row = int64_t{h} * x.rows_per_kv + int64_t{b} * kRowBlock;
+      WithRowBlock(rb.rows, [&](auto n) {
+        TileAccumulate<Rows, decltype(n)::value>(scores + row * kTile, t.v, h * t.head_offset,
+                                                 rb.lo, rb.hi, d, s.acc.data() + row * d);
+      });
     }
   }
 }
@@ -577,39 +696,31 @@ void AttendItemWith(const PagedKV& c, const Activations& q, const Activations& o
   auto tile_count = [&](int64_t k0) {
     return static_cast<int32_t>(std::min<int64_t>(kTile, last.hi - k0));
   };
-  // Each head's rows of a tile are prefetched while the head before it is computed.
-  if (first.lo < last.hi) {
-    TileSlots(c, item.seq, first.lo, tile_count(first.lo), s.slots.data());
-    PrefetchRows(c, s.slots.data(), tile_count(first.lo), item.kv_begin);
-  }
   TileRows<Rows> rows_of;
   for (int64_t k0 = first.lo; k0 < last.hi; k0 += kTile) {
     const int32_t count = tile_count(k0);
-    const bool more = k0 + kTile < last.hi;
-    if (more) TileSlots(c, item.seq, k0 + kTile, tile_count(k0 + kTile), s.next_slots.data());
-    for (int32_t kv = item.kv_begin; kv < item.kv_end; ++kv) {
-      if (kv + 1 < item.kv_end) {
-        PrefetchRows(c, s.slots.data(), count, kv + 1);
-      } else if (more) {
-        PrefetchRows(c, s.next_slots.data(), tile_count(k0 + kTile), item.kv_begin);
-      }
-      FindRows(c, kv, count, copied, s, rows_of);
-      AttendTile(p, shape, k0, count, kv - item.kv_begin, rows_of, s);
-    }
+    const int32_t next_count = k0 + kTile < last.hi ? tile_count(k0 + kTile) : 0;
+    if (k0 == first.lo) TileSlots(c, item.seq, k0, count, s.slots.data());
+    if (next_count > 0) TileSlots(c, item.seq, k0 + kTile, next_count, s.next_slots.data());
+    const TilePrefetch ahead{.c = &c,
+                             .slots = s.slots.data(),
+                             .count = count,
+                             .next_slots = s.next_slots.data(),
+                             .next_count = next_count,
+                             .kv_begin = item.kv_begin,
+                             .heads = item.kv_end - item.kv_begin};
+    if (k0 == first.lo) ahead.First();
+    FindRows(c, item.kv_begin, item.kv_end, count, copied, s, rows_of);
+    AttendTile(p, shape, k0, count, rows_of, ahead, s);
     std::swap(s.slots, s.next_slots);
   }
 
   StoreOutputs<Rows>(item, start, g, d, s, out);
 }
 
-// fp8 rows always go through the fp32 copy (a table lookup per element). fp16/bf16 rows are read
-// in place while few rows share them (decode), and copied once when many do (prefill), where
-// converting each row again for every block of kRowBlock rows would cost more than the copy.
 void AttendItem(const PagedKV& c, const Activations& q, const Activations& out,
                 const AttentionParams& p, const WorkItem& item, Scratch& s) {
-  const int32_t rows_per_kv = (item.q_end - item.q_begin) * (q.num_heads / c.num_kv_heads);
-  const bool copied =
-      c.dtype == DType::kFloat8E4M3 || (c.dtype != DType::kFloat32 && rows_per_kv > kMaxDirectRows);
+  const bool copied = CopiesRows(c.dtype, item, q.num_heads / c.num_kv_heads);
   if (copied || c.dtype == DType::kFloat32) {
     AttendItemWith<F32Rows>(c, q, out, p, item, copied, s);
   } else if (c.dtype == DType::kFloat16) {
@@ -682,10 +793,15 @@ void PagedAttentionCpu(const PagedKV& cache, const Activations& q, const Activat
   int32_t rows = 0;
   const std::vector<cpu::WorkItem> items =
       cpu::MakeWorkItems(cache, group_size, params.num_threads, &rows, &work);
+  int32_t copied_heads = 0;  // the most KV heads of an item whose rows are copied
+  for (const cpu::WorkItem& item : items) {
+    if (cpu::CopiesRows(cache.dtype, item, group_size))
+      copied_heads = std::max(copied_heads, item.kv_end - item.kv_begin);
+  }
   std::vector<cpu::Scratch> scratch(static_cast<size_t>(std::max(1, params.num_threads)));
   cpu::ParallelFor(std::ssize(items), params.num_threads, work, [&](int64_t index, int thread) {
     cpu::Scratch& s = scratch[static_cast<size_t>(thread)];
-    if (s.k.empty()) s.Resize(rows, cache.head_size);
+    if (s.q.empty()) s.Resize(rows, copied_heads, cache.head_size);
     HWY_DYNAMIC_DISPATCH(cpu::AttendItem)
     (cache, q, out, params, items[static_cast<size_t>(index)], s);
   });
