@@ -352,12 +352,7 @@ Status StateManager::PostForward(const RaggedBatch& batch) {
   for (const RaggedBatch::Impl::Entry& e : entries) {
     // One of this manager's own sequences (Owns above), which it may change.
     auto& seq = const_cast<Sequence&>(*e.seq);
-    if (!prefix) {
-      seq.seen_tokens_ += seq.in_flight_tokens_;
-      seq.in_flight_tokens_ = 0;
-      continue;
-    }
-    RecordTokens(seq, tokens(e));
+    if (prefix) RecordTokens(seq, tokens(e));
     Advance(seq);
   }
   return Status::Ok();

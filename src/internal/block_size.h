@@ -4,7 +4,6 @@
 #pragma once
 
 #include <bit>
-#include <cstddef>
 #include <cstdint>
 
 namespace blockkv::internal {
@@ -30,17 +29,5 @@ class BlockSize {
   int32_t size_ = 1;
   int shift_ = 0;
 };
-
-// Calls f(g) for g in [0, groups). Almost every model has one cache group: that case gets its
-// own inlined copy of f with g = 0, where the per-sequence loops of a step lose the loop's
-// overhead and their indexing by group folds away.
-template <class F>
-inline void ForEachGroup(size_t groups, F&& f) {
-  if (groups == 1) [[likely]] {
-    f(size_t{0});
-    return;
-  }
-  for (size_t g = 0; g < groups; ++g) f(g);
-}
 
 }  // namespace blockkv::internal

@@ -27,17 +27,11 @@ class UidMap {
         max_entries_(max_entries) {}
 
   // The value stored for `key`, or kAbsent.
-  int32_t Find(int64_t key) const {
-    for (size_t i = Home(key);; i = (i + 1) & mask_) {
-      const Entry& e = entries_[i];
-      if (e.value == kAbsent) return kAbsent;
-      if (e.key == key) return e.value;
-    }
-  }
+  int32_t Find(int64_t key) const { return reader().Find(key); }
 
   // Starts loading the slot where a Find(key) begins, so that a later Find overlaps its cache
   // miss with other work.
-  void Prefetch(int64_t key) const { __builtin_prefetch(&entries_[Home(key)]); }
+  void Prefetch(int64_t key) const { reader().Prefetch(key); }
 
   // REQUIRES: `key` is absent, size() < max_entries, value >= 0.
   void Insert(int64_t key, int32_t value) {
@@ -73,8 +67,9 @@ class UidMap {
 
   int32_t size() const { return size_; }
 
-  // Find and Prefetch over a copy of the table's shape: a loop that also stores through int32
-  // pointers (which may alias the map's own members) keeps these in registers.
+  // Find and Prefetch over a copy of the table's shape (UidMap's own Find and Prefetch go through
+  // one): a loop that also stores through int32 pointers (which may alias the map's own members)
+  // keeps these in registers.
   class Reader {
    public:
     int32_t Find(int64_t key) const {
