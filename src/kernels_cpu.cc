@@ -8,7 +8,8 @@
 // of each of its KV heads, so every key and value row read from the cache serves all of them.
 // Keys are visited in tiles of kTile positions, gathered across block boundaries from the
 // sequence's CSR table. Per tile, in three passes over the item's KV heads (each head's rows in
-// blocks of up to kRowBlock): scores = q · kᵀ for every row (queries prescaled), then each row's
+// blocks of up to kRowBlock; the K and V passes stripe by stripe of kStripe positions, every head
+// within a stripe): scores = q · kᵀ for every row (queries prescaled), then each row's
 // online-softmax step of FlashAttention: m' = max(m, max(scores)); acc = acc · e^(m − m') +
 // Σ e^(s − m') · v; l likewise; out = acc / l at the end; then the V sums. Decode should be
 // bound by how fast the K/V bytes stream in, so the per-key work is kept small: fp16/bf16 rows
@@ -17,8 +18,8 @@
 // per 4 keys instead of a horizontal sum per key), and bf16 is split into its even and odd
 // elements with two integer ops (queries and accumulators are kept in that order). Only fp8 (a
 // table lookup per element) and prefill items (many row blocks per K row) first copy the tile's
-// rows to fp32. Each pass asks for the next head's rows into L2 while it computes one head
-// (TilePrefetch), and for rows into L1 a few keys before their loads. Memory per thread:
+// rows to fp32. Each pass asks for rows into L2 two stripes before their use, in the order they
+// are read (TilePrefetch), and for rows into L1 a stripe before their loads. Memory per thread:
 // (2 · rows · D + rows · kTile) floats, and 2 · heads · kTile · D more for an item that copies.
 // Threads: a work-stealing loop over items (an atomic counter), the calling thread plus up to
 // num_threads − 1 std::jthreads started per call when the work is large enough to pay for them.
@@ -44,6 +45,10 @@ inline constexpr int32_t kMaxRows = 64;  // query rows (tokens × query heads) p
 inline constexpr int32_t kRowBlock = 4;  // rows computed together against each K/V vector
 inline constexpr int32_t kMaxDirectRows = 2 * kRowBlock;  // rows per KV head up to which
                                                           // fp16/bf16 rows are read in place
+inline constexpr int32_t kStripe = 8;  // key positions the scores pass takes for every head at once
+inline constexpr int32_t kValueStripe = 2 * kStripe;  // the same for the V pass (fewer reloads of
+                                                      // the accumulators)
+inline constexpr int32_t kStripesAhead = 2;  // how far ahead of its use a stripe is asked for
 
 // Query tokens [q_begin, q_end) of sequence `seq` for KV heads [kv_begin, kv_end) and their
 // query heads. Row r of its scratch: KV head kv_begin + r / (tokens · G), token q_begin +
@@ -237,9 +242,9 @@ void Reorder(const float* from, int32_t d, float* to) {
 }
 
 // How many keys ahead of their loads the tile kernels ask for rows to move from L2 (where
-// TilePrefetch put them) into L1: close enough that rows 4 KiB apart, which share a few L1 sets,
-// are still there when used (16 measured better than 4 or 8: 6% contiguous, 10% paged, 4k).
-inline constexpr int32_t kNearKeys = 16;
+// TilePrefetch put them) into L1: one stripe, so that rows 4 KiB apart, which share a few L1
+// sets, are still there when used (with stripes, 8 measured better than 4 or 16).
+inline constexpr int32_t kNearKeys = kStripe;
 
 HWY_INLINE void PrefetchNear(const void* p, int32_t bytes) {
   for (int32_t b = 0; b < bytes; b += 64) hwy::Prefetch(static_cast<const uint8_t*>(p) + b);
@@ -517,14 +522,18 @@ int32_t TileRowBlocks(const AttentionParams& p, const ItemShape& x, int64_t k0, 
   return n;
 }
 
-// The rows a tile asks for into L2 one head ahead of their use. Every position of a block is its
-// own 4 KiB page for 8 KV heads of 128 bf16, and a head's rows are 256 bytes of it: within a long
-// block the hardware prefetchers follow a head from one position to the next, but they lose the
-// stride at every block jump. The scores pass asks for the next head's K rows (after the last
-// head: the first head's V rows), the V pass for the next head's V rows (after the last: the
-// next tile's K rows of the first head): 128 lines at a time for 32 positions, each about one
-// head's work ahead.
+// The rows a tile asks for into L2 ahead of their use. The passes read a tile stripe by stripe
+// (kStripe positions for scores, kValueStripe for V sums, every KV head of the item within a
+// stripe), so the tile's rows are read as one stream of 2 · kTile / kStripe units of kStripe
+// positions: its K units, then its V units, then the next tile's K units. While the passes
+// compute unit u for head h, they ask for head h's rows of unit u + kStripesAhead (the V pass
+// for each of its stripe's units). Every position of a
+// block is its own 4 KiB page for 8 KV heads of 128 bf16; a stripe reads each page's K (or V)
+// half front to back, and the hardware prefetchers, which lose a head's stride at every block
+// jump, do not have to find it again.
 struct TilePrefetch {
+  static constexpr int32_t kUnits = 2 * kTile / kStripe;
+
   const PagedKV* c;
   const int64_t* slots;  // this tile's
   int32_t count;
@@ -533,45 +542,55 @@ struct TilePrefetch {
   int32_t kv_begin;
   int32_t heads;
 
-  void Head(const int64_t* at, int32_t n, int plane, int32_t h) const {
-    PrefetchRows(*c, at, n, plane, kv_begin + h);
+  // Head h's rows of unit `unit` of this tile's stream (kUnits and on: the next tile's).
+  void Unit(int32_t unit, int32_t h) const {
+    const bool next = unit >= kUnits;
+    const int32_t u = unit % kUnits;
+    const int32_t j0 = (u % (kUnits / 2)) * kStripe;
+    const int32_t n = next ? next_count : count;
+    if (j0 >= n) return;
+    PrefetchRows(*c, (next ? next_slots : slots) + j0, std::min(kStripe, n - j0), u / (kUnits / 2),
+                 kv_begin + h);
   }
-  // The first tile's K rows of the first head, before anything else.
-  void First() const { Head(slots, count, 0, 0); }
-  void BeforeScores(int32_t h) const {
-    if (h + 1 < heads) {
-      Head(slots, count, 0, h + 1);
-    } else {
-      Head(slots, count, 1, 0);
+  // The first tile's first kStripesAhead units, before anything else.
+  void First() const {
+    for (int32_t u = 0; u < kStripesAhead; ++u) {
+      for (int32_t h = 0; h < heads; ++h) Unit(u, h);
     }
   }
-  void BeforeValues(int32_t h) const {
-    if (h + 1 < heads) {
-      Head(slots, count, 1, h + 1);
-    } else {
-      Head(next_slots, next_count, 0, 0);
-    }
-  }
+  // While unit `unit` is computed for head h.
+  void During(int32_t unit, int32_t h) const { Unit(unit + kStripesAhead, h); }
 };
 
-// scores = q · kᵀ for every row of the item over the tile's keys, head by head; of each head's
-// row blocks the last has RB rows, the others kRowBlock.
+// The keys among [begin, end) that a row block sees: [*j0, *j1), empty when *j0 >= *j1.
+HWY_INLINE void StripeKeys(const RowBlock& rb, int32_t begin, int32_t end, int32_t* j0,
+                           int32_t* j1) {
+  *j0 = std::max(rb.lo, begin);
+  *j1 = std::min(rb.hi, end);
+}
+
+// scores = q · kᵀ for every row of the item over the tile's keys, stripe by stripe and head by
+// head within a stripe; of each head's row blocks the last has RB rows, the others kRowBlock.
 template <class Rows, int RB>
 void ScoresPass(const TileRows<Rows>& t, const RowBlock* blocks, int32_t n_blocks,
                 int32_t rows_per_kv, int32_t d, const TilePrefetch& ahead, Scratch& s) {
-  for (int32_t h = 0; h < ahead.heads; ++h) {
-    ahead.BeforeScores(h);
-    const int64_t off = h * t.head_offset;
-    for (int32_t b = 0; b < n_blocks; ++b) {
-      const RowBlock& rb = blocks[b];
-      if (rb.lo >= rb.hi) continue;
-      const int64_t row = int64_t{h} * rows_per_kv + int64_t{b} * kRowBlock;
-      float* scores = s.scores.data() + row * kTile;
-      const float* q = s.q.data() + row * d;
-      if (b + 1 < n_blocks) {
-        TileScores<Rows, kRowBlock>(q, d, t.k, off, rb.lo, rb.hi, scores);
-      } else {
-        TileScores<Rows, RB>(q, d, t.k, off, rb.lo, rb.hi, scores);
+  for (int32_t stripe = 0; stripe < kTile / kStripe; ++stripe) {
+    for (int32_t h = 0; h < ahead.heads; ++h) {
+      ahead.During(stripe, h);
+      const int64_t off = h * t.head_offset;
+      for (int32_t b = 0; b < n_blocks; ++b) {
+        int32_t j0 = 0;
+        int32_t j1 = 0;
+        StripeKeys(blocks[b], stripe * kStripe, (stripe + 1) * kStripe, &j0, &j1);
+        if (j0 >= j1) continue;
+        const int64_t row = int64_t{h} * rows_per_kv + int64_t{b} * kRowBlock;
+        float* scores = s.scores.data() + row * kTile;
+        const float* q = s.q.data() + row * d;
+        if (b + 1 < n_blocks) {
+          TileScores<Rows, kRowBlock>(q, d, t.k, off, j0, j1, scores);
+        } else {
+          TileScores<Rows, RB>(q, d, t.k, off, j0, j1, scores);
+        }
       }
     }
   }
@@ -587,10 +606,7 @@ void AttendTile(const AttentionParams& p, const ItemShape& x, int64_t k0, int32_
   int32_t lo = 0;
   int32_t hi = 0;
   const int32_t n_blocks = TileRowBlocks(p, x, k0, count, blocks, &lo, &hi);
-  if (lo >= hi) {
-    ahead.BeforeValues(heads - 1);
-    return;
-  }
+  if (lo >= hi) return;  // not reached: the rows' key ranges leave no gap in an item's tiles
   const int32_t d = x.d;
   float* scores = s.scores.data();
   WithRowBlock(blocks[n_blocks - 1].rows, [&](auto n) {
@@ -617,16 +633,22 @@ void AttendTile(const AttentionParams& p, const ItemShape& x, int64_t k0, int32_
       }
     }
   }
-  for (int32_t h = 0; h < heads; ++h) {
-    ahead.BeforeValues(h);
-    for (int32_t b = 0; b < n_blocks; ++b) {
-      const RowBlock& rb = blocks[b];
-      if (rb.lo >= rb.hi) continue;
-      const int64_t row = int64_t{h} * x.rows_per_kv + int64_t{b} * kRowBlock;
-      WithRowBlock(rb.rows, [&](auto n) {
-        TileAccumulate<Rows, decltype(n)::value>(scores + row * kTile, t.v, h * t.head_offset,
-                                                 rb.lo, rb.hi, d, s.acc.data() + row * d);
-      });
+  constexpr int32_t kPerValueStripe = kValueStripe / kStripe;
+  for (int32_t stripe = 0; stripe < kTile / kStripe; stripe += kPerValueStripe) {
+    for (int32_t h = 0; h < heads; ++h) {
+      for (int32_t u = 0; u < kPerValueStripe; ++u)
+        ahead.During(TilePrefetch::kUnits / 2 + stripe + u, h);
+      for (int32_t b = 0; b < n_blocks; ++b) {
+        int32_t j0 = 0;
+        int32_t j1 = 0;
+        StripeKeys(blocks[b], stripe * kStripe, (stripe + kPerValueStripe) * kStripe, &j0, &j1);
+        if (j0 >= j1) continue;
+        const int64_t row = int64_t{h} * x.rows_per_kv + int64_t{b} * kRowBlock;
+        WithRowBlock(blocks[b].rows, [&](auto n) {
+          TileAccumulate<Rows, decltype(n)::value>(scores + row * kTile, t.v, h * t.head_offset, j0,
+                                                   j1, d, s.acc.data() + row * d);
+        });
+      }
     }
   }
 }
