@@ -8,10 +8,10 @@
 // of each of its KV heads, so every key and value row read from the cache serves all of them.
 // Keys are visited in tiles of kTile positions, gathered across block boundaries from the
 // sequence's CSR table. Per tile, in three passes over the item's KV heads (each head's rows in
-// blocks of up to kRowBlock; the K and V passes stripe by stripe of kStripe positions, every head
-// within a stripe): scores = q · kᵀ for every row (queries prescaled), then each row's
+// blocks of up to kRowBlock): scores = q · kᵀ for every row (queries prescaled), then each row's
 // online-softmax step of FlashAttention: m' = max(m, max(scores)); acc = acc · e^(m − m') +
-// Σ e^(s − m') · v; l likewise; out = acc / l at the end; then the V sums. Decode should be
+// Σ e^(s − m') · v; l likewise; out = acc / l at the end; then the V sums. The K and V passes go
+// stripe by stripe (kStripe, kValueStripe positions), every head within a stripe. Decode should be
 // bound by how fast the K/V bytes stream in, so the per-key work is kept small: fp16/bf16 rows
 // are converted in registers where they are read (no fp32 copy), each loaded K or V vector
 // serves every row of the block (kRowBlock × 4 dot products in flight, one transposing reduction
@@ -527,10 +527,9 @@ int32_t TileRowBlocks(const AttentionParams& p, const ItemShape& x, int64_t k0, 
 // stripe), so the tile's rows are read as one stream of 2 · kTile / kStripe units of kStripe
 // positions: its K units, then its V units, then the next tile's K units. While the passes
 // compute unit u for head h, they ask for head h's rows of unit u + kStripesAhead (the V pass
-// for each of its stripe's units). Every position of a
-// block is its own 4 KiB page for 8 KV heads of 128 bf16; a stripe reads each page's K (or V)
-// half front to back, and the hardware prefetchers, which lose a head's stride at every block
-// jump, do not have to find it again.
+// for each of its stripe's units). Every position of a block is its own 4 KiB page for 8 KV heads
+// of 128 bf16; a stripe reads each page's K (or V) half front to back, and the hardware
+// prefetchers, which lose a head's stride at every block jump, do not have to find it again.
 struct TilePrefetch {
   static constexpr int32_t kUnits = 2 * kTile / kStripe;
 
