@@ -544,7 +544,7 @@ Status StateManager::CheckEach(std::span<const SeqId> uids, std::span<const int6
       seen = hit->tokens;
       length = hit->in_flight;
     }
-    if (length > (token_limit > seen ? token_limit - seen : 0)) [[unlikely]] {  // TokenCapacity
+    if (length > TokenCapacity(token_limit, seen)) [[unlikely]] {
       *why = ColdStrCat("sequence ", uid, " at ", seen, " tokens cannot take ", length,
                         " more: max_context=", config_.max_context, " and its block tables hold ",
                         seen + TokenCapacity(seen), " tokens");

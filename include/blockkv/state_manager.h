@@ -395,9 +395,10 @@ class StateManager {
                BlockedAllocator slots);
 
   // The largest number of new tokens a sequence at `seen` may add: max_context and every
-  // group's table capacity.
-  int64_t TokenCapacity(int64_t seen) const {
-    return token_limit_ > seen ? token_limit_ - seen : 0;
+  // group's table capacity (token_limit_; the static form for loops that keep it in a register).
+  int64_t TokenCapacity(int64_t seen) const { return TokenCapacity(token_limit_, seen); }
+  static int64_t TokenCapacity(int64_t token_limit, int64_t seen) {
+    return token_limit > seen ? token_limit - seen : 0;
   }
   Status CheckGroupArg(int group) const;
   // The tracked sequence of the i-th uid of the call being checked, or nullptr.
