@@ -37,7 +37,7 @@ endif()
 
 # NCCL ships inside the CUDA toolkit on these machines (/usr/local/cuda/include/nccl.h).
 set(BLOCKKV_HAVE_NCCL OFF)
-if(BLOCKKV_HAVE_CUDA)
+if(BLOCKKV_HAVE_CUDA AND NOT BLOCKKV_NCCL STREQUAL "OFF")
   find_path(BLOCKKV_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
   find_library(BLOCKKV_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR}
                ${CUDAToolkit_LIBRARY_ROOT}/lib ${CUDAToolkit_LIBRARY_ROOT}/lib64)
