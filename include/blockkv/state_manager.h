@@ -305,7 +305,7 @@ class StateManager {
   // Drops every cached block no sequence references; returns how many.
   int64_t ResetPrefixCache();
 
-  // ---- snapshots (state_manager_snapshot.cc; format and guarantees in docs/snapshots.md) ----
+  // ---- snapshots (snapshot.cc; format and guarantees in docs/snapshots.md) ----
   // A snapshot is the whole cache: the configs it needs, the contents of every referenced or
   // cached block, every sequence (slot, seen tokens, tables, known tokens and keys) and the
   // prefix-cache index with its eviction order, in a versioned file where every section and the
@@ -511,7 +511,7 @@ class StateManager {
   void ForkKeys(const Sequence& from, const Sequence& to);
   Status CheckKeys(const Sequence& seq) const;
 
-  // ---- snapshots (state_manager_snapshot.cc) ----
+  // ---- snapshots (snapshot.cc) ----
   friend class internal::SnapshotCodec;  // reads this state into a snapshot and rebuilds it
   // kFailedPrecondition naming the first sequence (by slot) whose state a snapshot cannot hold —
   // tokens in flight (their forward is not recorded), preempted or resuming (its blocks are in

@@ -199,7 +199,7 @@ class SnapshotWorkload {
   std::map<blockkv::SeqId, int64_t> known_;  // tokens the workload gave each sequence
 };
 
-// ---- the snapshot format, as far as tests need it (src/state_manager_snapshot.h) ----
+// ---- the snapshot format, as far as tests need it (src/snapshot_codec.h) ----
 
 inline constexpr size_t kSnapshotHeaderBytes = 24;
 

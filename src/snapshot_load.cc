@@ -1,7 +1,7 @@
 // LoadSnapshot's first half: checking a snapshot's framing and checksums, then parsing every
 // section into staging structures and checking that they describe a state a manager with this
 // one's configs could be in. Nothing here changes the manager; SnapshotCodec::Apply
-// (state_manager_snapshot.cc) does, once all of this has passed.
+// (snapshot.cc) does, once all of this has passed.
 //
 // What is checked, beyond the checksums: every config field against the manager's
 // (kInvalidArgument); block ids in range, ascending and held once; tables within their capacity,
@@ -21,8 +21,8 @@
 
 #include "blockkv/state_manager.h"
 #include "internal/strings.h"
+#include "snapshot_codec.h"
 #include "state_manager_keys.h"
-#include "state_manager_snapshot.h"
 
 namespace blockkv::internal {
 

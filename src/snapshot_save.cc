@@ -1,6 +1,6 @@
 // SaveSnapshot's half of the codec: encoding the manager's metadata into the CONF, SEQS and PRFX
 // sections, and writing a snapshot through a sink with the block contents streamed from the
-// device. The format is described in state_manager_snapshot.cc and docs/snapshots.md.
+// device. The format is described in snapshot.cc and docs/snapshots.md.
 #include <algorithm>
 #include <string>
 #include <vector>
@@ -8,8 +8,8 @@
 #include "blockkv/state_manager.h"
 #include "internal/check.h"
 #include "internal/strings.h"
+#include "snapshot_codec.h"
 #include "state_manager_keys.h"
-#include "state_manager_snapshot.h"
 
 namespace blockkv::internal {
 

@@ -1,7 +1,7 @@
-// The snapshot codec shared by state_manager_snapshot.cc (saving, files, applying a parsed
-// snapshot) and state_manager_snapshot_load.cc (parsing and checking): the format's constants,
-// the field encoder and decoder, the checksumming writer, and the staging structures a load fills
-// before it changes anything. docs/snapshots.md describes the format.
+// The snapshot codec shared by snapshot.cc (saving, files, applying a parsed snapshot),
+// snapshot_save.cc (encoding) and snapshot_load.cc (parsing and checking): the format's
+// constants, the field encoder and decoder, the checksumming writer, and the staging structures a
+// load fills before it changes anything. docs/snapshots.md describes the format.
 #pragma once
 
 #include <array>
@@ -217,12 +217,12 @@ class SnapshotCodec {
     uint64_t file_length = 0;
   };
 
-  // Saving (state_manager_snapshot.cc). Plan refuses what a snapshot cannot hold.
+  // Saving (snapshot.cc). Plan refuses what a snapshot cannot hold.
   static Result<SavePlan> Plan(const StateManager& m);
   static Status Write(const StateManager& m, const SavePlan& plan, const Sink& sink);
 
-  // Loading: Parse checks everything (state_manager_snapshot_load.cc); Apply then replaces the
-  // manager's state and can fail only on a device error (state_manager_snapshot.cc).
+  // Loading: Parse checks everything (snapshot_load.cc); Apply then replaces the
+  // manager's state and can fail only on a device error (snapshot.cc).
   static Status Parse(const StateManager& m, snapshot::Bytes bytes, snapshot::Staged* out);
   static Status Apply(StateManager& m, const snapshot::Staged& s);
 

@@ -9,9 +9,9 @@
 //
 // Save streams block contents from the device through a bounded host buffer, so a save to a
 // file needs host memory for the metadata only. Load checks every checksum, parses every section
-// into staging structures, cross-checks them (state_manager_snapshot_load.cc), and only then
+// into staging structures, cross-checks them (snapshot_load.cc), and only then
 // replaces the manager's state here, in ApplySnapshot.
-#include "state_manager_snapshot.h"
+#include "snapshot_codec.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
