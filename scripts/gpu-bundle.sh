@@ -71,8 +71,11 @@ for f in "$out"/bin/*; do [[ -f "$f" ]] && copy_libs "$f"; done
 
 # The Python module, as sources to compile on the GPU machine against its own python3.
 cp -r python/src "$out/python/src"
-cp -r python/blockkv "$out/python/blockkv"
-find "$out/python/blockkv" -name '__pycache__' -prune -exec rm -rf {} +
+# Under pkg/, not beside test_torch_cuda.py: python puts a script's own folder first on sys.path,
+# and a blockkv/ there (without the compiled module) would shadow the one build-python.sh makes.
+mkdir -p "$out/python/pkg"
+cp -r python/blockkv "$out/python/pkg/blockkv"
+find "$out/python/pkg/blockkv" -name '__pycache__' -prune -exec rm -rf {} +
 cp -r include "$out/python/include"
 cp "$build/src/libblockkv.a" "$out/python/"
 # The module's own shared libraries (not bin/lib's libstdc++: python and torch bring their own).

@@ -22,7 +22,7 @@ PY
 echo "build-python.sh: $cxx for $("$py" --version 2>&1), pybind11 from $pybind"
 
 mkdir -p "$out/blockkv" "$out/obj"
-cp -r "$here/blockkv/." "$out/blockkv/"
+cp -r "$here/pkg/blockkv/." "$out/blockkv/"
 flags=(-std=c++20 -O1 -fPIC -fvisibility=hidden -DBLOCKKV_HAVE_CUDA=1 -DBLOCKKV_PYTHON_HAVE_CUDA=1
        -I"$here/include" -I"$here/src" -isystem "$pybind" -isystem "$here/third_party"
        -isystem "$pyinc")
