@@ -123,10 +123,12 @@ echo "$probe" | sed 's/^/gpu         /'
 printf '%-11s %s passed, %s failed, %s skipped%s\n' "tests" "$passed" "$failed" "$skipped" \
   "$( ((${#broken[@]})) && printf ' (%s)' "${broken[*]}")"
 for ctx in 1024 4096 16384; do
-  paged="$(field "$k" "BM_CudaDecodePaged/$ctx" bytes_per_second)"
   copy="$(field "$k" "BM_CudaMemcpyD2D/$ctx" bytes_per_second)"
-  printf '%-11s context %-6s %s vs D2D copy %s: %s (goal >= 0.70)\n' "decode" "$ctx" \
-    "$(gbs "$paged")" "$(gbs "$copy")" "$(ratio "$paged" "$copy")"
+  for kernel in Paged:warp-per-key HalfWarp:half-warp; do
+    paged="$(field "$k" "BM_CudaDecode${kernel%%:*}/$ctx" bytes_per_second)"
+    printf '%-11s context %-6s %-14s %s vs D2D copy (read+write) %s: %s (goal >= 0.70)\n' \
+      "decode" "$ctx" "${kernel#*:}" "$(gbs "$paged")" "$(gbs "$copy")" "$(ratio "$paged" "$copy")"
+  done
 done
 for c in round_trip d2h; do
   printf '%-11s %-10s %s, %sx a pinned cudaMemcpyAsync (goal >= 0.80)\n' "offload" "$c" \

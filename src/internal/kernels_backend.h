@@ -21,6 +21,15 @@ void PagedAttentionCpu(const PagedKV& cache, const Activations& q, const Activat
 Status AppendKVCuda(const PagedKV& cache, const Activations& k, const Activations& v,
                     const Activations* q, const RotaryParams& rotary, int device,
                     CUstream_st* stream);
+// Which CUDA attention kernel PagedAttentionCuda launches, process-wide (src/cuda/kernels.cu
+// describes both). kWarpPerKey, the default, passed the CUDA suite on an H200 (2026-12-04).
+// kHalfWarpPerKey is meant to read K/V near the copy bandwidth but has not run on a GPU yet: the
+// CUDA tests run both and cuda_kernels_bench times both in the same run; once it has passed there
+// it becomes the default and kWarpPerKey goes. Not for engines; tests and benchmarks only.
+enum class CudaAttentionKernel { kWarpPerKey, kHalfWarpPerKey };
+void SetCudaAttentionKernel(CudaAttentionKernel kernel);
+CudaAttentionKernel GetCudaAttentionKernel();
+
 // max_context: the most keys (seen + new tokens) of any sequence in the batch.
 Status PagedAttentionCuda(const PagedKV& cache, const Activations& q, const Activations& out,
                           const AttentionParams& params, int64_t max_context, int device,

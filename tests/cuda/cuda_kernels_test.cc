@@ -20,6 +20,7 @@
 #include "blockkv/device.h"
 #include "blockkv/kernels.h"
 #include "cuda_test_util.h"
+#include "internal/kernels_backend.h"
 #include "unit/kernels_reference.h"
 
 #pragma GCC diagnostic ignored "-Wmissing-field-initializers"
@@ -54,7 +55,7 @@ struct GpuTensor {
   }
 };
 
-void RunOnGpu(const AttentionCase& c) {
+void RunKernelOnGpu(const AttentionCase& c) {
   Result<std::shared_ptr<Device>> gpu = CudaDevice(0);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   const uint32_t seed = std::random_device{}();
@@ -103,6 +104,21 @@ void RunOnGpu(const AttentionCase& c) {
             blockkv_test::Tolerance(c.act, setup.cache_dtype));
 }
 
+// Each case with both CUDA attention kernels (internal/kernels_backend.h): the default one warp
+// per key, and a key per half-warp, which is to replace it once it has passed here.
+void RunOnGpu(const AttentionCase& c) {
+  using internal::CudaAttentionKernel;
+  const CudaAttentionKernel before = internal::GetCudaAttentionKernel();
+  for (CudaAttentionKernel kernel :
+       {CudaAttentionKernel::kWarpPerKey, CudaAttentionKernel::kHalfWarpPerKey}) {
+    SCOPED_TRACE(kernel == CudaAttentionKernel::kWarpPerKey ? "kernel: a warp per key"
+                                                            : "kernel: a key per half-warp");
+    internal::SetCudaAttentionKernel(kernel);
+    RunKernelOnGpu(c);
+  }
+  internal::SetCudaAttentionKernel(before);
+}
+
 TEST(CudaKernels, DeepSpeedShapesEveryHeadSize) {
   BLOCKKV_SKIP_WITHOUT_GPU();
   for (int64_t d : {64, 80, 96, 128, 256}) {
@@ -117,11 +133,43 @@ TEST(CudaKernels, DeepSpeedShapesEveryHeadSize) {
 
 TEST(CudaKernels, GroupedQueryAttentionRatios) {
   BLOCKKV_SKIP_WITHOUT_GPU();
-  for (auto [hq, hkv] : {std::pair<int64_t, int64_t>{32, 8}, {64, 16}, {40, 8}, {64, 4}}) {
+  for (auto [hq, hkv] : {std::pair<int64_t, int64_t>{32, 8},
+                         {64, 16},
+                         {40, 8},
+                         {64, 4},
+                         {4, 4},
+                         {4, 2},
+                         {14, 2},
+                         {2, 1}}) {
     RunOnGpu({.setup = {.block_size = 16, .num_kv_heads = hkv, .head_size = 128},
               .seqs = {{1, 100}, {9, 30}, {1, 7}},
               .q_heads = hq});
   }
+}
+
+// Groups over the 8 query heads a thread block takes (Falcon-7B: 71 query heads on one KV head),
+// head sizes whose rows the lanes cover in one or four chunks, and a block size that is not a
+// power of two (the kernel's division path).
+TEST(CudaKernels, LargeGroupsWideHeadsOddBlockSizes) {
+  BLOCKKV_SKIP_WITHOUT_GPU();
+  for (int64_t hq : {71, 128}) {
+    RunOnGpu({.setup = {.block_size = 16, .num_kv_heads = 1, .head_size = 64},
+              .seqs = {{1, 300}, {5, 20}},
+              .q_heads = hq,
+              .act = DType::kBFloat16});
+  }
+  for (int64_t hq : {1, 2, 6, 16}) {
+    RunOnGpu({.setup = {.block_size = 16, .num_kv_heads = 1, .head_size = 256},
+              .seqs = {{1, 600}, {3, 40}},
+              .q_heads = hq});
+  }
+  RunOnGpu({.setup = {.block_size = 24, .num_kv_heads = 2, .head_size = 128},
+            .seqs = {{1, 1000}, {7, 50}, {1, 23}},
+            .q_heads = 8,
+            .act = DType::kFloat16});
+  RunOnGpu({.setup = {.block_size = 1, .num_kv_heads = 1, .head_size = 64},
+            .seqs = {{1, 90}, {2, 0}},
+            .q_heads = 1});
 }
 
 TEST(CudaKernels, EveryDTypeAndFp8) {
