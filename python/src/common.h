@@ -15,6 +15,8 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -58,15 +60,54 @@ void CallWithoutGil(Fn&& fn) {
   ThrowIfError(status);
 }
 
-// --- Arguments -----------------------------------------------------------------------------------
+// --- Integers -----------------------------------------------------------------------------------
+//
+// Every integer that crosses into C++ is checked against the C++ type it becomes, the same way
+// whatever carried it: a Python int, any object with __index__ (a NumPy or torch integer
+// scalar), and in the sequence forms below a list or tuple of those, a NumPy array of any integer
+// dtype (uint64 included) or a torch tensor. A value outside the type is a ValueError naming it
+// and the range ("uid 18446744073709551615 is outside int64 [-9223372036854775808,
+// 9223372036854775807]", "block ids[1] = 4294967296 is outside int32 [...]"); a bool, a float or
+// anything else not an integer is a TypeError. Conversion happens before any object's lock is
+// taken, so a failure changes nothing.
 
-// An int, or a 0-/1-D sequence of ints: a list, a tuple, a NumPy array or a CPU torch tensor (a
-// tensor on another device is copied to the host). Booleans and floats are a TypeError.
-std::vector<int64_t> ToInt64Vector(py::handle obj, const char* what);
-// The same for block ids; an id outside int32 is a ValueError naming it.
-std::vector<BlockId> ToBlockIds(py::handle obj);
-// `value` as an int32 field; outside int32 is a ValueError naming `what`.
+// `obj` as T. REQUIRES: T is int32_t or int64_t.
+template <class T>
+T ToInt(py::handle obj, const char* what);
+// An int, or a 0-/1-D sequence of ints: a list, a tuple, a NumPy array or a torch tensor (one on
+// another device is copied to the host). More dimensions are a ValueError.
+template <class T>
+std::vector<T> ToInts(py::handle obj, const char* what);
+extern template int32_t ToInt<int32_t>(py::handle, const char*);
+extern template int64_t ToInt<int64_t>(py::handle, const char*);
+extern template std::vector<int32_t> ToInts<int32_t>(py::handle, const char*);
+extern template std::vector<int64_t> ToInts<int64_t>(py::handle, const char*);
+
+inline std::vector<int64_t> ToInt64Vector(py::handle obj, const char* what) {
+  return ToInts<int64_t>(obj, what);
+}
+inline std::vector<BlockId> ToBlockIds(py::handle obj) { return ToInts<BlockId>(obj, "block ids"); }
+// `value` (already an int64) as an int32 named `what`: the same ValueError when it does not fit.
 int32_t ToInt32(int64_t value, const char* what);
+
+// The name of an argument, as a template argument: Int<int64_t, "uid">.
+template <size_t N>
+struct ArgName {
+  // NOLINTNEXTLINE(google-explicit-constructor): built from a string literal in a template.
+  constexpr ArgName(const char (&text)[N]) { std::copy_n(text, N, chars); }
+  char chars[N] = {};
+};
+
+// An integer parameter of a bound function: pybind11 converts it with ToInt<T>(arg, kName), so
+// an out-of-range value is the ValueError above, where pybind11's own int / int64_t conversion
+// raises a TypeError that names neither the value nor the range. Not an integer at all: pybind11's
+// TypeError listing the signature.
+template <class T, ArgName kName>
+struct Int {
+  T value = 0;
+  // NOLINTNEXTLINE(google-explicit-constructor): used as the T it holds.
+  operator T() const { return value; }
+};
 
 // A torch dtype (torch.float16), a NumPy dtype, or one of ParseDType's strings (with or without
 // a "torch." prefix). Unknown: ValueError.
@@ -105,3 +146,26 @@ void BindRaggedBatch(py::module_& m);   // ragged_batch.cc: RaggedBatchWrapper
 void BindKernels(py::module_& m);       // kernels.cc: append_kv, paged_attention
 
 }  // namespace blockkv::python
+
+namespace pybind11::detail {
+
+// Int<T, kName> from Python (see ToInt); back to Python as an int.
+template <class T, blockkv::python::ArgName kName>
+struct type_caster<blockkv::python::Int<T, kName>> {
+  using Value = blockkv::python::Int<T, kName>;
+  PYBIND11_TYPE_CASTER(Value, const_name("int"));
+
+  bool load(handle src, bool /*convert*/) {
+    // Not an integer: let pybind11 try the next overload, then raise its TypeError.
+    if (PyBool_Check(src.ptr()) || (!PyLong_Check(src.ptr()) && !PyIndex_Check(src.ptr()))) {
+      return false;
+    }
+    value.value = blockkv::python::ToInt<T>(src, kName.chars);  // ValueError when out of range
+    return true;
+  }
+  static handle cast(const Value& src, return_value_policy /*policy*/, handle /*parent*/) {
+    return PyLong_FromLongLong(src.value);
+  }
+};
+
+}  // namespace pybind11::detail

@@ -95,11 +95,21 @@ void SetValidated(Config& config, Change&& change) {
   config = copy;
 }
 
-// A property of an int32 field, validated on assignment.
+// A property of an int32 field, validated on assignment (range-checked as common.h says).
 template <class Config>
 auto Int32Setter(int32_t Config::*field, const char* name) {
-  return [field, name](Config& c, int64_t v) {
-    SetValidated(c, [&](Config& copy) { copy.*field = ToInt32(v, name); });
+  return [field, name](Config& c, py::handle v) {
+    const int32_t value = ToInt<int32_t>(v, name);
+    SetValidated(c, [&](Config& copy) { copy.*field = value; });
+  };
+}
+
+// A property of an int64 field, validated on assignment.
+template <class Config>
+auto Int64Setter(int64_t Config::*field, const char* name) {
+  return [field, name](Config& c, py::handle v) {
+    const int64_t value = ToInt<int64_t>(v, name);
+    SetValidated(c, [&](Config& copy) { copy.*field = value; });
   };
 }
 
@@ -239,7 +249,7 @@ void BindPrefixCacheConfig(py::module_& m) {
   py::class_<P> cls(m, "PrefixCacheConfig",
                     "Prefix caching of a StateManager (StateManagerConfig(prefix_cache=...)); "
                     "see docs/prefix_cache.md.");
-  cls.def(py::init([](bool enabled, py::handle hash_seed, int64_t max_events,
+  cls.def(py::init([](bool enabled, py::handle hash_seed, Int<int64_t, "max_events"> max_events,
                       py::handle sliding_windows) {
             P c;
             c.enabled = enabled;
@@ -260,7 +270,7 @@ void BindPrefixCacheConfig(py::module_& m) {
           "Seed of the block keys: the same on every rank and in every run gives the same keys")
       .def_property(
           "max_events", [](const P& c) { return static_cast<uint64_t>(c.max_events); },
-          [](P& c, int64_t v) { c.max_events = ToMaxEvents(v); },
+          [](P& c, py::handle v) { c.max_events = ToMaxEvents(ToInt<int64_t>(v, "max_events")); },
           "Events kept until drain_cache_events (the oldest are dropped past it); 0: no events")
       .def_property(
           "sliding_windows", [](const P& c) { return c.sliding_windows; },
@@ -302,26 +312,28 @@ void BindOffloadConfig(py::module_& m) {
                     "(StateManagerConfig(offload=True, offload_config=...)); see docs/offload.md. "
                     "The host tier needs host_blocks or host_bytes: it is allocated up front "
                     "(pinned on a GPU), so it has no default size.");
-  cls.def(py::init([](int64_t host_blocks, int64_t host_bytes, py::handle disk_path,
-                      int64_t disk_blocks, int64_t disk_bytes) {
-            O c;
-            c.host_blocks = ToInt32(host_blocks, "host_blocks");
-            c.host_bytes = host_bytes;
-            c.disk_path = ToDiskPath(disk_path);
-            c.disk_blocks = ToInt32(disk_blocks, "disk_blocks");
-            c.disk_bytes = disk_bytes;
-            ThrowIfError(c.Validate());
-            return c;
-          }),
-          py::kw_only(), py::arg("host_blocks") = 0, py::arg("host_bytes") = 0,
-          py::arg("disk_path") = py::none(), py::arg("disk_blocks") = 0, py::arg("disk_bytes") = 0)
+  cls.def(
+         py::init([](Int<int32_t, "host_blocks"> host_blocks, Int<int64_t, "host_bytes"> host_bytes,
+                     py::handle disk_path, Int<int32_t, "disk_blocks"> disk_blocks,
+                     Int<int64_t, "disk_bytes"> disk_bytes) {
+           O c;
+           c.host_blocks = host_blocks;
+           c.host_bytes = host_bytes;
+           c.disk_path = ToDiskPath(disk_path);
+           c.disk_blocks = disk_blocks;
+           c.disk_bytes = disk_bytes;
+           ThrowIfError(c.Validate());
+           return c;
+         }),
+         py::kw_only(), py::arg("host_blocks") = 0, py::arg("host_bytes") = 0,
+         py::arg("disk_path") = py::none(), py::arg("disk_blocks") = 0, py::arg("disk_bytes") = 0)
       .def_property(
           "host_blocks", [](const O& c) { return c.host_blocks; },
           Int32Setter(&O::host_blocks, "host_blocks"),
           "Host tier slots per cache group; 0: as many as host_bytes holds")
       .def_property(
           "host_bytes", [](const O& c) { return c.host_bytes; },
-          [](O& c, int64_t v) { SetValidated(c, [&](O& copy) { copy.host_bytes = v; }); },
+          Int64Setter(&O::host_bytes, "host_bytes"),
           "Host tier bytes, a block of every cache group counted together (used when "
           "host_blocks is 0)")
       .def_property(
@@ -341,7 +353,7 @@ void BindOffloadConfig(py::module_& m) {
           "Disk tier slots per cache group; 0: as many as disk_bytes holds")
       .def_property(
           "disk_bytes", [](const O& c) { return c.disk_bytes; },
-          [](O& c, int64_t v) { SetValidated(c, [&](O& copy) { copy.disk_bytes = v; }); })
+          Int64Setter(&O::disk_bytes, "disk_bytes"))
       .def("__eq__", [](const O& a, const O& b) { return a == b; })
       .def("__repr__", py::overload_cast<const O&>(&Repr));
   AddValueMethods(cls, &OffloadState, &OffloadFromState);
@@ -369,23 +381,25 @@ PrefixCacheConfig ToPrefixCache(py::handle obj) {
 
 void BindKVCacheConfig(py::module_& m) {
   py::class_<KVCacheConfig> cls(m, "KVCacheConfig", "One cache group (DeepSpeed's KVCacheConfig).");
-  cls.def(py::init([](py::handle cache_shape, int64_t block_size, py::handle cache_dtype,
-                      int64_t num_allocation_groups, int64_t max_blocks_per_allocation_group,
-                      py::handle type) {
-            CheckCacheType(type);
-            KVCacheConfig c;
-            c.cache_shape = ToCacheShape(cache_shape);
-            c.block_size = ToInt32(block_size, "block_size");
-            c.cache_dtype = ToDType(cache_dtype);
-            c.num_allocation_groups = ToInt32(num_allocation_groups, "num_allocation_groups");
-            c.max_blocks_per_allocation_group =
-                ToInt32(max_blocks_per_allocation_group, "max_blocks_per_allocation_group");
-            ThrowIfError(c.Validate());
-            return c;
-          }),
-          py::kw_only(), py::arg("cache_shape"), py::arg("block_size") = 128,
-          py::arg("cache_dtype") = "fp16", py::arg("num_allocation_groups") = 1,
-          py::arg("max_blocks_per_allocation_group") = 64, py::arg("type") = py::none())
+  cls.def(
+         py::init(
+             [](py::handle cache_shape, Int<int32_t, "block_size"> block_size,
+                py::handle cache_dtype, Int<int32_t, "num_allocation_groups"> num_allocation_groups,
+                Int<int32_t, "max_blocks_per_allocation_group"> max_blocks_per_allocation_group,
+                py::handle type) {
+               CheckCacheType(type);
+               KVCacheConfig c;
+               c.cache_shape = ToCacheShape(cache_shape);
+               c.block_size = block_size;
+               c.cache_dtype = ToDType(cache_dtype);
+               c.num_allocation_groups = num_allocation_groups;
+               c.max_blocks_per_allocation_group = max_blocks_per_allocation_group;
+               ThrowIfError(c.Validate());
+               return c;
+             }),
+         py::kw_only(), py::arg("cache_shape"), py::arg("block_size") = 128,
+         py::arg("cache_dtype") = "fp16", py::arg("num_allocation_groups") = 1,
+         py::arg("max_blocks_per_allocation_group") = 64, py::arg("type") = py::none())
       .def_property(
           "block_size", [](const KVCacheConfig& c) { return c.block_size; },
           Int32Setter(&KVCacheConfig::block_size, "block_size"))
@@ -455,7 +469,7 @@ void BindMemoryConfig(py::module_& m) {
 
   py::class_<MemoryConfig> cls(m, "MemoryConfig",
                                "How big the cache is (DeepSpeed's MemoryConfig).");
-  cls.def(py::init([](py::handle mode, int64_t size) {
+  cls.def(py::init([](py::handle mode, Int<int64_t, "size"> size) {
             MemoryConfig c;
             c.mode = ToMode(mode);
             c.size = size;
@@ -472,9 +486,7 @@ void BindMemoryConfig(py::module_& m) {
           })
       .def_property(
           "size", [](const MemoryConfig& c) { return c.size; },
-          [](MemoryConfig& c, int64_t v) {
-            SetValidated(c, [&](MemoryConfig& copy) { copy.size = v; });
-          })
+          Int64Setter(&MemoryConfig::size, "size"))
       .def("__eq__", [](const MemoryConfig& a,
                         const MemoryConfig& b) { return a.mode == b.mode && a.size == b.size; })
       .def("__repr__", py::overload_cast<const MemoryConfig&>(&Repr));
@@ -485,15 +497,16 @@ void BindStateManagerConfig(py::module_& m) {
   using C = StateManagerConfig;
   py::class_<C> cls(m, "StateManagerConfig",
                     "Limits of a StateManager and its batches (DeepSpeed's DSStateManagerConfig).");
-  cls.def(py::init([](int64_t max_tracked_sequences, int64_t max_ragged_batch_size,
-                      int64_t max_ragged_sequence_count, int64_t max_context,
-                      const py::object& memory_config, bool offload,
-                      const py::object& offload_config, const py::object& prefix_cache) {
+  cls.def(py::init([](Int<int32_t, "max_tracked_sequences"> max_tracked_sequences,
+                      Int<int32_t, "max_ragged_batch_size"> max_ragged_batch_size,
+                      Int<int32_t, "max_ragged_sequence_count"> max_ragged_sequence_count,
+                      Int<int64_t, "max_context"> max_context, const py::object& memory_config,
+                      bool offload, const py::object& offload_config,
+                      const py::object& prefix_cache) {
             C c;
-            c.max_tracked_sequences = ToInt32(max_tracked_sequences, "max_tracked_sequences");
-            c.max_ragged_batch_size = ToInt32(max_ragged_batch_size, "max_ragged_batch_size");
-            c.max_ragged_sequence_count =
-                ToInt32(max_ragged_sequence_count, "max_ragged_sequence_count");
+            c.max_tracked_sequences = max_tracked_sequences;
+            c.max_ragged_batch_size = max_ragged_batch_size;
+            c.max_ragged_sequence_count = max_ragged_sequence_count;
             c.max_context = max_context;
             if (!memory_config.is_none()) c.memory_config = memory_config.cast<MemoryConfig>();
             c.offload = offload;
@@ -518,7 +531,7 @@ void BindStateManagerConfig(py::module_& m) {
           Int32Setter(&C::max_ragged_sequence_count, "max_ragged_sequence_count"))
       .def_property(
           "max_context", [](const C& c) { return c.max_context; },
-          [](C& c, int64_t v) { SetValidated(c, [&](C& copy) { copy.max_context = v; }); })
+          Int64Setter(&C::max_context, "max_context"))
       .def_property("memory_config",
                     py::cpp_function([](C& c) -> MemoryConfig& { return c.memory_config; },
                                      py::return_value_policy::reference_internal),

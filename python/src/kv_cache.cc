@@ -16,6 +16,7 @@
 #include "blockkv/config.h"
 #include "blockkv/offload.h"
 #include "common.h"
+#include "object_lock.h"
 #include "offload_ticket.h"
 #include "tensor.h"
 
@@ -37,7 +38,7 @@ void BindDevice(py::module_& m) {
       "CpuDevice",
       [](const py::object& budget_bytes) {
         if (budget_bytes.is_none()) return CpuDevice();
-        const auto budget = budget_bytes.cast<int64_t>();
+        const auto budget = ToInt<int64_t>(budget_bytes, "budget_bytes");
         if (budget < 0) Throw(PyExc_ValueError, "budget_bytes must be >= 0");
         return CpuDevice(budget);
       },
@@ -46,61 +47,75 @@ void BindDevice(py::module_& m) {
       "budget_bytes (RESERVE mode then plans against the budget).");
   m.def(
       "CudaDevice",
-      [](int64_t ordinal) { return ValueOrThrow(CudaDevice(ToInt32(ordinal, "ordinal"))); },
+      [](Int<int32_t, "ordinal"> ordinal) { return ValueOrThrow(CudaDevice(ordinal)); },
       py::arg("ordinal") = 0,
       "CUDA GPU `ordinal`. RuntimeError when blockkv was built without CUDA or there is no such "
       "GPU.");
 }
 
+// The Python BlockedAllocator: the free list and the lock every call holds.
+struct PyAllocator {
+  explicit PyAllocator(BlockedAllocator a) : allocator(std::move(a)) {}
+  BlockedAllocator allocator;
+  ObjectLock lock;
+};
+
 void BindAllocator(py::module_& m) {
-  py::class_<BlockedAllocator>(m, "BlockedAllocator",
-                               "A free list of block ids (DeepSpeed's BlockedAllocator).")
-      .def(py::init([](int64_t num_blocks) {
-             return ValueOrThrow(BlockedAllocator::Create(ToInt32(num_blocks, "num_blocks")));
+  py::class_<PyAllocator>(m, "BlockedAllocator",
+                          "A free list of block ids (DeepSpeed's BlockedAllocator). Thread-safe: "
+                          "every method holds the allocator's lock.")
+      .def(py::init([](Int<int32_t, "num_blocks"> num_blocks) {
+             return std::make_unique<PyAllocator>(
+                 ValueOrThrow(BlockedAllocator::Create(num_blocks)));
            }),
            py::arg("num_blocks"))
       .def(
           "allocate",
-          [](BlockedAllocator& a, int64_t num_blocks) {
-            return ToNumpy(ValueOrThrow(a.Allocate(ToInt32(num_blocks, "num_blocks"))));
+          [](PyAllocator& a, Int<int32_t, "num_blocks"> num_blocks) {
+            return ToNumpy(
+                ValueOrThrow(Locked(a.lock, [&] { return a.allocator.Allocate(num_blocks); })));
           },
           py::arg("num_blocks"),
           "`num_blocks` ids as an int32 NumPy array; ValueError (nothing taken) when fewer are "
-          "free.")
+          "free or num_blocks is negative.")
       .def(
           "free",
-          [](BlockedAllocator& a, py::handle blocks) { ThrowIfError(a.Free(ToBlockIds(blocks))); },
+          [](PyAllocator& a, py::handle blocks) {
+            const std::vector<BlockId> ids = ToBlockIds(blocks);
+            ThrowIfError(Locked(a.lock, [&] { return a.allocator.Free(ids); }));
+          },
           py::arg("blocks"),
           "Returns an int, a list, a NumPy array or a torch tensor of ids; all or nothing: an "
           "invalid, free or repeated id is a ValueError and frees none.")
-      .def_property_readonly("free_blocks", &BlockedAllocator::free_blocks)
-      .def_property_readonly("num_blocks", &BlockedAllocator::num_blocks)
-      .def("check_invariants",
-           [](const BlockedAllocator& a) { ThrowIfError(a.CheckInvariants()); });
+      .def_property_readonly(
+          "free_blocks",
+          [](PyAllocator& a) { return Locked(a.lock, [&] { return a.allocator.free_blocks(); }); })
+      .def_property_readonly("num_blocks",
+                             [](const PyAllocator& a) { return a.allocator.num_blocks(); })
+      .def("check_invariants", [](PyAllocator& a) {
+        ThrowIfError(Locked(a.lock, [&] { return a.allocator.CheckInvariants(); }));
+      });
 }
 
-// BlockedKVCache.offload / restore: the store, and the cache it reads and writes, which must
-// outlive it (declared first: destroyed last). Tickets hold this, so a ticket keeps its store.
-struct OffloadState {
-  std::shared_ptr<BlockedKVCache> cache;
-  std::unique_ptr<OffloadStore> store;
-};
-
-// The Python BlockedKVCache: the cache (what views from get_cache keep alive) and, with
-// offload=True, its offload state.
+// The Python BlockedKVCache: the cache (what views from get_cache keep alive), with offload=True
+// its offload store, and the lock every call on either holds (the store frees device blocks into
+// the cache's allocators). Tickets alias this object, so a ticket keeps its store alive.
 struct PyCache {
   std::shared_ptr<BlockedKVCache> cache;
-  std::shared_ptr<OffloadState> offload;  // nullptr with offload=False
+  std::unique_ptr<OffloadStore> store;  // nullptr with offload=False; destroyed before the cache
+  ObjectLock lock;
 
+  // Whether there is a store is fixed at creation, so this needs no lock.
   OffloadStore& Store() const {
-    if (offload == nullptr) {
+    if (store == nullptr) {
       Throw(PyExc_RuntimeError,
             "offload is off for this BlockedKVCache: create it with offload=True and "
             "host_blocks= or host_bytes= to offload and restore blocks");
     }
-    return *offload->store;
+    return *store;
   }
 };
+using Cache = std::shared_ptr<PyCache>;
 
 Tier ToTier(py::handle obj) {
   if (!py::isinstance<py::str>(obj)) {
@@ -157,55 +172,72 @@ struct OffloadArgs {
   }
 };
 
-std::shared_ptr<PyCache> CreateCache(py::handle configs, const MemoryConfig& memory_config,
-                                     py::handle mp_group, const OffloadArgs& args,
-                                     py::handle device) {
+Cache CreateCache(py::handle configs, const MemoryConfig& memory_config, py::handle mp_group,
+                  const OffloadArgs& args, py::handle device) {
   RequireNoGroup(mp_group, "mp_group");
   const OffloadConfig offload_config = args.ToConfig();
   std::vector<KVCacheConfig> cache_configs = ToConfigs(configs);
   std::shared_ptr<Device> dev = ToDevice(device);
+  // A copy: another thread may assign to the Python config while the GIL is released.
+  const MemoryConfig memory = memory_config;
   Result<std::unique_ptr<BlockedKVCache>> cache = InternalError("not created");
   Result<std::unique_ptr<OffloadStore>> store = InternalError("not created");
   {
     py::gil_scoped_release release;
-    cache = BlockedKVCache::Create(std::move(cache_configs), memory_config, std::move(dev));
+    cache = BlockedKVCache::Create(std::move(cache_configs), memory, std::move(dev));
     if (cache.ok() && args.offload) store = OffloadStore::Create(cache->get(), offload_config);
   }
   auto out = std::make_shared<PyCache>();
   out->cache = std::shared_ptr<BlockedKVCache>(ValueOrThrow(std::move(cache)));
-  if (args.offload) {
-    out->offload = std::make_shared<OffloadState>();
-    out->offload->cache = out->cache;
-    out->offload->store = ValueOrThrow(std::move(store));
-  }
+  if (args.offload) out->store = ValueOrThrow(std::move(store));
   return out;
 }
 
 void BindTicket(py::module_& m) {
   py::class_<Ticket>(m, "OffloadTicket",
                      "The completion of an offload, restore or spill (and of preempt_sequence / "
-                     "resume_sequence). Keeps its store alive.")
+                     "resume_sequence). Keeps its store alive. Thread-safe: wait and poll hold "
+                     "the lock of the object whose store made it.")
       .def(
-          "wait", [](Ticket& t) { CallWithoutGil([&] { return t.ticket.Wait(); }); },
+          "wait",
+          [](Ticket& t) {
+            ThrowIfError(LockedWithoutGil(*t.lock, [&] { return t.ticket.Wait(); }));
+          },
           "Blocks until the copies are done (the GIL released). Raises their first failure, the "
           "same on every call: ResourceExhaustedError (the disk full), RuntimeError (an I/O or "
-          "device error, a corrupt disk slot); returns None when they succeeded.")
+          "device error, a corrupt disk slot); returns None when they succeeded. It holds its "
+          "store's lock (the BlockedKVCache's or the StateManager's) meanwhile, so other calls "
+          "on that object wait for the copies too.")
       .def(
-          "poll", [](Ticket& t) { return t.ticket.Poll(); },
+          "poll", [](Ticket& t) { return Locked(*t.lock, [&] { return t.ticket.Poll(); }); },
           "True when the copies are done (never raises; wait() then returns at once).")
       .def("__repr__", [](const Ticket&) { return std::string("<blockkv.OffloadTicket>"); });
 }
 
+// ValueError unless 0 <= group < the cache's group count (fixed at creation: no lock needed).
+void CheckCacheGroup(const PyCache& c, int group) {
+  const int groups = c.cache->num_groups();
+  if (group < 0 || group >= groups) {
+    Throw(PyExc_ValueError, "cache group " + std::to_string(group) + " is outside [0, " +
+                                std::to_string(groups) + ")");
+  }
+}
+
+using CacheGroupArg = Int<int, "cache_group">;
+
 void BindBlockedKVCache(py::module_& m) {
-  using Cache = BlockedKVCache;
-  py::class_<PyCache, std::shared_ptr<PyCache>>(
+  py::class_<PyCache, Cache>(
       m, "BlockedKVCache",
       "The storage of a paged KV cache and one allocator per cache group (DeepSpeed's "
       "BlockedKVCache), with offload=True a host (and optionally disk) tier to offload blocks "
-      "to. Views from get_cache keep it alive.")
+      "to. Views from get_cache keep it alive. Thread-safe: every method (and every method of "
+      "its tickets) holds the cache's lock; the bytes of the views are the caller's to "
+      "synchronize, as any tensor's.")
       .def(py::init([](py::handle configs, const MemoryConfig& memory_config, py::handle mp_group,
-                       bool offload, py::handle device, int64_t host_blocks, int64_t host_bytes,
-                       py::handle disk_path, int64_t disk_blocks, int64_t disk_bytes) {
+                       bool offload, py::handle device, Int<int32_t, "host_blocks"> host_blocks,
+                       Int<int64_t, "host_bytes"> host_bytes, py::handle disk_path,
+                       Int<int32_t, "disk_blocks"> disk_blocks,
+                       Int<int64_t, "disk_bytes"> disk_bytes) {
              OffloadArgs args{offload,           host_blocks, host_bytes,
                               ToPath(disk_path), disk_blocks, disk_bytes};
              return CreateCache(configs, memory_config, mp_group, args, device);
@@ -216,53 +248,64 @@ void BindBlockedKVCache(py::module_& m) {
            py::arg("disk_blocks") = 0, py::arg("disk_bytes") = 0)
       .def(
           "reserve",
-          [](PyCache& c, int64_t num_blocks, int cache_group) {
-            return ToNumpy(
-                ValueOrThrow(c.cache->Reserve(ToInt32(num_blocks, "num_blocks"), cache_group)));
+          [](PyCache& c, Int<int32_t, "num_blocks"> num_blocks, CacheGroupArg cache_group) {
+            return ToNumpy(ValueOrThrow(
+                Locked(c.lock, [&] { return c.cache->Reserve(num_blocks, cache_group); })));
           },
           py::arg("num_blocks"), py::arg("cache_group") = 0,
-          "`num_blocks` free blocks of the group, as an int32 NumPy array.")
+          "`num_blocks` free blocks of the group, as an int32 NumPy array. All or nothing: "
+          "ResourceExhaustedError when fewer are free, ValueError for a negative count or a bad "
+          "group.")
       .def(
           "free",
-          [](PyCache& c, py::handle blocks, int cache_group) {
-            ThrowIfError(c.cache->Free(ToBlockIds(blocks), cache_group));
+          [](PyCache& c, py::handle blocks, CacheGroupArg cache_group) {
+            const std::vector<BlockId> ids = ToBlockIds(blocks);
+            ThrowIfError(Locked(c.lock, [&] { return c.cache->Free(ids, cache_group); }));
           },
-          py::arg("blocks"), py::arg("cache_group") = 0)
+          py::arg("blocks"), py::arg("cache_group") = 0,
+          "Returns blocks to the group's free list. All or nothing: ValueError for an id out of "
+          "range, free, repeated or held by the offload store.")
       .def(
           "copy_blocks",
-          [](PyCache& c, py::handle src, py::handle dst, int cache_group) {
+          [](PyCache& c, py::handle src, py::handle dst, CacheGroupArg cache_group) {
             const std::vector<BlockId> from = ToBlockIds(src);
             const std::vector<BlockId> to = ToBlockIds(dst);
-            CallWithoutGil([&] { return c.cache->CopyBlocks(from, to, cache_group); });
+            ThrowIfError(LockedWithoutGil(
+                c.lock, [&] { return c.cache->CopyBlocks(from, to, cache_group); }));
           },
           py::arg("src"), py::arg("dst"), py::arg("cache_group") = 0,
-          "Copies block src[i] to dst[i] in every layer of the group.")
+          "Copies block src[i] to dst[i] in every layer of the group. ValueError (nothing "
+          "copied) for an id out of range or lists of different lengths.")
       .def(
           "get_cache",
-          [](const PyCache& c, int64_t cache_id, int cache_group) {
-            return MakeTensor(ValueOrThrow(c.cache->GetCache(cache_id, cache_group)), c.cache);
+          [](const Cache& c, Int<int64_t, "cache_id"> cache_id, CacheGroupArg cache_group) {
+            const TensorView view = ValueOrThrow(
+                Locked(c->lock, [&] { return c->cache->GetCache(cache_id, cache_group); }));
+            return MakeTensor(view, c->cache);
           },
           py::arg("cache_id"), py::arg("cache_group") = 0,
           "Layer `cache_id` of the group: a blockkv.Tensor [num_blocks, block_size, 2, "
           "num_kv_heads, head_size] to pass to torch.from_dlpack / numpy.from_dlpack.")
       .def(
           "get_group_storage",
-          [](const PyCache& c, int cache_group) {
-            return MakeTensor(ValueOrThrow(c.cache->GetGroupStorage(cache_group)), c.cache);
+          [](const Cache& c, CacheGroupArg cache_group) {
+            const TensorView view = ValueOrThrow(
+                Locked(c->lock, [&] { return c->cache->GetGroupStorage(cache_group); }));
+            return MakeTensor(view, c->cache);
           },
           py::arg("cache_group") = 0,
           "The whole group: [num_caches, num_blocks, block_size, 2, num_kv_heads, head_size].")
       .def(
           "offload",
-          [](const PyCache& c, py::handle blocks, int cache_group, py::handle tier) {
-            OffloadStore& store = c.Store();
+          [](const Cache& c, py::handle blocks, CacheGroupArg cache_group, py::handle tier) {
+            OffloadStore& store = c->Store();
             const std::vector<BlockId> ids = ToBlockIds(blocks);
             const Tier to = ToTier(tier);
             std::vector<OffloadHandle> handles(ids.size());
-            Result<OffloadTicket> ticket =
-                ResultWithoutGil([&] { return store.Offload(ids, cache_group, handles, to); });
+            Result<OffloadTicket> ticket = LockedWithoutGil(
+                c->lock, [&] { return store.Offload(ids, cache_group, handles, to); });
             return py::make_tuple(HandlesToNumpy(handles),
-                                  MakeTicket(ValueOrThrow(std::move(ticket)), c.offload));
+                                  MakeTicket(ValueOrThrow(std::move(ticket)), c, c->lock));
           },
           py::arg("blocks"), py::arg("cache_group") = 0, py::arg("tier") = "host",
           "Copies `blocks` of the group to the host (or disk) tier: (handles, ticket), handles an "
@@ -272,15 +315,15 @@ void BindBlockedKVCache(py::module_& m) {
           "free slots in the tier).")
       .def(
           "restore",
-          [](const PyCache& c, py::handle handles, int cache_group) {
-            OffloadStore& store = c.Store();
+          [](const Cache& c, py::handle handles, CacheGroupArg cache_group) {
+            OffloadStore& store = c->Store();
             CheckStoreGroup(store, cache_group);  // -1 would be the store's kAnyGroup
             const std::vector<OffloadHandle> from = ToHandles(handles);
             std::vector<BlockId> blocks(from.size());
             Result<OffloadTicket> ticket =
-                ResultWithoutGil([&] { return store.Restore(from, cache_group, blocks); });
+                LockedWithoutGil(c->lock, [&] { return store.Restore(from, cache_group, blocks); });
             return py::make_tuple(ToNumpy(blocks),
-                                  MakeTicket(ValueOrThrow(std::move(ticket)), c.offload));
+                                  MakeTicket(ValueOrThrow(std::move(ticket)), c, c->lock));
           },
           py::arg("handles"), py::arg("cache_group") = 0,
           "New blocks of the group for `handles`, copied from wherever each is: (blocks, ticket), "
@@ -289,11 +332,12 @@ void BindBlockedKVCache(py::module_& m) {
           "of another group, a repeated one), ResourceExhaustedError (too few free blocks).")
       .def(
           "spill",
-          [](const PyCache& c, py::handle handles) {
-            OffloadStore& store = c.Store();
+          [](const Cache& c, py::handle handles) {
+            OffloadStore& store = c->Store();
             const std::vector<OffloadHandle> from = ToHandles(handles);
-            Result<OffloadTicket> ticket = ResultWithoutGil([&] { return store.Spill(from); });
-            return MakeTicket(ValueOrThrow(std::move(ticket)), c.offload);
+            Result<OffloadTicket> ticket =
+                LockedWithoutGil(c->lock, [&] { return store.Spill(from); });
+            return MakeTicket(ValueOrThrow(std::move(ticket)), c, c->lock);
           },
           py::arg("handles"),
           "Moves host handles to the disk tier, unchanged (others stay where they are): a ticket. "
@@ -301,35 +345,38 @@ void BindBlockedKVCache(py::module_& m) {
           "disk tier is too full.")
       .def(
           "drop",
-          [](const PyCache& c, py::handle handles) {
+          [](PyCache& c, py::handle handles) {
             OffloadStore& store = c.Store();
             const std::vector<OffloadHandle> from = ToHandles(handles);
-            CallWithoutGil([&] { return store.Drop(from); });
+            ThrowIfError(LockedWithoutGil(c.lock, [&] { return store.Drop(from); }));
           },
           py::arg("handles"),
           "Forgets handles without restoring them; ValueError (nothing dropped) for a stale one.")
       .def(
           "handle_tier",
-          [](const PyCache& c, int64_t handle) {
-            return std::string(TierName(ValueOrThrow(c.Store().tier(UnpackHandle(handle)))));
+          [](PyCache& c, Int<int64_t, "handle"> handle) {
+            const OffloadStore& store = c.Store();
+            const Tier tier =
+                ValueOrThrow(Locked(c.lock, [&] { return store.tier(UnpackHandle(handle)); }));
+            return std::string(TierName(tier));
           },
           py::arg("handle"),
           "Where a handle's bytes are: \"host\", \"disk\", or \"device\" (its offload failed and "
           "kept the device block). ValueError for a stale handle.")
       .def(
           "free_host_blocks",
-          [](const PyCache& c, int cache_group) {
+          [](PyCache& c, CacheGroupArg cache_group) {
             const OffloadStore& store = c.Store();
             CheckStoreGroup(store, cache_group);
-            return store.free_host_blocks(cache_group);
+            return Locked(c.lock, [&] { return store.free_host_blocks(cache_group); });
           },
           py::arg("cache_group") = 0)
       .def(
           "free_disk_blocks",
-          [](const PyCache& c, int cache_group) {
+          [](PyCache& c, CacheGroupArg cache_group) {
             const OffloadStore& store = c.Store();
             CheckStoreGroup(store, cache_group);
-            return store.free_disk_blocks(cache_group);
+            return Locked(c.lock, [&] { return store.free_disk_blocks(cache_group); });
           },
           py::arg("cache_group") = 0)
       .def_property_readonly(
@@ -339,23 +386,27 @@ void BindBlockedKVCache(py::module_& m) {
           "disk_blocks", [](const PyCache& c) { return c.Store().disk_blocks(); },
           "Disk tier slots per cache group (0 without a disk tier)")
       .def(
-          "offload_stats", [](const PyCache& c) { return StatsDict(c.Store()); },
+          "offload_stats",
+          [](PyCache& c) {
+            const OffloadStore& store = c.Store();
+            return StatsDict(Locked(c.lock, [&] { return ReadStats(store); }));
+          },
           "A dict: offloaded_blocks, restored_blocks, spilled_blocks, copied_to_host, "
           "copied_to_device, failed_copies, "
           "bytes_written, bytes_read, live_handles")
       .def_property_readonly(
-          "offload_enabled", [](const PyCache& c) { return c.offload != nullptr; },
+          "offload_enabled", [](const PyCache& c) { return c.store != nullptr; },
           "Whether the cache was created with offload=True")
       .def(
           "wait_all",
-          [](const PyCache& c) {
+          [](PyCache& c) {
             OffloadStore& store = c.Store();
-            py::gil_scoped_release release;
-            store.WaitAll();
+            LockedWithoutGil(c.lock, [&] { store.WaitAll(); });
           },
           "Waits for every copy submitted so far (the GIL released) and applies their effects.")
       .def_property_readonly(
-          "free_blocks", [](const PyCache& c) { return c.cache->free_blocks(); },
+          "free_blocks",
+          [](PyCache& c) { return Locked(c.lock, [&] { return c.cache->free_blocks(); }); },
           "A list: one entry per group.")
       .def_property_readonly(
           "num_caches", [](const PyCache& c) { return c.cache->num_groups(); },
@@ -370,20 +421,22 @@ void BindBlockedKVCache(py::module_& m) {
       .def_property_readonly("device", [](const PyCache& c) { return c.cache->device(); })
       .def(
           "config",
-          [](const PyCache& c, int cache_group) {
-            const Cache& cache = *c.cache;
-            if (cache_group < 0 || cache_group >= cache.num_groups()) {
-              Throw(PyExc_ValueError, "cache group " + std::to_string(cache_group) +
-                                          " is outside [0, " + std::to_string(cache.num_groups()) +
-                                          ")");
-            }
-            return cache.config(cache_group);
+          [](const PyCache& c, CacheGroupArg cache_group) {
+            CheckCacheGroup(c, cache_group);
+            return c.cache->config(cache_group);
           },
           py::arg("cache_group") = 0)
-      .def("check_invariants", [](const PyCache& c) {
-        ThrowIfError(c.cache->CheckInvariants());
-        if (c.offload != nullptr) ThrowIfError(c.offload->store->CheckInvariants());
-      });
+      .def(
+          "check_invariants",
+          [](PyCache& c) {
+            ThrowIfError(Locked(c.lock, [&] {
+              Status status = c.cache->CheckInvariants();
+              if (status.ok() && c.store != nullptr) status = c.store->CheckInvariants();
+              return status;
+            }));
+          },
+          "RuntimeError naming the first broken invariant of the allocators or the offload "
+          "store; None when they hold.");
 }
 
 }  // namespace

@@ -16,18 +16,23 @@
 
 #include "blockkv/offload.h"
 #include "common.h"
+#include "object_lock.h"
 
 namespace blockkv::python {
 
-// An OffloadTicket and what keeps its store alive (the Python cache's offload state, or the
-// StateManager that owns its store).
+// An OffloadTicket and the lock of the object whose store made it (a BlockedKVCache's or a
+// StateManager's): wait() and poll() apply the copies' effects to that store, so they hold the
+// lock like every other call on it. The shared_ptr aliases the object, so a ticket keeps its
+// store alive.
 struct Ticket {
   OffloadTicket ticket;
-  std::shared_ptr<const void> owner;
+  std::shared_ptr<ObjectLock> lock;
 };
 
-inline py::object MakeTicket(OffloadTicket ticket, std::shared_ptr<const void> owner) {
-  return py::cast(Ticket{ticket, std::move(owner)});
+// `lock` is a member of `*owner`.
+template <class Owner>
+py::object MakeTicket(OffloadTicket ticket, const std::shared_ptr<Owner>& owner, ObjectLock& lock) {
+  return py::cast(Ticket{ticket, std::shared_ptr<ObjectLock>(owner, &lock)});
 }
 
 inline int64_t PackHandle(OffloadHandle h) {
@@ -55,9 +60,19 @@ inline py::array_t<int64_t> HandlesToNumpy(const std::vector<OffloadHandle>& han
   return out;
 }
 
-// The store's counters, and its live handles.
-inline py::dict StatsDict(const OffloadStore& store) {
-  const OffloadStats& s = store.stats();
+// The store's counters and its live handles, copied under the owner's lock; StatsDict makes the
+// Python dict after.
+struct StoreStats {
+  OffloadStats counters;
+  int64_t live_handles = 0;
+};
+
+inline StoreStats ReadStats(const OffloadStore& store) {
+  return {store.stats(), store.live_handles()};
+}
+
+inline py::dict StatsDict(const StoreStats& stats) {
+  const OffloadStats& s = stats.counters;
   py::dict d;
   d["offloaded_blocks"] = s.offloaded_blocks;
   d["restored_blocks"] = s.restored_blocks;
@@ -67,7 +82,7 @@ inline py::dict StatsDict(const OffloadStore& store) {
   d["failed_copies"] = s.failed_copies;
   d["bytes_written"] = s.bytes_written;
   d["bytes_read"] = s.bytes_read;
-  d["live_handles"] = store.live_handles();
+  d["live_handles"] = stats.live_handles;
   return d;
 }
 
@@ -77,17 +92,6 @@ inline void CheckStoreGroup(const OffloadStore& store, int group) {
     Throw(PyExc_ValueError, "cache group " + std::to_string(group) + " is outside [0, " +
                                 std::to_string(store.num_groups()) + ")");
   }
-}
-
-// Runs `fn` (returning a Result) with the GIL released; the caller throws with the GIL back.
-template <class Fn>
-auto ResultWithoutGil(Fn&& fn) -> decltype(fn()) {
-  decltype(fn()) result = InternalError("not run");
-  {
-    py::gil_scoped_release release;
-    result = fn();
-  }
-  return result;
 }
 
 }  // namespace blockkv::python

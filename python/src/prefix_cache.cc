@@ -20,12 +20,11 @@
 #include "blockkv/prefix_cache.h"
 #include "blockkv/state_manager.h"
 #include "common.h"
+#include "object_lock.h"
 #include "sequence.h"
 
 namespace blockkv::python {
 namespace {
-
-using Manager = std::shared_ptr<StateManager>;
 
 // One drain: the events as Python objects, oldest first, and how many were dropped before them.
 struct EventBatch {
@@ -50,10 +49,11 @@ py::object OptionalHex(bool present, const BlockHash& hash) {
 
 std::string QuotedNamespace(const std::string& ns) { return py::repr(py::str(ns)); }
 
-// Token ids as TokenId (int32): a list, a NumPy array, a torch tensor or one int. Negative ids
-// and ids past int32 are a ValueError naming the first.
+// Token ids as TokenId (int32): a list, a NumPy array, a torch tensor or one int. A negative id
+// or one past int32 is a ValueError naming the first (read as int64 first, so the message is the
+// same for both).
 std::vector<TokenId> ToTokenIds(py::handle obj, const char* what) {
-  const std::vector<int64_t> ids = ToInt64Vector(obj, what);
+  const std::vector<int64_t> ids = ToInts<int64_t>(obj, what);
   std::vector<TokenId> out(ids.size());
   for (size_t i = 0; i < ids.size(); ++i) {
     if (ids[i] < 0 || ids[i] > std::numeric_limits<TokenId>::max()) {
@@ -201,20 +201,26 @@ void BindEvents(py::module_& m) {
 
 }  // namespace
 
-void BindPrefixCacheMethods(py::module_& m, py::class_<StateManager, Manager>& cls) {
+void BindPrefixCacheMethods(py::module_& m, py::class_<PyManager, Manager>& cls) {
   BindStats(m);
   BindEvents(m);
   cls.def(
          "add_sequence",
-         [](const Manager& self, SeqId uid, py::handle prompt_tokens, const std::string& ns,
-            int64_t adapter_id, py::handle block_bytes, int64_t priority) {
+         [](const Manager& self, UidArg uid, py::handle prompt_tokens, const std::string& ns,
+            Int<int64_t, "adapter_id"> adapter_id, py::handle block_bytes,
+            Int<int32_t, "priority"> priority) {
            const std::vector<TokenId> prompt = ToTokenIds(prompt_tokens, "prompt_tokens");
            SequenceOptions options;
            options.keys.ns = ns;
            options.keys.adapter_id = adapter_id;
            options.keys.block_bytes = ToBlockBytes(block_bytes);
-           options.priority = ToInt32(priority, "priority");
-           return Handle(self, *ValueOrThrow(self->AddSequence(uid, prompt, options)));
+           options.priority = priority;
+           Result<SequenceHandle> handle = Locked(self->lock, [&]() -> Result<SequenceHandle> {
+             Result<Sequence*> seq = self->manager->AddSequence(uid, prompt, options);
+             if (!seq.ok()) return seq.status();
+             return Handle(self, **seq);
+           });
+           return ValueOrThrow(std::move(handle));
          },
          py::arg("uid"), py::arg("prompt_tokens"), py::arg("namespace") = "",
          py::arg("adapter_id") = 0, py::arg("block_bytes") = py::none(),
@@ -229,8 +235,9 @@ void BindPrefixCacheMethods(py::module_& m, py::class_<StateManager, Manager>& c
          "priority outside [0, 100] or more tokens than max_context.")
       .def(
           "append_tokens",
-          [](StateManager& self, SeqId uid, py::handle tokens) {
-            ThrowIfError(self.AppendTokens(uid, ToTokenIds(tokens, "tokens")));
+          [](const Manager& self, UidArg uid, py::handle tokens) {
+            const std::vector<TokenId> ids = ToTokenIds(tokens, "tokens");
+            ThrowIfError(Locked(self->lock, [&] { return self->manager->AppendTokens(uid, ids); }));
           },
           py::arg("uid"), py::arg("tokens"),
           "Tokens sampled for `uid` (an int or a sequence of ids), so that the blocks they fill "
@@ -238,8 +245,9 @@ void BindPrefixCacheMethods(py::module_& m, py::class_<StateManager, Manager>& c
           "ValueError for an unknown uid or one not added with add_sequence.")
       .def(
           "drain_cache_events",
-          [](StateManager& self) {
-            CacheEventBatch drained = self.DrainCacheEvents();
+          [](const Manager& self) {
+            const CacheEventBatch drained =
+                Locked(self->lock, [&] { return self->manager->DrainCacheEvents(); });
             EventBatch out;
             out.dropped = drained.dropped;
             for (const CacheEvent& event : drained.events) out.events.append(ToPython(event));
@@ -247,29 +255,38 @@ void BindPrefixCacheMethods(py::module_& m, py::class_<StateManager, Manager>& c
           },
           "The events queued since the last drain: a CacheEventBatch with .events (BlockStored, "
           "BlockRemoved, AllCleared; oldest first) and .dropped. Empty without prefix caching.")
-      .def("reset_prefix_cache", &StateManager::ResetPrefixCache,
-           "Drops every cached block no sequence references; returns how many.")
+      .def(
+          "reset_prefix_cache",
+          [](const Manager& self) {
+            return Locked(self->lock, [&] { return self->manager->ResetPrefixCache(); });
+          },
+          "Drops every cached block no sequence references; returns how many.")
       .def(
           "prefix_cache_stats",
-          [](const StateManager& self, const std::optional<std::string>& ns) {
-            const PrefixCache* cache = self.prefix_cache();
-            if (cache == nullptr) return PrefixCacheStats{};
-            return ns ? cache->stats(*ns) : cache->total_stats();
+          [](const Manager& self, const std::optional<std::string>& ns) {
+            return Locked(self->lock, [&] {
+              const PrefixCache* cache = self->manager->prefix_cache();
+              if (cache == nullptr) return PrefixCacheStats{};
+              return ns ? cache->stats(*ns) : cache->total_stats();
+            });
           },
           py::arg("namespace") = py::none(),
           "PrefixCacheStats of one namespace (\"\" is the default one), or of all together when "
           "None. Zeros without prefix caching.")
       .def(
           "cached_blocks",
-          [](const StateManager& self, int cache_group) {
-            CheckGroup(self, cache_group);
-            const PrefixCache* cache = self.prefix_cache();
-            return cache == nullptr ? int64_t{0} : cache->cached_blocks(cache_group);
+          [](const Manager& self, GroupArg cache_group) {
+            CheckGroup(*self, cache_group);
+            return Locked(self->lock, [&] {
+              const PrefixCache* cache = self->manager->prefix_cache();
+              return cache == nullptr ? int64_t{0} : cache->cached_blocks(cache_group);
+            });
           },
           py::arg("cache_group") = 0,
           "Blocks of the group held in the prefix cache (referenced or evictable)")
       .def_property_readonly(
-          "prefix_caching", [](const StateManager& self) { return self.prefix_cache() != nullptr; },
+          "prefix_caching",
+          [](const Manager& self) { return self->manager->prefix_cache() != nullptr; },
           "Whether the manager was configured with an enabled PrefixCacheConfig");
 }
 

@@ -13,11 +13,13 @@
 #include <Python.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "batch_wrapper.h"
 #include "common.h"
+#include "object_lock.h"
 #include "sequence.h"
 #include "tensor.h"
 
@@ -26,38 +28,38 @@ namespace {
 
 using Wrapper = std::shared_ptr<BatchWrapper>;
 
-// A batch array: `get(batch, on_device)` returns its view.
+// A batch array: `get(batch, on_device)` returns its view, read under the batch's lock; the
+// NumPy array (or blockkv.Tensor) viewing it is made after.
 template <class Get>
 py::object Array(const Wrapper& w, bool on_device, Get get) {
   const bool device = on_device && w->has_mirror;
-  return HostArrayOrTensor(ValueOrThrow(get(*w->batch, device)), w);
+  Result<TensorView> view = Locked(w->lock, [&] { return get(*w->batch, device); });
+  return HostArrayOrTensor(ValueOrThrow(std::move(view)), w);
 }
 
 // A per-cache-group batch array.
 template <class Get>
 auto GroupAccessor(Get get) {
-  return [get](const Wrapper& w, bool on_device, int cache_group) {
+  return [get](const Wrapper& w, bool on_device, Int<int, "cache_group"> cache_group) {
     return Array(w, on_device,
                  [&](const RaggedBatch& b, bool d) { return (b.*get)(cache_group, d); });
   };
 }
 
 Wrapper Create(py::handle state_manager) {
-  if (!py::isinstance<StateManager>(state_manager)) {
+  if (!py::isinstance<PyManager>(state_manager)) {
     Throw(PyExc_TypeError,
           "RaggedBatchWrapper takes the StateManager whose sequences it batches (DeepSpeed's takes "
           "the DSStateManagerConfig); got " +
               std::string(py::str(py::type::of(state_manager).attr("__name__"))));
   }
   auto w = std::make_shared<BatchWrapper>();
-  w->manager = state_manager.cast<std::shared_ptr<StateManager>>();
-  const std::shared_ptr<Device>& device = w->manager->kv_cache().device();
+  w->owner = state_manager.cast<Manager>();
+  const std::shared_ptr<Device>& device = w->owner->manager->kv_cache().device();
   w->has_mirror = device != nullptr && device->kind() == DeviceKind::kCuda;
-  Result<std::unique_ptr<RaggedBatch>> batch = InternalError("not created");
-  {
-    py::gil_scoped_release release;
-    batch = RaggedBatch::Create(*w->manager);
-  }
+  // Create reads the manager's configuration only, which never changes; the lock anyway.
+  Result<std::unique_ptr<RaggedBatch>> batch =
+      LockedWithoutGil(w->owner->lock, [&] { return RaggedBatch::Create(*w->owner->manager); });
   w->batch = ValueOrThrow(std::move(batch));
   return w;
 }
@@ -71,7 +73,7 @@ void InsertSequence(const Wrapper& w, py::handle seq_descriptor, py::handle toke
               std::string(py::str(py::type::of(seq_descriptor).attr("__name__"))));
   }
   const auto& handle = seq_descriptor.cast<const SequenceHandle&>();
-  if (handle.manager != w->manager) {
+  if (handle.owner != w->owner) {
     Throw(PyExc_ValueError, "sequence " + std::to_string(handle.uid) +
                                 " belongs to another StateManager than this batch's");
   }
@@ -82,8 +84,14 @@ void InsertSequence(const Wrapper& w, py::handle seq_descriptor, py::handle toke
     }
   }
   const std::vector<int64_t> ids = ToInt64Vector(tokens, "tokens");
-  const Sequence& seq = handle.Get();
-  CallWithoutGil([&] { return w->batch->InsertSequence(seq, ids); });
+  // The manager's lock (the sequence), then the batch's.
+  std::optional<Status> status = Locked(w->owner->lock, w->lock, [&]() -> std::optional<Status> {
+    const Sequence* seq = handle.Find();
+    if (seq == nullptr) return std::nullopt;
+    return w->batch->InsertSequence(*seq, ids);
+  });
+  if (!status) handle.ThrowFlushed();
+  ThrowIfError(*status);
 }
 
 }  // namespace
@@ -92,7 +100,10 @@ void BindRaggedBatch(py::module_& m) {
   py::class_<BatchWrapper, Wrapper>(
       m, "RaggedBatchWrapper",
       "The metadata of one forward over several sequences (DeepSpeed's RaggedBatchWrapper), "
-      "built from the StateManager.")
+      "built from the StateManager. Thread-safe: every method holds the batch's lock (and "
+      "insert_sequence / finalize the manager's before it). The arrays its accessors return "
+      "view the batch: their contents change with the next clear, insert_sequence, finalize or "
+      "schedule_batch, from any thread.")
       .def(py::init(&Create), py::arg("state_manager"))
       .def("insert_sequence", &InsertSequence, py::arg("seq_descriptor"), py::arg("tokens"),
            py::arg("do_checks") = true,
@@ -102,10 +113,18 @@ void BindRaggedBatch(py::module_& m) {
       .def(
           "finalize",
           [](const Wrapper& w, bool padding) {
-            CallWithoutGil([&] { return w->batch->Finalize(padding); });
+            // It reads the inserted sequences (the manager's lock first) and may copy to the
+            // device mirror.
+            ThrowIfError(LockedWithoutGil(w->owner->lock, w->lock,
+                                          [&] { return w->batch->Finalize(padding); }));
           },
-          py::arg("padding") = false)
-      .def("clear", [](const Wrapper& w) { w->batch->Clear(); })
+          py::arg("padding") = false,
+          "Writes the batch's arrays (padded to a multiple of 8 tokens with padding=True) and "
+          "copies them to the device mirror. ValueError (the batch as it was) when a sequence "
+          "changed since insert_sequence; RuntimeError when the copy to the device failed.")
+      .def(
+          "clear", [](const Wrapper& w) { Locked(w->lock, [&] { w->batch->Clear(); }); },
+          "Empties the batch for the next forward.")
       .def(
           "input_ids",
           [](const Wrapper& w, bool on_device) {
@@ -153,15 +172,27 @@ void BindRaggedBatch(py::module_& m) {
           "masks", [](const Wrapper&, bool) { return py::none(); }, py::arg("on_device") = true,
           "None, as in DeepSpeed")
       .def_property_readonly("current_tokens",
-                             [](const Wrapper& w) { return w->batch->current_tokens(); })
+                             [](const Wrapper& w) {
+                               return Locked(w->lock, [&] { return w->batch->current_tokens(); });
+                             })
       .def_property_readonly("current_sequences",
-                             [](const Wrapper& w) { return w->batch->current_sequences(); })
+                             [](const Wrapper& w) {
+                               return Locked(w->lock,
+                                             [&] { return w->batch->current_sequences(); });
+                             })
       .def_property_readonly("padded_tokens",
-                             [](const Wrapper& w) { return w->batch->padded_tokens(); })
+                             [](const Wrapper& w) {
+                               return Locked(w->lock, [&] { return w->batch->padded_tokens(); });
+                             })
       .def_property_readonly(
-          "tensor_toks", [](const Wrapper& w) { return w->batch->padded_tokens(); },
+          "tensor_toks",
+          [](const Wrapper& w) {
+            return Locked(w->lock, [&] { return w->batch->padded_tokens(); });
+          },
           "DeepSpeed's name for padded_tokens")
-      .def_property_readonly("finalized", [](const Wrapper& w) { return w->batch->finalized(); });
+      .def_property_readonly("finalized", [](const Wrapper& w) {
+        return Locked(w->lock, [&] { return w->batch->finalized(); });
+      });
 }
 
 }  // namespace blockkv::python

@@ -1,5 +1,10 @@
 // StateManager (DeepSpeed's DSStateManager plus the engine's scheduling queries, and preemption
 // through the offload tiers), its sequence descriptors and SchedulingResult / SchedulingError.
+//
+// Every method holds the manager's lock (object_lock.h) while it touches the manager: arguments
+// are converted before, Python results and exceptions made after. Calls that may wait (for a
+// resume copy with offload on, for a fork's copy) or that are long (schedule_batch) release the
+// GIL for the whole call, waiting for the lock included.
 #include "blockkv/state_manager.h"
 
 #include <Python.h>
@@ -7,19 +12,19 @@
 
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "batch_wrapper.h"
 #include "common.h"
+#include "object_lock.h"
 #include "offload_ticket.h"
 #include "sequence.h"
 #include "tensor.h"
 
 namespace blockkv::python {
 namespace {
-
-using Manager = std::shared_ptr<StateManager>;
 
 // Raises blockkv.SchedulingError(result, message) (defined in blockkv/__init__.py).
 [[noreturn]] void ThrowSchedulingError(SchedulingResult result, const std::string& message) {
@@ -29,11 +34,33 @@ using Manager = std::shared_ptr<StateManager>;
   throw py::error_already_set();
 }
 
-// The table row of `group` for the sequence's slot, [max_blocks_per_sequence(group)].
-const BlockId* TableRow(const SequenceHandle& h, int group) {
-  return h.manager->block_tables(group) +
-         static_cast<int64_t>(h.slot) * h.manager->max_blocks_per_sequence(group);
+// schedule / schedule_batch: SchedulingError when a limit was hit, else the status's exception.
+void ThrowScheduleError(const Status& status, SchedulingResult result) {
+  if (status.ok()) return;
+  // `result` is only written once the arguments passed, so an argument error (another manager's
+  // batch, a wrong token count) keeps kSuccess and raises ValueError.
+  if (result != SchedulingResult::kSuccess) ThrowSchedulingError(result, status.message());
+  ThrowStatus(status);
 }
+
+// Runs fn() holding the manager's lock; with offload on the GIL is released for the whole call,
+// as fn may wait for a resume copy of the sequences it names.
+template <class Fn>
+decltype(auto) LockedMayWait(const PyManager& self, Fn&& fn) {
+  if (self.manager->offload_store() != nullptr) {
+    return LockedWithoutGil(self.lock, std::forward<Fn>(fn));
+  }
+  return Locked(self.lock, std::forward<Fn>(fn));
+}
+
+// The table row of `group` for the sequence's slot, [max_blocks_per_sequence(group)].
+// REQUIRES: the manager's lock is held.
+const BlockId* TableRow(const SequenceHandle& h, int group) {
+  const StateManager& m = *h.owner->manager;
+  return m.block_tables(group) + static_cast<int64_t>(h.slot) * m.max_blocks_per_sequence(group);
+}
+
+std::vector<BlockId> Copy(std::span<const BlockId> table) { return {table.begin(), table.end()}; }
 
 void BindSchedulingResult(py::module_& m) {
   py::enum_<SchedulingResult>(m, "SchedulingResult",
@@ -47,65 +74,78 @@ void BindSchedulingResult(py::module_& m) {
 }
 
 void BindSequence(py::module_& m) {
-  py::class_<SequenceHandle>(m, "SequenceDescriptor",
-                             "A tracked sequence (DeepSpeed's DSSequenceDescriptor). Read-only: "
-                             "the StateManager changes it through schedule, post_forward, "
-                             "free_leading_blocks and fork.")
-      .def_property_readonly("uid", [](const SequenceHandle& h) { return h.uid; })
+  using H = SequenceHandle;
+  py::class_<H>(m, "SequenceDescriptor",
+                "A tracked sequence (DeepSpeed's DSSequenceDescriptor). Read-only: the "
+                "StateManager changes it through schedule, post_forward, free_leading_blocks and "
+                "fork. Thread-safe: every read holds its manager's lock. A read of a flushed "
+                "sequence raises ValueError.")
+      .def_property_readonly("uid", [](const H& h) { return h.uid; })
       .def_property_readonly(
-          "tracking_id", [](const SequenceHandle& h) { return h.slot; },
-          "The tracking slot (DeepSpeed's name)")
-      .def_property_readonly("tracking_slot", [](const SequenceHandle& h) { return h.slot; })
-      .def_property_readonly("seen_tokens",
-                             [](const SequenceHandle& h) { return h.Get().seen_tokens(); })
-      .def_property_readonly("in_flight_tokens",
-                             [](const SequenceHandle& h) { return h.Get().in_flight_tokens(); })
+          "tracking_id", [](const H& h) { return h.slot; }, "The tracking slot (DeepSpeed's name)")
+      .def_property_readonly("tracking_slot", [](const H& h) { return h.slot; })
+      .def_property_readonly(
+          "seen_tokens",
+          [](const H& h) { return h.With([](const Sequence& s) { return s.seen_tokens(); }); })
+      .def_property_readonly(
+          "in_flight_tokens",
+          [](const H& h) { return h.With([](const Sequence& s) { return s.in_flight_tokens(); }); })
       .def_property_readonly(
           "cached_prefix_tokens",
-          [](const SequenceHandle& h) { return h.Get().cached_prefix_tokens(); },
+          [](const H& h) {
+            return h.With([](const Sequence& s) { return s.cached_prefix_tokens(); });
+          },
           "Tokens its first schedule took from the prefix cache (0 without a hit)")
       .def_property_readonly(
-          "preempted", [](const SequenceHandle& h) { return h.Get().preempted(); },
+          "preempted",
+          [](const H& h) { return h.With([](const Sequence& s) { return s.preempted(); }); },
           "True between preempt_sequence and resume_sequence: its blocks are in the offload "
           "tiers and its table entries are -1")
       .def_property_readonly(
-          "max_context", [](const SequenceHandle& h) { return h.manager->config().max_context; })
+          "max_context",
+          [](const H& h) {
+            return Locked(h.owner->lock, [&] { return h.owner->manager->config().max_context; });
+          })
       .def_property_readonly(
           "cur_allocated_blocks",
-          [](const SequenceHandle& h) { return h.Get().cur_allocated_blocks(0); },
+          [](const H& h) {
+            return h.With([](const Sequence& s) { return s.cur_allocated_blocks(0); });
+          },
           "Blocks of cache group 0 allocated so far (released ones included); "
           "allocated_blocks(cache_group) for another group")
       .def(
           "allocated_blocks",
-          [](const SequenceHandle& h, int cache_group) {
-            CheckGroup(*h.manager, cache_group);
-            return h.Get().cur_allocated_blocks(cache_group);
+          [](const H& h, GroupArg cache_group) {
+            CheckGroup(*h.owner, cache_group);
+            return h.With([&](const Sequence& s) { return s.cur_allocated_blocks(cache_group); });
           },
           py::arg("cache_group") = 0)
       .def(
           "released_blocks",
-          [](const SequenceHandle& h, int cache_group) {
-            CheckGroup(*h.manager, cache_group);
-            return h.Get().released_blocks(cache_group);
+          [](const H& h, GroupArg cache_group) {
+            CheckGroup(*h.owner, cache_group);
+            return h.With([&](const Sequence& s) { return s.released_blocks(cache_group); });
           },
           py::arg("cache_group") = 0,
           "Leading table entries released by free_leading_blocks (now -1)")
       .def_property_readonly(
           "kv_blocks_ptr",
-          [](const SequenceHandle& h) {
-            h.Get();
-            return reinterpret_cast<uintptr_t>(TableRow(h, 0));
+          [](const H& h) {
+            return h.With(
+                [&](const Sequence&) { return reinterpret_cast<uintptr_t>(TableRow(h, 0)); });
           },
           "Host address of the sequence's block-table row of cache group 0")
       .def(
           "kv_cache_ids",
-          [](const SequenceHandle& h, int cache_group, bool /*on_device*/) {
-            CheckGroup(*h.manager, cache_group);
-            h.Get();
-            const BlockId* row = TableRow(h, cache_group);
-            const int32_t width = h.manager->max_blocks_per_sequence(cache_group);
-            py::array_t<int32_t> out({py::ssize_t{1}, py::ssize_t{width}});
-            std::copy(row, row + width, out.mutable_data());
+          [](const H& h, GroupArg cache_group, bool /*on_device*/) {
+            CheckGroup(*h.owner, cache_group);
+            const std::vector<BlockId> row = h.With([&](const Sequence&) {
+              const BlockId* begin = TableRow(h, cache_group);
+              return std::vector<BlockId>(
+                  begin, begin + h.owner->manager->max_blocks_per_sequence(cache_group));
+            });
+            py::array_t<int32_t> out({py::ssize_t{1}, static_cast<py::ssize_t>(row.size())});
+            std::copy(row.begin(), row.end(), out.mutable_data());
             return out;
           },
           py::arg("cache_group") = 0, py::arg("on_device") = false,
@@ -114,42 +154,48 @@ void BindSequence(py::module_& m) {
           "the allocated blocks. on_device is accepted and ignored: the table is on the host.")
       .def(
           "block_table",
-          [](const SequenceHandle& h, int cache_group) {
-            CheckGroup(*h.manager, cache_group);
-            std::span<const BlockId> table = h.Get().block_table(cache_group);
-            return ToNumpy(std::vector<BlockId>(table.begin(), table.end()));
+          [](const H& h, GroupArg cache_group) {
+            CheckGroup(*h.owner, cache_group);
+            return ToNumpy(
+                h.With([&](const Sequence& s) { return Copy(s.block_table(cache_group)); }));
           },
           py::arg("cache_group") = 0,
           "A copy of the table, int32 [cur_allocated_blocks]; released entries are -1")
       .def(
           "all_block_ids",
-          [](const SequenceHandle& h, int cache_group) {
-            CheckGroup(*h.manager, cache_group);
-            std::vector<BlockId> held;
-            for (BlockId b : h.Get().block_table(cache_group)) {
-              if (b != kNoBlock) held.push_back(b);
-            }
-            return ToNumpy(held);
+          [](const H& h, GroupArg cache_group) {
+            CheckGroup(*h.owner, cache_group);
+            return ToNumpy(h.With([&](const Sequence& s) {
+              std::vector<BlockId> held;
+              for (BlockId b : s.block_table(cache_group)) {
+                if (b != kNoBlock) held.push_back(b);
+              }
+              return held;
+            }));
           },
           py::arg("cache_group") = 0, "The blocks the sequence holds, int32, in table order")
       .def(
           "post_forward",
-          [](const SequenceHandle& h) {
-            h.Get();
-            const SeqId uid = h.uid;
-            ThrowIfError(h.manager->PostForward(std::span<const SeqId>(&uid, 1)));
+          [](const H& h) {
+            const Status status = h.With([&](const Sequence&) {
+              const SeqId uid = h.uid;
+              return h.owner->manager->PostForward(std::span<const SeqId>(&uid, 1));
+            });
+            ThrowIfError(status);
           },
           "seen_tokens += in_flight_tokens (the manager's post_forward for this uid)")
-      .def("__repr__", [](const SequenceHandle& h) {
-        const Sequence* seq = h.manager->GetSequence(h.uid);
-        if (seq == nullptr || seq->tracking_slot() != h.slot) {
-          return "<blockkv.SequenceDescriptor uid=" + std::to_string(h.uid) + " (flushed)>";
-        }
-        return "<blockkv.SequenceDescriptor uid=" + std::to_string(h.uid) +
-               " seen_tokens=" + std::to_string(seq->seen_tokens()) +
-               " in_flight_tokens=" + std::to_string(seq->in_flight_tokens()) +
-               " cur_allocated_blocks=" + std::to_string(seq->cur_allocated_blocks(0)) +
-               (seq->preempted() ? " preempted" : "") + ">";
+      .def("__repr__", [](const H& h) {
+        return Locked(h.owner->lock, [&] {
+          const Sequence* seq = h.Find();
+          if (seq == nullptr) {
+            return "<blockkv.SequenceDescriptor uid=" + std::to_string(h.uid) + " (flushed)>";
+          }
+          return "<blockkv.SequenceDescriptor uid=" + std::to_string(h.uid) +
+                 " seen_tokens=" + std::to_string(seq->seen_tokens()) +
+                 " in_flight_tokens=" + std::to_string(seq->in_flight_tokens()) +
+                 " cur_allocated_blocks=" + std::to_string(seq->cur_allocated_blocks(0)) +
+                 (seq->preempted() ? " preempted" : "") + ">";
+        });
       });
 }
 
@@ -164,17 +210,22 @@ Manager Create(const StateManagerConfig& config, py::handle kv_configs, py::hand
   RequireNoGroup(base_mp_group, "base_mp_group");
   std::vector<KVCacheConfig> configs = ToConfigs(kv_configs);
   std::shared_ptr<Device> dev = ToDevice(device);
+  // A copy: another thread may assign to the Python config while the GIL is released.
+  const StateManagerConfig copy = config;
   Result<std::unique_ptr<StateManager>> manager = InternalError("not created");
   {
     py::gil_scoped_release release;
-    manager = StateManager::Create(config, std::move(configs), std::move(dev));
+    manager = StateManager::Create(copy, std::move(configs), std::move(dev));
   }
-  return {ValueOrThrow(std::move(manager))};
+  auto out = std::make_shared<PyManager>();
+  out->manager = ValueOrThrow(std::move(manager));
+  return out;
 }
 
 // The manager's offload store; RuntimeError when offload is off (as BlockedKVCache.offload).
-const OffloadStore& Store(const StateManager& manager) {
-  const OffloadStore* store = manager.offload_store();
+// Whether there is one is fixed at creation, so this needs no lock.
+const OffloadStore& Store(const PyManager& self) {
+  const OffloadStore* store = self.manager->offload_store();
   if (store == nullptr) {
     Throw(PyExc_RuntimeError,
           "offload is off for this StateManager: create it with StateManagerConfig(offload=True, "
@@ -187,44 +238,52 @@ const OffloadStore& Store(const StateManager& manager) {
 template <class Call>
 py::object OffloadCall(const Manager& self, Call call) {
   Store(*self);
-  Result<OffloadTicket> ticket = ResultWithoutGil([&] { return call(*self); });
-  return MakeTicket(ValueOrThrow(std::move(ticket)), self);
+  Result<OffloadTicket> ticket = LockedWithoutGil(self->lock, [&] { return call(*self->manager); });
+  return MakeTicket(ValueOrThrow(std::move(ticket)), self, self->lock);
 }
 
 void BindManager(py::module_& m) {
-  py::class_<StateManager, Manager> cls(
+  py::class_<PyManager, Manager> cls(
       m, "StateManager",
       "The sequences of an engine and their block tables over one BlockedKVCache (DeepSpeed's "
       "DSStateManager, plus the engine's query / can_schedule and a schedule that reserves the "
-      "blocks).");
+      "blocks). Thread-safe: every method holds the manager's lock, so calls from several "
+      "threads run one at a time (a call that releases the GIL also waits for the lock without "
+      "it). The same lock covers its descriptors, offload store, prefix cache and tickets.");
   cls.def(py::init(&Create), py::arg("config"), py::arg("kv_configs"),
           py::arg("base_mp_group") = py::none(), py::arg("device") = py::none())
       .def(
           "get_or_create_sequence",
-          [](const Manager& self, SeqId uid) {
-            return Handle(self, *ValueOrThrow(self->GetOrCreateSequence(uid)));
+          [](const Manager& self, UidArg uid) {
+            Result<SequenceHandle> handle = Locked(self->lock, [&]() -> Result<SequenceHandle> {
+              Result<Sequence*> seq = self->manager->GetOrCreateSequence(uid);
+              if (!seq.ok()) return seq.status();
+              return Handle(self, **seq);
+            });
+            return ValueOrThrow(std::move(handle));
           },
-          py::arg("uid"))
+          py::arg("uid"),
+          "The descriptor of `uid`, tracking it first if it is new. ResourceExhaustedError when "
+          "every tracking slot is taken.")
       .def(
           "get_sequence",
-          [](const Manager& self, SeqId uid) -> py::object {
-            const Sequence* seq = self->GetSequence(uid);
-            if (seq == nullptr) return py::none();
-            return py::cast(Handle(self, *seq));
+          [](const Manager& self, UidArg uid) -> py::object {
+            std::optional<SequenceHandle> handle = Locked(self->lock, [&] {
+              const Sequence* seq = self->manager->GetSequence(uid);
+              return seq == nullptr ? std::nullopt : std::optional(Handle(self, *seq));
+            });
+            return handle ? py::cast(*std::move(handle)) : py::none();
           },
           py::arg("uid"), "The descriptor, or None when `uid` is not tracked")
       .def(
           "flush_sequence",
-          [](StateManager& self, SeqId uid) {
-            Status status;
-            {
-              std::optional<py::gil_scoped_release> release;  // it may wait for a resume copy
-              if (self.offload_store() != nullptr) release.emplace();
-              status = self.FlushSequence(uid);
-            }
+          [](const Manager& self, UidArg uid) {
+            // With offload on it may wait for a resume copy.
+            const Status status =
+                LockedMayWait(*self, [&] { return self->manager->FlushSequence(uid); });
             if (status.code() == StatusCode::kNotFound) {  // DeepSpeed only warns
-              const std::string message =
-                  "Attempting to flush sequence " + std::to_string(uid) + " which does not exist.";
+              const std::string message = "Attempting to flush sequence " +
+                                          std::to_string(uid.value) + " which does not exist.";
               if (PyErr_WarnEx(PyExc_RuntimeWarning, message.c_str(), 1) != 0) {
                 throw py::error_already_set();
               }
@@ -232,14 +291,16 @@ void BindManager(py::module_& m) {
             }
             ThrowIfError(status);
           },
-          py::arg("uid"))
+          py::arg("uid"),
+          "Stops tracking `uid` and frees its blocks (and drops its offload handles). An unknown "
+          "uid is a RuntimeWarning, as in DeepSpeed.")
       .def(
           "query",
-          [](const StateManager& self, SeqId uid, int64_t max_request_tokens,
-             int64_t max_request_blocks, int cache_group) {
-            const KVRequirement r = ValueOrThrow(
-                self.Query(uid, max_request_tokens,
-                           ToInt32(max_request_blocks, "max_request_blocks"), cache_group));
+          [](const Manager& self, UidArg uid, Int<int64_t, "max_request_tokens"> max_request_tokens,
+             Int<int32_t, "max_request_blocks"> max_request_blocks, GroupArg cache_group) {
+            const KVRequirement r = ValueOrThrow(Locked(self->lock, [&] {
+              return self->manager->Query(uid, max_request_tokens, max_request_blocks, cache_group);
+            }));
             return py::make_tuple(r.tokens, r.blocks);
           },
           py::arg("uid"), py::arg("max_request_tokens"), py::arg("max_request_blocks"),
@@ -248,56 +309,44 @@ void BindManager(py::module_& m) {
           "blocks they need (DeepSpeed's engine query)")
       .def(
           "can_schedule",
-          [](const StateManager& self, py::handle uids, py::handle lengths) {
+          [](const Manager& self, py::handle uids, py::handle lengths) {
             const std::vector<SeqId> u = ToInt64Vector(uids, "uids");
             const std::vector<int64_t> l = ToInt64Vector(lengths, "lengths");
-            return ValueOrThrow(self.CanSchedule(u, l));
+            return ValueOrThrow(
+                Locked(self->lock, [&] { return self->manager->CanSchedule(u, l); }));
           },
           py::arg("uids"), py::arg("lengths"))
       .def(
           "schedule",
-          [](StateManager& self, py::handle uids, py::handle lengths) {
+          [](const Manager& self, py::handle uids, py::handle lengths) {
             const std::vector<SeqId> u = ToInt64Vector(uids, "uids");
             const std::vector<int64_t> l = ToInt64Vector(lengths, "lengths");
             SchedulingResult result = SchedulingResult::kSuccess;
-            Status status;
-            {
-              // With offload on, Schedule waits for the resume copies of the uids it names.
-              std::optional<py::gil_scoped_release> release;
-              if (self.offload_store() != nullptr) release.emplace();
-              status = self.Schedule(u, l, &result);
-            }
-            if (status.ok()) return;
-            if (result != SchedulingResult::kSuccess) {
-              ThrowSchedulingError(result, status.message());
-            }
-            ThrowStatus(status);
+            // With offload on, Schedule waits for the resume copies of the uids it names.
+            const Status status =
+                LockedMayWait(*self, [&] { return self->manager->Schedule(u, l, &result); });
+            ThrowScheduleError(status, result);
           },
           py::arg("uids"), py::arg("lengths"),
           "All or nothing: creates unknown sequences, reserves their blocks and sets "
-          "in_flight_tokens. SchedulingError (with .result) when a limit is hit.")
+          "in_flight_tokens. SchedulingError (with .result) when a limit is hit; ValueError for "
+          "a bad argument (a negative length, uids and lengths of different sizes, a preempted "
+          "sequence).")
       .def(
           "schedule_batch",
-          [](StateManager& self, py::handle uids, py::handle lengths, py::handle tokens,
+          [](const Manager& self, py::handle uids, py::handle lengths, py::handle tokens,
              const BatchWrapper& batch, bool padding) {
             const std::vector<SeqId> u = ToInt64Vector(uids, "uids");
             const std::vector<int64_t> l = ToInt64Vector(lengths, "lengths");
             const std::vector<int64_t> t = ToInt64Vector(tokens, "tokens");
             SchedulingResult result = SchedulingResult::kSuccess;
-            Status status;
-            {
-              // Released always: the arguments are C++ values now, and with offload on it waits
-              // for the resume copies of the uids it names, as schedule does.
-              py::gil_scoped_release release;
-              status = self.ScheduleBatch(u, l, t, *batch.batch, padding, &result);
-            }
-            if (status.ok()) return;
-            // `result` is only written once the arguments passed, so an argument error (another
-            // manager's batch, a wrong token count) keeps kSuccess and raises ValueError.
-            if (result != SchedulingResult::kSuccess) {
-              ThrowSchedulingError(result, status.message());
-            }
-            ThrowStatus(status);
+            // The GIL released always: the arguments are C++ values now, and with offload on it
+            // waits for the resume copies of the uids it names, as schedule does. The manager's
+            // lock, then the batch's.
+            const Status status = LockedWithoutGil(self->lock, batch.lock, [&] {
+              return self->manager->ScheduleBatch(u, l, t, *batch.batch, padding, &result);
+            });
+            ThrowScheduleError(status, result);
           },
           py::arg("uids"), py::arg("lengths"), py::arg("tokens"), py::arg("batch"),
           py::arg("padding") = false,
@@ -313,68 +362,90 @@ void BindManager(py::module_& m) {
           "finalized: finalize() retries the copy.")
       .def(
           "post_forward",
-          [](StateManager& self, py::handle uids) {
+          [](const Manager& self, py::handle uids) {
             if (py::isinstance<BatchWrapper>(uids)) {
-              ThrowIfError(self.PostForward(*uids.cast<const BatchWrapper&>().batch));
+              const auto& batch = uids.cast<const BatchWrapper&>();
+              ThrowIfError(Locked(self->lock, batch.lock,
+                                  [&] { return self->manager->PostForward(*batch.batch); }));
               return;
             }
-            ThrowIfError(self.PostForward(ToInt64Vector(uids, "uids")));
+            const std::vector<SeqId> u = ToInt64Vector(uids, "uids");
+            ThrowIfError(Locked(self->lock, [&] { return self->manager->PostForward(u); }));
           },
           py::arg("uids"),
           "seen_tokens += in_flight_tokens for each uid; or for every sequence of a "
           "RaggedBatchWrapper, which with prefix caching also records the tokens the batch gave "
-          "each sequence (so a decode step needs no append_tokens)")
+          "each sequence (so a decode step needs no append_tokens). All or nothing: ValueError "
+          "for an unknown uid, or a batch of another manager or whose sequences changed since.")
       .def(
           "fork",
-          [](StateManager& self, SeqId parent_uid, SeqId child_uid) {
-            CallWithoutGil([&] { return self.Fork(parent_uid, child_uid); });
+          [](const Manager& self, Int<SeqId, "parent_uid"> parent_uid,
+             Int<SeqId, "child_uid"> child_uid) {
+            ThrowIfError(LockedWithoutGil(
+                self->lock, [&] { return self->manager->Fork(parent_uid, child_uid); }));
           },
-          py::arg("parent_uid"), py::arg("child_uid"))
+          py::arg("parent_uid"), py::arg("child_uid"),
+          "A new sequence `child_uid` sharing the parent's full blocks, with a copy of its "
+          "partial last block. ValueError (unknown parent, tracked child, tokens in flight), "
+          "ResourceExhaustedError (no slot or block); nothing changes on failure.")
       .def(
           "free_leading_blocks",
-          [](StateManager& self, SeqId uid, int64_t num_blocks, int cache_group) {
-            const int32_t n = ToInt32(num_blocks, "num_blocks");
-            Status status;
-            {
-              std::optional<py::gil_scoped_release> release;  // it may wait for a resume copy
-              if (self.offload_store() != nullptr) release.emplace();
-              status = self.FreeLeadingBlocks(uid, n, cache_group);
-            }
-            ThrowIfError(status);
+          [](const Manager& self, UidArg uid, Int<int32_t, "num_blocks"> num_blocks,
+             GroupArg cache_group) {
+            // With offload on it may wait for a resume copy.
+            ThrowIfError(LockedMayWait(*self, [&] {
+              return self->manager->FreeLeadingBlocks(uid, num_blocks, cache_group);
+            }));
           },
-          py::arg("uid"), py::arg("num_blocks"), py::arg("cache_group") = 0)
+          py::arg("uid"), py::arg("num_blocks"), py::arg("cache_group") = 0,
+          "Releases the `num_blocks` oldest still-held blocks of `uid` (sliding-window layers); "
+          "their table entries become -1. ValueError (unknown uid, a block not wholly before "
+          "seen_tokens, a bad group); nothing changes on failure.")
       .def(
           "get_remaining_block_capacity",
-          [](const StateManager& self, SeqId uid, int cache_group) {
-            CheckGroup(self, cache_group);
-            return self.RemainingBlockCapacity(uid, cache_group);
+          [](const Manager& self, UidArg uid, GroupArg cache_group) {
+            CheckGroup(*self, cache_group);
+            return Locked(self->lock,
+                          [&] { return self->manager->RemainingBlockCapacity(uid, cache_group); });
           },
           py::arg("uid"), py::arg("cache_group") = 0)
       .def(
           "get_cache",
-          [](const Manager& self, int64_t cache_id, int cache_group) {
-            return MakeTensor(ValueOrThrow(self->GetCache(cache_id, cache_group)), self);
+          [](const Manager& self, Int<int64_t, "cache_id"> cache_id, GroupArg cache_group) {
+            const TensorView view = ValueOrThrow(
+                Locked(self->lock, [&] { return self->manager->GetCache(cache_id, cache_group); }));
+            return MakeTensor(view, self);
           },
           py::arg("cache_id"), py::arg("cache_group") = 0)
-      .def_property_readonly("n_tracked_sequences", &StateManager::n_tracked_sequences)
-      .def_property_readonly("free_blocks", &StateManager::free_blocks,
-                             "A list: one entry per cache group")
+      .def_property_readonly("n_tracked_sequences",
+                             [](const Manager& self) {
+                               return Locked(self->lock,
+                                             [&] { return self->manager->n_tracked_sequences(); });
+                             })
+      .def_property_readonly(
+          "free_blocks",
+          [](const Manager& self) {
+            return Locked(self->lock, [&] { return self->manager->free_blocks(); });
+          },
+          "A list: one entry per cache group")
       .def_property_readonly("kv_block_size",
-                             [](const StateManager& self) { return self.kv_block_size(0); })
-      .def_property_readonly("num_caches", &StateManager::num_groups, "The number of cache groups")
-      .def_property_readonly("num_blocks",
-                             [](const StateManager& self) { return self.kv_cache().num_blocks(); })
+                             [](const Manager& self) { return self->manager->kv_block_size(0); })
+      .def_property_readonly(
+          "num_caches", [](const Manager& self) { return self->manager->num_groups(); },
+          "The number of cache groups")
+      .def_property_readonly(
+          "num_blocks", [](const Manager& self) { return self->manager->kv_cache().num_blocks(); })
       .def(
           "max_blocks_per_sequence",
-          [](const StateManager& self, int cache_group) {
-            CheckGroup(self, cache_group);
-            return self.max_blocks_per_sequence(cache_group);
+          [](const Manager& self, GroupArg cache_group) {
+            CheckGroup(*self, cache_group);
+            return self->manager->max_blocks_per_sequence(cache_group);
           },
           py::arg("cache_group") = 0)
       .def(
           "preempt_sequence",
-          [](const Manager& self, SeqId uid) {
-            return OffloadCall(self, [uid](StateManager& sm) { return sm.PreemptSequence(uid); });
+          [](const Manager& self, UidArg uid) {
+            return OffloadCall(self, [&](StateManager& sm) { return sm.PreemptSequence(uid); });
           },
           py::arg("uid"),
           "Moves the blocks `uid` holds to the host tier (the disk tier for a group whose host "
@@ -385,8 +456,8 @@ void BindManager(py::module_& m) {
           "nothing changed), RuntimeError when offload is off.")
       .def(
           "resume_sequence",
-          [](const Manager& self, SeqId uid) {
-            return OffloadCall(self, [uid](StateManager& sm) { return sm.ResumeSequence(uid); });
+          [](const Manager& self, UidArg uid) {
+            return OffloadCall(self, [&](StateManager& sm) { return sm.ResumeSequence(uid); });
           },
           py::arg("uid"),
           "Brings a preempted sequence back into new blocks, its table rewritten: an "
@@ -395,31 +466,36 @@ void BindManager(py::module_& m) {
           "preempted again). ValueError (unknown uid, not preempted), ResourceExhaustedError "
           "(too few free blocks: nothing changed), RuntimeError when offload is off.")
       .def(
-          "offload_stats", [](const StateManager& self) { return StatsDict(Store(self)); },
+          "offload_stats",
+          [](const Manager& self) {
+            const OffloadStore& store = Store(*self);
+            return StatsDict(Locked(self->lock, [&] { return ReadStats(store); }));
+          },
           "A dict of the offload store's counters: offloaded_blocks, restored_blocks, "
           "spilled_blocks, copied_to_host, copied_to_device, failed_copies, bytes_written, "
           "bytes_read, live_handles. RuntimeError "
           "when offload is off.")
       .def(
           "free_host_blocks",
-          [](const StateManager& self, int cache_group) {
-            const OffloadStore& store = Store(self);
+          [](const Manager& self, GroupArg cache_group) {
+            const OffloadStore& store = Store(*self);
             CheckStoreGroup(store, cache_group);
-            return store.free_host_blocks(cache_group);
+            return Locked(self->lock, [&] { return store.free_host_blocks(cache_group); });
           },
           py::arg("cache_group") = 0, "Free host tier slots of the group")
       .def(
           "free_disk_blocks",
-          [](const StateManager& self, int cache_group) {
-            const OffloadStore& store = Store(self);
+          [](const Manager& self, GroupArg cache_group) {
+            const OffloadStore& store = Store(*self);
             CheckStoreGroup(store, cache_group);
-            return store.free_disk_blocks(cache_group);
+            return Locked(self->lock, [&] { return store.free_disk_blocks(cache_group); });
           },
           py::arg("cache_group") = 0, "Free disk tier slots of the group (0 without one)")
       .def(
           "host_prefix_stats",
-          [](const StateManager& self) {
-            const StateManager::HostPrefixStats s = self.host_prefix_stats();
+          [](const Manager& self) {
+            const StateManager::HostPrefixStats s =
+                Locked(self->lock, [&] { return self->manager->host_prefix_stats(); });
             py::dict d;
             d["entries"] = s.entries;
             d["demoted"] = s.demoted;
@@ -430,9 +506,14 @@ void BindManager(py::module_& m) {
           "The prefix cache's host level (offload and prefix caching both on, one cache group "
           "without a sliding window): a dict of entries (blocks on the host now), demoted, "
           "promoted, dropped. Zeros without that level.")
-      .def_property_readonly("config", [](const StateManager& self) { return self.config(); })
-      .def("check_invariants",
-           [](const StateManager& self) { ThrowIfError(self.CheckInvariants()); });
+      .def_property_readonly("config", [](const Manager& self) { return self->manager->config(); })
+      .def(
+          "check_invariants",
+          [](const Manager& self) {
+            ThrowIfError(Locked(self->lock, [&] { return self->manager->CheckInvariants(); }));
+          },
+          "RuntimeError naming the first broken invariant of the manager, its pools, offload "
+          "store and prefix cache; None when they hold.");
   BindPrefixCacheMethods(m, cls);
 }
 
