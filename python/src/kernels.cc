@@ -20,12 +20,14 @@
 namespace blockkv::python {
 namespace {
 
-const RaggedBatch& ToBatch(py::handle obj) {
+// The kernel runs holding the batch's lock (object_lock.h), so no other thread refills the
+// batch while it reads it.
+const BatchWrapper& ToBatch(py::handle obj) {
   if (!py::isinstance<BatchWrapper>(obj)) {
     Throw(PyExc_TypeError, "batch must be a blockkv.RaggedBatchWrapper, got " +
                                std::string(py::str(py::type::of(obj).attr("__name__"))));
   }
-  return *obj.cast<const BatchWrapper&>().batch;
+  return obj.cast<const BatchWrapper&>();
 }
 
 // stream: None (CUDA's legacy default stream), an int (a cudaStream_t's address), or an object
@@ -51,7 +53,7 @@ void AppendKVPy(py::handle layer_cache, py::handle k, py::handle v, py::handle b
   const OwnedTensor values = ImportTensor(v);
   std::optional<OwnedTensor> queries;
   if (!q.is_none()) queries = ImportTensor(q);
-  const RaggedBatch& b = ToBatch(batch);
+  const BatchWrapper& b = ToBatch(batch);
   AppendKVOptions options;
   options.group = group;
   options.rotary.enabled = rotary;
@@ -61,7 +63,8 @@ void AppendKVPy(py::handle layer_cache, py::handle k, py::handle v, py::handle b
   options.kv_scale = kv_scale;
   options.num_threads = num_threads;
   options.stream = ToStream(stream);
-  CallWithoutGil([&] { return AppendKV(cache.view, keys.view, values.view, b, options); });
+  ThrowIfError(LockedWithoutGil(
+      b.lock, [&] { return AppendKV(cache.view, keys.view, values.view, *b.batch, options); }));
 }
 
 void PagedAttentionPy(py::handle q, py::handle layer_cache, py::handle batch, py::handle out,
@@ -70,7 +73,7 @@ void PagedAttentionPy(py::handle q, py::handle layer_cache, py::handle batch, py
   const OwnedTensor queries = ImportTensor(q);
   const OwnedTensor cache = ImportTensor(layer_cache);
   const OwnedTensor output = ImportTensor(out);
-  const RaggedBatch& b = ToBatch(batch);
+  const BatchWrapper& b = ToBatch(batch);
   AttentionOptions options;
   options.scale = scale;
   options.causal = causal;
@@ -79,7 +82,9 @@ void PagedAttentionPy(py::handle q, py::handle layer_cache, py::handle batch, py
   options.kv_scale = kv_scale;
   options.num_threads = num_threads;
   options.stream = ToStream(stream);
-  CallWithoutGil([&] { return PagedAttention(queries.view, cache.view, b, output.view, options); });
+  ThrowIfError(LockedWithoutGil(b.lock, [&] {
+    return PagedAttention(queries.view, cache.view, *b.batch, output.view, options);
+  }));
 }
 
 }  // namespace
