@@ -193,3 +193,50 @@ def test_free_rejects_ids_outside_int32_and_2d_input():
     with pytest.raises(ValueError):
         a.free(np.zeros((1, 2), dtype=np.int32))
     assert a.free_blocks == 0
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+                                   np.uint32, np.uint64, ">i4", ">u8", "<i8"])
+def test_free_reads_numpy_arrays_of_every_integer_dtype_and_byte_order(dtype):
+    a = blockkv.BlockedAllocator(8)
+    ids = a.allocate(8)
+    a.free(np.array(ids[:3], dtype=dtype))
+    a.free(np.array(ids[3:8], dtype=dtype)[::2])  # strided: ids 3, 5, 7
+    assert a.free_blocks == 6
+    a.free(np.array(ids[4], dtype=dtype))  # 0-d
+    a.free(np.array([ids[6]], dtype=dtype)[0])  # a NumPy scalar
+    assert a.free_blocks == 8
+    a.check_invariants()
+
+
+def test_free_reads_torch_tensors_small_large_strided_and_0d():
+    torch = pytest.importorskip("torch")
+    a = blockkv.BlockedAllocator(1024)
+    ids = torch.from_numpy(a.allocate(1024))
+    a.free(ids[:1])                       # one id: read through tolist()
+    a.free(ids[1:2].to(torch.int64)[0])   # 0-d
+    a.free(ids[2:1000:2])                 # strided, 499 ids: read through the NumPy view
+    a.free(ids[3:1000:2].to(torch.int16))  # also 499 ids, int16 (the ids fit)
+    assert a.free_blocks == 1000
+    with pytest.raises(TypeError):
+        a.free(ids[1000:1002].float())
+    with pytest.raises(TypeError):
+        a.free(torch.ones(300, dtype=torch.float32))
+    with pytest.raises(ValueError, match="2 dimensions"):
+        a.free(ids[1000:1004].view(2, 2))
+    assert a.free_blocks == 1000
+    a.free(ids[1000:])
+    a.check_invariants()
+
+
+def test_free_of_a_list_reads_python_and_numpy_ints_and_refuses_nesting():
+    a = blockkv.BlockedAllocator(4)
+    ids = a.allocate(4).tolist()
+    with pytest.raises(ValueError, match="2 dimensions"):
+        a.free([[ids[0]]])
+    with pytest.raises(TypeError, match=r"block ids\[1\] must be an int, got float"):
+        a.free([ids[0], 1.0])
+    assert a.free_blocks == 0
+    a.free([np.int64(ids[0]), np.uint8(ids[1])])
+    a.free((ids[2], ids[3]))
+    assert a.free_blocks == 4
