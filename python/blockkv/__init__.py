@@ -17,6 +17,14 @@ DeepSpeed: prefix caching (StateManagerConfig(prefix_cache=PrefixCacheConfig()),
 StateManager.add_sequence), offload to host and disk tiers (BlockedKVCache(offload=True),
 StateManager.preempt_sequence / resume_sequence) and the kernels append_kv / paged_attention. See docs/python.md for
 the whole API, the error types and what differs from DeepSpeed.
+
+Threads: every object may be shared between Python threads. Each StateManager, BlockedKVCache,
+BlockedAllocator and RaggedBatchWrapper has a lock that all of its methods (and those of its
+descriptors and tickets) hold, so calls on one object run one at a time and calls on different
+objects in parallel; a call that releases the GIL also waits for the lock without it. Integers
+are range-checked against the C++ type they become: a value that does not fit is a ValueError
+naming it and the range, whatever carried it (int, list, NumPy array of any integer dtype, torch
+tensor).
 """
 
 import sys
