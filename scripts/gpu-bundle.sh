@@ -45,7 +45,7 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBLOCKKV_WERROR=ON \
   -DCMAKE_GTEST_DISCOVER_TESTS_DISCOVERY_MODE=PRE_TEST >"$build.configure.log" 2>&1 ||
   { tail -30 "$build.configure.log"; die "configure failed (log: $build.configure.log)"; }
 
-tests=(cuda_device_test cuda_kv_cache_test cuda_offload_test cuda_kernels_test)
+tests=(cuda_device_test cuda_kv_cache_test cuda_offload_test cuda_kernels_test cuda_ragged_batch_test)
 benches=(cuda_device_bench cuda_kernels_bench cuda_offload_bench cuda_batch_bench)
 cmake --build "$build" -j "$jobs" --target blockkv gpu_probe "${tests[@]}" "${benches[@]}"
 

@@ -17,16 +17,39 @@
 // copies about one block id per sequence into the dense tables, not the whole table.
 // kv_ptrs never change: they are the addresses of the rows, written once in Create (on a CUDA
 // device, the device mirror holds the device rows' addresses).
+//
+// The device mirror. All arrays live in one host arena and, with a mirror, one device arena of
+// the same layout (ForEachArray), each array 256-byte aligned at a fixed offset, so the device
+// addresses never change (engines capture CUDA graphs over them):
+//   | kv_ptrs (each group) | metadata | descriptors | input_ids | tokens_to_seq |
+//   | per group: kv_indptr, kv_last_page_len, slot_mapping | per group: block_tables, kv_indices |
+// Create copies the whole arena once (kv_ptrs then hold the device rows' addresses; the host
+// ones are written after). Each Finalize copies from metadata to the end of the last group's
+// used kv_indices: the used part of every array and the unused capacity between them, except
+// that a gap of more than kCopyGapBytes (64 KiB) splits the copy in two rather than being carried.
+// With the batch's sequences near max_ragged_sequence_count that is one copy; a batch far below
+// it (unused rows of block_tables past 64 KiB) takes one more per such gap. On blockkv's
+// CudaDevice the host arena is pinned (cudaHostAlloc) and the copies are cudaMemcpyAsync on the
+// legacy default stream, with an event recorded after them that the next step's Writer
+// synchronizes before it overwrites the arena (src/internal/upload_queue.h). Any other Device
+// that says kCuda gets its own synchronous CopyFromHost of the same ranges.
 #include "blockkv/ragged_batch.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <iterator>
 #include <limits>
+#include <memory>
 #include <type_traits>
+#include <utility>
 
+#include "blockkv/cuda_device.h"
+#include "internal/block_mover.h"
 #include "internal/block_size.h"
+#include "internal/check.h"
 #include "internal/host_memory.h"
 #include "internal/strings.h"
 #include "ragged_batch_impl.h"
@@ -51,6 +74,72 @@ constexpr DType DTypeOf() {
   return std::is_same_v<T, int32_t> ? DType::kInt32 : DType::kInt64;
 }
 
+// Unused capacity between two arrays' used parts up to which one copy carries both (and the gap)
+// rather than two copies: about a microsecond of PCIe 5 at 50 GB/s, less than what a second
+// cudaMemcpyAsync costs to queue and start.
+constexpr int64_t kCopyGapBytes = 64 << 10;
+
+void FreeAligned(std::byte* data) { std::free(data); }
+
+// The host arena without a mirror, or for a Device that is not blockkv's CudaDevice.
+Result<internal::HostBuffer> AllocateAligned(int64_t bytes) {
+  constexpr int64_t kAlign = 4096;
+  const int64_t rounded = RoundUp(std::max<int64_t>(bytes, 1), kAlign);
+  void* data = std::aligned_alloc(kAlign, static_cast<size_t>(rounded));
+  if (data == nullptr) {
+    return ResourceExhaustedError(
+        StrCat("cannot allocate ", bytes, " bytes of host memory for the batch's arrays"));
+  }
+  return internal::HostBuffer(static_cast<std::byte*>(data), bytes, FreeAligned);
+}
+
+// A Device of kind kCuda that is not blockkv's CudaDevice (an engine's own, or a test's): its
+// CopyFromHost, which returns when the copy is done.
+class DeviceCopyQueue final : public internal::UploadQueue {
+ public:
+  explicit DeviceCopyQueue(Device& device) : device_(device) {}
+  Status Copy(void* dst, const std::byte* src, int64_t bytes) override {
+    return device_.CopyFromHost(dst, src, bytes);
+  }
+  Status Record() override { return Status::Ok(); }
+  Status Wait() override { return Status::Ok(); }
+
+ private:
+  Device& device_;
+};
+
+// The ranges of one step's copy: the used parts of the arrays, added in arena order, merged
+// while the unused capacity between them is at most kCopyGapBytes.
+class CopyPlan {
+ public:
+  CopyPlan(internal::UploadQueue& queue, const std::byte* host, std::byte* device)
+      : queue_(queue), host_(host), device_(device) {}
+
+  template <class T>
+  Status Add(const ArenaArray<T>& array, int64_t count) {
+    if (count == 0) return Status::Ok();
+    BLOCKKV_CHECK(array.offset >= end_, "the batch's copy adds arrays out of arena order");
+    if (begin_ >= 0 && array.offset - end_ > kCopyGapBytes) BLOCKKV_RETURN_IF_ERROR(Flush());
+    if (begin_ < 0) begin_ = array.offset;
+    end_ = array.offset + count * int64_t{sizeof(T)};
+    return Status::Ok();
+  }
+
+  // Queues the range added since the last Flush.
+  Status Flush() {
+    if (begin_ < 0) return Status::Ok();
+    const int64_t begin = std::exchange(begin_, -1);
+    return queue_.Copy(device_ + begin, host_ + begin, end_ - begin);
+  }
+
+ private:
+  internal::UploadQueue& queue_;
+  const std::byte* host_;
+  std::byte* device_;
+  int64_t begin_ = -1;  // of the range being built; -1 when there is none
+  int64_t end_ = 0;
+};
+
 }  // namespace
 
 int64_t PaddedTokenCount(int64_t n_tokens) {
@@ -71,15 +160,36 @@ Status RaggedBatch::Impl::Init(const StateManager& manager) {
   }
   const std::shared_ptr<Device>& device = manager.kv_cache().device();
   if (device != nullptr && device->kind() == DeviceKind::kCuda) mirror = device;
-  Device* m = mirror.get();
-  BLOCKKV_RETURN_IF_ERROR(input_ids.Init(padded_capacity, kPadIndex, m));
-  BLOCKKV_RETURN_IF_ERROR(tokens_to_seq.Init(padded_capacity, kPadIndex, m));
-  BLOCKKV_RETURN_IF_ERROR(descriptors.Init(int64_t{max_seqs} * kDescriptorWidth, 0, m));
-  BLOCKKV_RETURN_IF_ERROR(metadata.Init(2, 0, m));
+  input_ids.capacity = padded_capacity;
+  tokens_to_seq.capacity = padded_capacity;
+  descriptors.capacity = int64_t{max_seqs} * kDescriptorWidth;
+  metadata.capacity = 2;
   groups.resize(static_cast<size_t>(manager.num_groups()));
   for (int g = 0; g < manager.num_groups(); ++g) {
     BLOCKKV_RETURN_IF_ERROR(InitGroup(manager, g, padded_capacity));
   }
+  int64_t bytes = 0;
+  ForEachArray([&bytes]<class T>(ArenaArray<T>& array, T /*fill*/) {
+    array.offset = bytes;
+    bytes = RoundUp(bytes + array.capacity * int64_t{sizeof(T)}, kDeviceAlignment);
+  });
+  BLOCKKV_RETURN_IF_ERROR(AllocateArenas(bytes));
+  std::byte* const host = host_arena.data();
+  auto* const on_device = static_cast<std::byte*>(device_arena.data());
+  ForEachArray([&]<class T>(ArenaArray<T>& array, T fill) {
+    array.host = {reinterpret_cast<T*>(host + array.offset), static_cast<size_t>(array.capacity)};
+    if (on_device != nullptr) array.device = reinterpret_cast<T*>(on_device + array.offset);
+    std::fill(array.host.begin(), array.host.end(), fill);
+  });
+  if (uploads != nullptr) {
+    // The whole arena once, kv_ptrs holding the device rows' addresses: the only copy of kv_ptrs,
+    // which no step copies again.
+    WriteRowAddresses(/*on_device=*/true);
+    BLOCKKV_RETURN_IF_ERROR(uploads->Copy(on_device, host, bytes));
+    BLOCKKV_RETURN_IF_ERROR(uploads->Record());
+    BLOCKKV_RETURN_IF_ERROR(uploads->Wait());
+  }
+  WriteRowAddresses(/*on_device=*/false);
   entry_buf.resize(static_cast<size_t>(max_seqs));
   in_batch.assign(static_cast<size_t>(config.max_tracked_sequences), 0);
   return Status::Ok();
@@ -96,7 +206,7 @@ Status RaggedBatch::Impl::InitGroup(const StateManager& manager, int g, int64_t 
                                        " blocks per sequence does not fit the int32 CSR offsets"));
   }
   // The dense table and the CSR indices dominate; refuse what host memory cannot hold instead
-  // of throwing bad_alloc.
+  // of failing to allocate it.
   const int64_t table_bytes = 2 * table_size * int64_t{sizeof(BlockId)};
   if (const int64_t available = internal::ReadHostMemory().available; table_bytes > available) {
     return ResourceExhaustedError(StrCat("cache group ", g, ": the batch's block tables for ",
@@ -104,26 +214,74 @@ Status RaggedBatch::Impl::InitGroup(const StateManager& manager, int g, int64_t 
                                          " blocks need ", table_bytes, " bytes of host memory, ",
                                          available, " available"));
   }
-  Device* m = mirror.get();
-  BLOCKKV_RETURN_IF_ERROR(group.block_tables.Init(table_size, kNoBlock, m));
-  BLOCKKV_RETURN_IF_ERROR(group.kv_ptrs.Init(max_seqs, 0, m));
-  BLOCKKV_RETURN_IF_ERROR(group.kv_indptr.Init(int64_t{max_seqs} + 1, 0, m));
-  BLOCKKV_RETURN_IF_ERROR(group.kv_indices.Init(table_size, kNoBlock, m));
-  BLOCKKV_RETURN_IF_ERROR(group.kv_last_page_len.Init(max_seqs, 0, m));
-  BLOCKKV_RETURN_IF_ERROR(group.slot_mapping.Init(padded_capacity, kPadIndex, m));
+  group.block_tables.capacity = table_size;
+  group.kv_ptrs.capacity = max_seqs;
+  group.kv_indptr.capacity = int64_t{max_seqs} + 1;
+  group.kv_indices.capacity = table_size;
+  group.kv_last_page_len.capacity = max_seqs;
+  group.slot_mapping.capacity = padded_capacity;
   group.rows.assign(static_cast<size_t>(max_seqs), Group::Row{});
-  auto write_row_addresses = [&](const BlockId* rows) {
+  return Status::Ok();
+}
+
+// The arenas' layout, each array 256-byte aligned. kv_ptrs first: copied once, in Create. Then
+// the arrays every step copies a prefix of, so that one copy from the first to the end of the
+// last one's used part carries them all: the small ones (whose unused capacity lies between the
+// copied parts), and the block tables and CSR indices last (large, and the last one's unused part
+// is not copied).
+template <class F>
+void RaggedBatch::Impl::ForEachArray(F&& f) {
+  for (Group& group : groups) f(group.kv_ptrs, int64_t{0});
+  f(metadata, 0);
+  f(descriptors, 0);
+  f(input_ids, int64_t{kPadIndex});
+  f(tokens_to_seq, kPadIndex);
+  for (Group& group : groups) {
+    f(group.kv_indptr, 0);
+    f(group.kv_last_page_len, 0);
+    f(group.slot_mapping, int64_t{kPadIndex});
+  }
+  for (Group& group : groups) {
+    f(group.block_tables, kNoBlock);
+    f(group.kv_indices, kNoBlock);
+  }
+}
+
+Status RaggedBatch::Impl::AllocateArenas(int64_t bytes) {
+  if (const int64_t available = internal::ReadHostMemory().available; bytes > available) {
+    return ResourceExhaustedError(StrCat("the batch's arrays need ", bytes,
+                                         " bytes of host memory, ", available, " available"));
+  }
+  if (mirror == nullptr) {
+    BLOCKKV_ASSIGN_OR_RETURN(host_arena, AllocateAligned(bytes));
+    return Status::Ok();
+  }
+  // blockkv's CudaDevice: pinned staging and asynchronous copies. Any other Device of kind
+  // kCuda: its own (synchronous) CopyFromHost from plain memory.
+  if (CudaStream(*mirror).ok()) {
+    BLOCKKV_ASSIGN_OR_RETURN(host_arena, internal::AllocateUploadStaging(*mirror, bytes));
+    BLOCKKV_ASSIGN_OR_RETURN(uploads, internal::MakeCudaUploadQueue(*mirror));
+  } else {
+    BLOCKKV_ASSIGN_OR_RETURN(host_arena, AllocateAligned(bytes));
+    uploads = std::make_unique<DeviceCopyQueue>(*mirror);
+  }
+  BLOCKKV_ASSIGN_OR_RETURN(device_arena, mirror->Allocate(bytes));
+  return Status::Ok();
+}
+
+// kv_ptrs: the addresses of the block tables' rows, host or device ones.
+void RaggedBatch::Impl::WriteRowAddresses(bool on_device) {
+  for (Group& group : groups) {
+    const BlockId* rows = group.block_tables.data(on_device);
     for (int32_t i = 0; i < max_seqs; ++i) {
       group.kv_ptrs.host[static_cast<size_t>(i)] =
           static_cast<int64_t>(reinterpret_cast<uintptr_t>(rows + int64_t{i} * group.max_blocks));
     }
-  };
-  if (m != nullptr) {  // the mirror holds the device rows' addresses
-    write_row_addresses(group.block_tables.data(/*on_device=*/true));
-    BLOCKKV_RETURN_IF_ERROR(group.kv_ptrs.Upload(*m, max_seqs));
   }
-  write_row_addresses(group.block_tables.host.data());
-  return Status::Ok();
+}
+
+RaggedBatch::Impl::~Impl() {
+  if (copy_pending) AwaitCopy();
 }
 
 // Every check of InsertSequence, before anything changes. Messages are built out of line
@@ -211,23 +369,39 @@ void RaggedBatch::Impl::FillPadding() {
   metadata.host[1] = n_entries;
 }
 
-Status RaggedBatch::Impl::Upload() const {
-  if (mirror == nullptr) return Status::Ok();
-  Device& m = *mirror;
+// A failed copy leaves copy_pending unset and the batch unfinalized: a range queued before the
+// failure may still be in flight while the arrays are written again, which is harmless, since
+// nothing reads the mirror of an unfinalized batch and the retry's copy follows it on the stream.
+Status RaggedBatch::Impl::Upload() {
+  if (uploads == nullptr) return Status::Ok();
   const int64_t n_seqs = n_entries;
-  BLOCKKV_RETURN_IF_ERROR(input_ids.Upload(m, padded));
-  BLOCKKV_RETURN_IF_ERROR(tokens_to_seq.Upload(m, padded));
-  BLOCKKV_RETURN_IF_ERROR(descriptors.Upload(m, n_seqs * kDescriptorWidth));
-  BLOCKKV_RETURN_IF_ERROR(metadata.Upload(m, 2));
+  CopyPlan plan(*uploads, host_arena.data(), static_cast<std::byte*>(device_arena.data()));
+  // ForEachArray's order, kv_ptrs left out.
+  BLOCKKV_RETURN_IF_ERROR(plan.Add(metadata, 2));
+  BLOCKKV_RETURN_IF_ERROR(plan.Add(descriptors, n_seqs * kDescriptorWidth));
+  BLOCKKV_RETURN_IF_ERROR(plan.Add(input_ids, padded));
+  BLOCKKV_RETURN_IF_ERROR(plan.Add(tokens_to_seq, padded));
   for (const Group& group : groups) {
-    BLOCKKV_RETURN_IF_ERROR(group.block_tables.Upload(m, n_seqs * group.max_blocks));
-    BLOCKKV_RETURN_IF_ERROR(group.kv_indptr.Upload(m, n_seqs + 1));
-    BLOCKKV_RETURN_IF_ERROR(
-        group.kv_indices.Upload(m, group.kv_indptr.host[static_cast<size_t>(n_seqs)]));
-    BLOCKKV_RETURN_IF_ERROR(group.kv_last_page_len.Upload(m, n_seqs));
-    BLOCKKV_RETURN_IF_ERROR(group.slot_mapping.Upload(m, padded));
+    BLOCKKV_RETURN_IF_ERROR(plan.Add(group.kv_indptr, n_seqs + 1));
+    BLOCKKV_RETURN_IF_ERROR(plan.Add(group.kv_last_page_len, n_seqs));
+    BLOCKKV_RETURN_IF_ERROR(plan.Add(group.slot_mapping, padded));
   }
+  for (const Group& group : groups) {
+    BLOCKKV_RETURN_IF_ERROR(plan.Add(group.block_tables, n_seqs * group.max_blocks));
+    BLOCKKV_RETURN_IF_ERROR(
+        plan.Add(group.kv_indices, group.kv_indptr.host[static_cast<size_t>(n_seqs)]));
+  }
+  BLOCKKV_RETURN_IF_ERROR(plan.Flush());
+  BLOCKKV_RETURN_IF_ERROR(uploads->Record());
+  copy_pending = true;
   return Status::Ok();
+}
+
+void RaggedBatch::Impl::AwaitCopy() {
+  copy_pending = false;
+  if (Status waited = uploads->Wait(); !waited.ok() && copy_error.ok()) {
+    copy_error = std::move(waited);
+  }
 }
 
 Status RaggedBatch::Impl::CheckReadable(bool on_device) const {
@@ -250,7 +424,7 @@ Status RaggedBatch::Impl::CheckGroup(int g) const {
 }
 
 template <class T>
-Result<TensorView> RaggedBatch::Impl::View(const MirroredArray<T>& array, bool on_device,
+Result<TensorView> RaggedBatch::Impl::View(const ArenaArray<T>& array, bool on_device,
                                            std::initializer_list<int64_t> shape) const {
   BLOCKKV_RETURN_IF_ERROR(CheckReadable(on_device));
   const DeviceKind kind = on_device ? mirror->kind() : DeviceKind::kCpu;
@@ -299,11 +473,15 @@ void RaggedBatch::Impl::Clear() {
   finalized = false;
 }
 
-// After every entry's arrays are written. A failed upload to the device mirror leaves the batch
-// unfinalized.
+// After every entry's arrays are written. A failed copy to the device mirror leaves the batch
+// unfinalized, and so does the last step's copy found failed on the device when waited for.
 Status RaggedBatch::Impl::Finish(bool padding) {
+  if (copy_pending) AwaitCopy();  // a Writer has waited already, unless it wrote nothing
   padded = padding ? static_cast<int32_t>(PaddedTokenCount(n_tokens)) : n_tokens;
   FillPadding();
+  if (!copy_error.ok()) [[unlikely]] {  // the last step's copy failed on the device
+    return std::exchange(copy_error, Status::Ok());
+  }
   BLOCKKV_RETURN_IF_ERROR(Upload());
   finalized = true;
   return Status::Ok();

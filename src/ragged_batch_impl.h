@@ -20,35 +20,25 @@
 #include "blockkv/state_manager.h"
 #include "blockkv/status.h"
 #include "blockkv/tensor.h"
+#include "internal/block_mover.h"
 #include "internal/block_size.h"
+#include "internal/upload_queue.h"
 
 namespace blockkv {
 
 inline constexpr int32_t kPadIndex = -1;    // input_ids, tokens_to_seq and slot_mapping of padding
 inline constexpr int kDescriptorWidth = 4;  // [start_idx, n_tokens, seen_tokens, 0]
 
-// A host array and, when the batch mirrors to a CUDA device, a device buffer of the same size.
+// One array of the batch: its place in the host arena and, when the batch has a device mirror, the
+// same place in the device arena (ragged_batch.cc draws the layout).
 template <class T>
-struct MirroredArray {
-  std::vector<T> host;
-  DeviceBuffer device;  // empty when there is no mirror
+struct ArenaArray {
+  std::span<T> host;    // [capacity] in the host arena
+  T* device = nullptr;  // the same offset in the device arena; null without a mirror
+  int64_t offset = 0;   // bytes from the start of either arena
+  int64_t capacity = 0;
 
-  Status Init(int64_t capacity, T fill, Device* mirror) {
-    host.assign(static_cast<size_t>(capacity), fill);
-    if (mirror == nullptr) return Status::Ok();
-    BLOCKKV_ASSIGN_OR_RETURN(device, mirror->Allocate(capacity * int64_t{sizeof(T)}));
-    return Status::Ok();
-  }
-
-  // Copies host[0, count) into the mirror.
-  Status Upload(Device& mirror, int64_t count) const {
-    if (count == 0) return Status::Ok();
-    return mirror.CopyFromHost(device.data(), host.data(), count * int64_t{sizeof(T)});
-  }
-
-  T* data(bool on_device) const {
-    return on_device ? static_cast<T*>(device.data()) : const_cast<T*>(host.data());
-  }
+  T* data(bool on_device) const { return on_device ? device : host.data(); }
 };
 
 struct RaggedBatch::Impl {
@@ -64,13 +54,13 @@ struct RaggedBatch::Impl {
 
   struct Group {
     internal::BlockSize block_size;
-    int32_t max_blocks = 0;                   // max_blocks_per_sequence of this group
-    MirroredArray<BlockId> block_tables;      // [max_seqs, max_blocks]
-    MirroredArray<int64_t> kv_ptrs;           // [max_seqs]
-    MirroredArray<int32_t> kv_indptr;         // [max_seqs + 1]
-    MirroredArray<int32_t> kv_indices;        // [max_seqs · max_blocks]
-    MirroredArray<int32_t> kv_last_page_len;  // [max_seqs]
-    MirroredArray<int64_t> slot_mapping;      // [padded capacity]
+    int32_t max_blocks = 0;                // max_blocks_per_sequence of this group
+    ArenaArray<BlockId> block_tables;      // [max_seqs, max_blocks]
+    ArenaArray<int64_t> kv_ptrs;           // [max_seqs]
+    ArenaArray<int32_t> kv_indptr;         // [max_seqs + 1]
+    ArenaArray<int32_t> kv_indices;        // [max_seqs · max_blocks]
+    ArenaArray<int32_t> kv_last_page_len;  // [max_seqs]
+    ArenaArray<int64_t> slot_mapping;      // [padded capacity]
     // Per row of block_tables: entries that may not be kNoBlock, and the table_version() of the
     // row's last copy (no sequence has version 0).
     struct Row {
@@ -80,8 +70,14 @@ struct RaggedBatch::Impl {
     std::vector<Row> rows;  // [max_seqs]
   };
 
+  ~Impl();
   Status Init(const StateManager& manager);
   Status InitGroup(const StateManager& manager, int g, int64_t padded_capacity);
+  // Every array, in the order of the arenas' layout, with the value Create fills it with.
+  template <class F>
+  void ForEachArray(F&& f);
+  Status AllocateArenas(int64_t bytes);
+  void WriteRowAddresses(bool on_device);
   Status CheckInsertable(const Sequence& seq, int64_t n) const;
   // InsertSequence: records `seq` with its `tokens` as the next entry and marks its slot in
   // in_batch. REQUIRES: CheckInsertable's checks hold.
@@ -96,22 +92,34 @@ struct RaggedBatch::Impl {
   [[gnu::cold, gnu::noinline]] static Status ChangedError(const Entry& e);
   class Writer;
   void FillPadding();
-  Status Upload() const;
+  // Queues this step's copy to the device mirror (nothing without one).
+  Status Upload();
+  // Waits for the last step's copy before the host arena is written again; keeps its error for
+  // the next Finish.
+  void AwaitCopy();
   Status CheckReadable(bool on_device) const;
   Status CheckGroup(int g) const;
   template <class T>
-  Result<TensorView> View(const MirroredArray<T>& array, bool on_device,
+  Result<TensorView> View(const ArenaArray<T>& array, bool on_device,
                           std::initializer_list<int64_t> shape) const;
 
-  const StateManager* owner = nullptr;   // outlives the batch (RaggedBatch::Create's REQUIRES)
-  int32_t max_tokens = 0;                // max_ragged_batch_size
-  int32_t max_seqs = 0;                  // max_ragged_sequence_count
-  std::shared_ptr<Device> mirror;        // the CUDA device of the cache; null on the host
-  MirroredArray<int64_t> input_ids;      // [padded capacity]
-  MirroredArray<int32_t> tokens_to_seq;  // [padded capacity]
-  MirroredArray<int32_t> descriptors;    // [max_seqs, 4]
-  MirroredArray<int32_t> metadata;       // [2]
+  const StateManager* owner = nullptr;  // outlives the batch (RaggedBatch::Create's REQUIRES)
+  int32_t max_tokens = 0;               // max_ragged_batch_size
+  int32_t max_seqs = 0;                 // max_ragged_sequence_count
+  std::shared_ptr<Device> mirror;       // the CUDA device of the cache; null on the host
+  ArenaArray<int64_t> input_ids;        // [padded capacity]
+  ArenaArray<int32_t> tokens_to_seq;    // [padded capacity]
+  ArenaArray<int32_t> descriptors;      // [max_seqs, 4]
+  ArenaArray<int32_t> metadata;         // [2]
   std::vector<Group> groups;
+  // Every array above, in one block of host memory (pinned for blockkv's CudaDevice) and one of
+  // device memory with the same layout. Declared before `uploads`, which is destroyed first and
+  // waits for its copies.
+  internal::HostBuffer host_arena;
+  DeviceBuffer device_arena;                       // empty without a mirror
+  std::unique_ptr<internal::UploadQueue> uploads;  // null without a mirror
+  bool copy_pending = false;                       // a copy from host_arena may be in flight
+  Status copy_error;             // what the last AwaitCopy saw go wrong, for the next Finish
   std::vector<Entry> entry_buf;  // [max_seqs]; the first n_entries are the batch's
   int32_t n_entries = 0;
   std::span<const Entry> entries() const {
@@ -129,6 +137,9 @@ struct RaggedBatch::Impl {
 // raw pointer and the counts as locals, so that the dozen int32 / int64 stores per sequence (which
 // may alias the Impl's own members) do not make the compiler reload them; a batch of one cache
 // group (almost every model) has that group's arrays hoisted too. Done() writes the counts back.
+// Every write of the arrays after Create goes through a Writer (FillPadding comes after one), so
+// its constructor is where the last step's copy to the device mirror is waited for (normally long
+// done) before the staging is overwritten.
 class RaggedBatch::Impl::Writer {
  public:
   explicit Writer(Impl& batch)
@@ -140,7 +151,9 @@ class RaggedBatch::Impl::Writer {
         n_entries_(batch.n_entries),
         n_tokens_(batch.n_tokens),
         one_group_(batch.groups.size() == 1),
-        first_(batch.groups[0]) {}
+        first_(batch.groups[0]) {
+    if (batch.copy_pending) batch.AwaitCopy();  // the arrays are written next
+  }
 
   // `seq` with its `tokens` as the next entry, which it returns. REQUIRES: CheckInsertable's
   // checks hold (ScheduleBatch: they hold by its own checks).

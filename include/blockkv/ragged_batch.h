@@ -28,11 +28,18 @@
 //                                          (0 for a sequence with no tokens at all)
 //   slot_mapping(g)         int64 [P]      block · block_size + offset of each new token; −1 pad
 //
-// Host arrays always; when the manager's cache lives on a CUDA device, Finalize also copies each
-// array into a device mirror, reached with on_device = true. The mirror is single-buffered and
-// the copies are synchronous on the default stream: REQUIRES that kernels reading one step's
-// mirror have finished before the next Finalize (an engine running them on its own stream
-// synchronizes that stream first).
+// Host arrays always; when the manager's cache lives on a CUDA device, Finalize (and
+// ScheduleBatch) also copies the arrays into a device mirror, reached with on_device = true. Its
+// device addresses are fixed from Create on (CUDA graphs may capture them). The host arrays are
+// pinned, and Finalize queues their copy (one cudaMemcpyAsync over the used parts, see
+// src/ragged_batch.cc) on the legacy default stream without waiting for it: kernels launched
+// after Finalize on that stream, or on a blocking stream, run after the copy; the next step waits
+// for the copy before it writes the host arrays. The mirror is single-buffered. REQUIRES of
+// kernels on a non-blocking stream (cudaStreamNonBlocking, e.g. torch's side streams): that
+// stream waits for the default stream's work after Finalize before reading the mirror (an event
+// recorded on it, or torch's current_stream().wait_stream(default_stream())), and kernels reading
+// one step's mirror have finished before the next Finalize (kernels on the default stream are
+// ordered before the next step's copy by the stream itself).
 //
 // Limits are checked on every insert: more than max_ragged_sequence_count sequences or
 // max_ragged_batch_size tokens is kResourceExhausted naming the limit, and nothing is added.

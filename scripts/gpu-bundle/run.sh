@@ -18,7 +18,7 @@ logs="${LOGS:-$here/logs}"
 mkdir -p "$logs"
 export LD_LIBRARY_PATH="$bin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 start=$SECONDS
-tests=(cuda_device_test cuda_kv_cache_test cuda_offload_test cuda_kernels_test)
+tests=(cuda_device_test cuda_kv_cache_test cuda_offload_test cuda_kernels_test cuda_ragged_batch_test)
 benches=(cuda_kernels_bench cuda_offload_bench cuda_batch_bench cuda_device_bench)
 step() { echo "=== run.sh: $* ($((SECONDS - start)) s)"; }
 

@@ -3,6 +3,7 @@
 #include "blockkv/device.h"
 #include "internal/block_mover.h"
 #include "internal/strings.h"
+#include "internal/upload_queue.h"
 
 namespace blockkv {
 
@@ -29,6 +30,15 @@ Result<HostBuffer> AllocatePinnedHostBuffer(const Device& device, int64_t) {
 
 Result<std::unique_ptr<BlockMover>> MakeCudaBlockMover(const Device& device) {
   return UnavailableError(StrCat("copies for ", device.name(), ": blockkv was built without CUDA"));
+}
+
+Result<std::unique_ptr<UploadQueue>> MakeCudaUploadQueue(const Device& device) {
+  return UnavailableError(StrCat("uploads to ", device.name(), ": blockkv was built without CUDA"));
+}
+
+Result<HostBuffer> AllocateUploadStaging(const Device& device, int64_t) {
+  return UnavailableError(
+      StrCat("pinned staging for ", device.name(), ": blockkv was built without CUDA"));
 }
 
 }  // namespace blockkv::internal

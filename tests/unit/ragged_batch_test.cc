@@ -149,6 +149,7 @@ class FakeCudaDevice final : public Device {
     if (fail_copies) return InternalError("fake device: copy failed");
     std::memcpy(dst, host_src, static_cast<size_t>(bytes));
     ++copies;
+    copied_bytes += bytes;
     return Status::Ok();
   }
   Status CopyWithin(void* dst, const void* src, int64_t bytes) override {
@@ -158,6 +159,7 @@ class FakeCudaDevice final : public Device {
 
   int allocations = 0;
   int copies = 0;
+  int64_t copied_bytes = 0;
   bool fail_copies = false;
 
  protected:
@@ -614,9 +616,11 @@ TEST(RaggedBatchTest, SteadyStateStepsMakeNoHeapAllocation) {
 
 // ---- device mirror ----------------------------------------------------------------------------
 
-std::unique_ptr<StateManager> MakeManagerOn(std::shared_ptr<Device> device) {
+std::unique_ptr<StateManager> MakeManagerOn(std::shared_ptr<Device> device,
+                                            StateManagerConfig config = Config(),
+                                            std::vector<KVCacheConfig> groups = {Group(16, 8)}) {
   Result<std::unique_ptr<StateManager>> manager =
-      StateManager::Create(Config(), {Group(16, 8)}, std::move(device));
+      StateManager::Create(std::move(config), std::move(groups), std::move(device));
   EXPECT_OK(manager);
   return manager.ok() ? std::move(*manager) : nullptr;
 }
@@ -671,7 +675,8 @@ TEST(RaggedBatchMirrorTest, BuffersAreAllocatedOnceInCreate) {
   const int cache_allocations = device->allocations;
   auto batch = MakeBatch(*manager);
   const int batch_allocations = device->allocations - cache_allocations;
-  EXPECT_EQ(batch_allocations, 4 + 6);  // 4 token/sequence arrays, 6 arrays of the one group
+  EXPECT_EQ(batch_allocations, 1);  // one arena holds every array
+  EXPECT_EQ(device->copies, 1);     // the whole arena, once
   const std::vector<SeqId> uids = {1, 2, 3};
   for (int step = 0; step < 3; ++step) {
     int64_t heap = -1;
@@ -979,6 +984,103 @@ TEST(ScheduleBatchTest, CopiesTheBatchToTheDeviceMirror) {
   EXPECT_THAT(ReadInt64(batch->input_ids()), ElementsAre(7, 8));
   ASSERT_OK(manager->PostForward(*batch));
   ASSERT_OK(manager->CheckInvariants());
+}
+
+// Every array of every group on the device equals the host's, and the device kv_ptrs point at
+// the device rows.
+void ExpectWholeMirrorEqual(const RaggedBatch& b, int n_groups) {
+  ExpectMirrorEqual(b.input_ids(), b.input_ids(true));
+  ExpectMirrorEqual(b.tokens_to_seq(), b.tokens_to_seq(true));
+  ExpectMirrorEqual(b.inflight_seq_descriptors(), b.inflight_seq_descriptors(true));
+  ExpectMirrorEqual(b.batch_metadata(), b.batch_metadata(true));
+  for (int g = 0; g < n_groups; ++g) {
+    SCOPED_TRACE(g);
+    ExpectMirrorEqual(b.block_tables(g), b.block_tables(g, true));
+    ExpectMirrorEqual(b.kv_indptr(g), b.kv_indptr(g, true));
+    ExpectMirrorEqual(b.kv_indices(g), b.kv_indices(g, true));
+    ExpectMirrorEqual(b.kv_last_page_len(g), b.kv_last_page_len(g, true));
+    ExpectMirrorEqual(b.slot_mapping(g), b.slot_mapping(g, true));
+    Result<TensorView> tables = b.block_tables(g, true);
+    Result<TensorView> ptrs = b.kv_ptrs(g, true);
+    ASSERT_OK(tables);
+    ASSERT_OK(ptrs);
+    const auto* rows = static_cast<const BlockId*>(tables->data);
+    const auto* row_ptrs = static_cast<const int64_t*>(ptrs->data);
+    for (int64_t i = 0; i < ptrs->numel(); ++i) {
+      EXPECT_EQ(row_ptrs[i], reinterpret_cast<intptr_t>(rows + i * tables->shape[1]));
+    }
+  }
+}
+
+// Growing, shrinking and empty batches over two cache groups, through ScheduleBatch and through
+// InsertSequence + Finalize, padded and not: after every step the whole mirror is the host's.
+TEST(RaggedBatchMirrorTest, MirrorEqualsTheHostOverGrowingAndShrinkingBatchesOfTwoGroups) {
+  auto device = std::make_shared<FakeCudaDevice>();
+  auto manager = MakeManagerOn(device, Config(), {Group(16, 8), Group(32, 4)});
+  auto batch = MakeBatch(*manager);
+  const std::vector<std::vector<SeqId>> steps = {
+      {1}, {1, 2, 3}, {1, 2, 3, 4, 5, 6}, {2, 5}, {}, {6, 5, 4, 3, 2, 1, 7}, {7}, {1, 7}};
+  for (size_t step = 0; step < steps.size(); ++step) {
+    SCOPED_TRACE(step);
+    const std::vector<SeqId>& uids = steps[step];
+    std::vector<int64_t> lengths;
+    for (SeqId uid : uids) {
+      const Sequence* seq = manager->GetSequence(uid);
+      lengths.push_back(seq == nullptr ? 5 + uid : 1);  // a prompt, then decode steps
+    }
+    const std::vector<int64_t> tokens = TokensFor(uids, lengths, static_cast<int>(step));
+    const bool padding = step % 3 != 0;
+    if (step % 2 == 0) {
+      ASSERT_OK(manager->ScheduleBatch(uids, lengths, tokens, *batch, padding));
+    } else {
+      batch->Clear();
+      ASSERT_OK(manager->Schedule(uids, lengths));
+      size_t at = 0;
+      for (size_t i = 0; i < uids.size(); ++i) {
+        const std::span<const int64_t> mine(tokens.data() + at, static_cast<size_t>(lengths[i]));
+        ASSERT_OK(batch->InsertSequence(*manager->GetSequence(uids[i]), mine));
+        at += static_cast<size_t>(lengths[i]);
+      }
+      ASSERT_OK(batch->Finalize(padding));
+    }
+    ASSERT_EQ(batch->current_sequences(), std::ssize(uids));
+    ExpectWholeMirrorEqual(*batch, 2);
+    ASSERT_OK(manager->PostForward(*batch));
+  }
+}
+
+// max_ragged_sequence_count 8 and 8 decoding sequences: the used parts lie close together, and
+// one copy per step carries them.
+TEST(RaggedBatchMirrorTest, AStepNearTheSequenceLimitIsOneCopy) {
+  auto device = std::make_shared<FakeCudaDevice>();
+  auto manager = MakeManagerOn(device, Config(/*tracked=*/16, /*batch=*/64, /*seq_count=*/8));
+  auto batch = MakeBatch(*manager);
+  std::vector<SeqId> uids(8);
+  std::iota(uids.begin(), uids.end(), SeqId{1});
+  const std::vector<int64_t> ones(uids.size(), 1);
+  for (int step = 0; step < 20; ++step) {  // crosses block boundaries
+    SCOPED_TRACE(step);
+    const int before = device->copies;
+    ASSERT_OK(manager->ScheduleBatch(uids, ones, TokensFor(uids, ones, step), *batch));
+    EXPECT_EQ(device->copies - before, 1);
+    ExpectWholeMirrorEqual(*batch, 1);
+    ASSERT_OK(manager->PostForward(*batch));
+  }
+}
+
+// One short sequence in a batch sized for 512 of 64 blocks: the unused rows of block_tables
+// (128 KiB) are not carried; the step is two copies of a few KiB instead.
+TEST(RaggedBatchMirrorTest, LargeUnusedCapacityIsNotCopied) {
+  auto device = std::make_shared<FakeCudaDevice>();
+  auto manager = MakeManagerOn(device, Config(), {Group(16, 64)});
+  auto batch = MakeBatch(*manager);
+  const int copies = device->copies;
+  const int64_t bytes = device->copied_bytes;
+  ASSERT_OK(batch->InsertSequence(*Schedule(*manager, 1, 3), RandomTokens(3, 25)));
+  ASSERT_OK(batch->Finalize());
+  EXPECT_EQ(device->copies - copies, 2);
+  EXPECT_LT(device->copied_bytes - bytes, 64 << 10);
+  ExpectWholeMirrorEqual(*batch, 1);
 }
 
 }  // namespace
