@@ -51,7 +51,8 @@ struct Engine {
   std::unique_ptr<blockkv::StateManager> manager;
   std::unique_ptr<blockkv::RaggedBatch> batch;
   std::vector<SeqId> uids;
-  std::vector<int64_t> prompt, ones, tokens;
+  std::vector<int64_t> prompt, ones;
+  std::vector<blockkv::TokenId> tokens;
 
   Engine(int n, std::shared_ptr<blockkv::Device> device) {
     blockkv::SetLogLevel(blockkv::LogLevel::kWarning);
@@ -82,7 +83,7 @@ struct Engine {
   void Prefill() {
     for (const SeqId uid : uids) {
       const std::span<const SeqId> one(&uid, 1);
-      Check(manager->Schedule(one, prompt), "prefill");
+      Check(manager->Schedule({.uids = one, .lengths = prompt}), "prefill");
       Check(manager->PostForward(one), "prefill PostForward");
     }
   }
@@ -92,7 +93,7 @@ struct Engine {
   }
 
   void Step() {
-    Check(manager->ScheduleBatch(uids, ones, tokens, *batch), "ScheduleBatch");
+    Check(manager->ScheduleBatch({.uids = uids, .lengths = ones}, tokens, *batch), "ScheduleBatch");
     Check(manager->PostForward(*batch), "PostForward");
   }
 

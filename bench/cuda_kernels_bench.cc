@@ -103,15 +103,17 @@ struct GpuDecode {
     for (int32_t i = 0; i < kBatch; ++i) uids[static_cast<size_t>(i)] = i;
     for (int64_t done = 0; done < context - 1;) {
       const int64_t step = std::min<int64_t>(kBlockSize, context - 1 - done);
-      Check(manager->Schedule(uids, std::vector<int64_t>(kBatch, step)), "Schedule");
+      Check(manager->Schedule({.uids = uids, .lengths = std::vector<int64_t>(kBatch, step)}),
+            "Schedule");
       Check(manager->PostForward(uids), "PostForward");
       done += step;
     }
-    Check(manager->Schedule(uids, std::vector<int64_t>(kBatch, 1)), "Schedule decode");
+    Check(manager->Schedule({.uids = uids, .lengths = std::vector<int64_t>(kBatch, 1)}),
+          "Schedule decode");
     auto b = blockkv::RaggedBatch::Create(*manager);
     Check(b.status(), "RaggedBatch::Create");
     batch = std::move(*b);
-    const std::vector<int64_t> token = {1};
+    const std::vector<blockkv::TokenId> token = {1};
     for (SeqId uid : uids) {
       Check(batch->InsertSequence(*manager->GetSequence(uid), token), "InsertSequence");
     }

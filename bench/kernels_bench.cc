@@ -35,6 +35,7 @@ using blockkv_bench::Check;
 
 using blockkv::DType;
 using blockkv::SeqId;
+using blockkv::TokenId;
 
 constexpr int32_t kBatch = 16;
 constexpr int32_t kQHeads = 32;
@@ -81,15 +82,17 @@ struct DecodeSetup {
     for (int32_t i = 0; i < kBatch; ++i) uids[static_cast<size_t>(i)] = i;
     for (int64_t done = 0; done < context - 1;) {  // round-robin growth, one block each
       const int64_t step = std::min<int64_t>(kBlockSize, context - 1 - done);
-      Check(manager->Schedule(uids, std::vector<int64_t>(kBatch, step)), "Schedule");
+      Check(manager->Schedule({.uids = uids, .lengths = std::vector<int64_t>(kBatch, step)}),
+            "Schedule");
       Check(manager->PostForward(uids), "PostForward");
       done += step;
     }
-    Check(manager->Schedule(uids, std::vector<int64_t>(kBatch, 1)), "Schedule decode");
+    Check(manager->Schedule({.uids = uids, .lengths = std::vector<int64_t>(kBatch, 1)}),
+          "Schedule decode");
     auto b = blockkv::RaggedBatch::Create(*manager);
     Check(b.status(), "RaggedBatch::Create");
     batch = std::move(*b);
-    const std::vector<int64_t> token = {1};
+    const std::vector<TokenId> token = {1};
     for (SeqId uid : uids)
       Check(batch->InsertSequence(*manager->GetSequence(uid), token), "Insert");
     Check(batch->Finalize(), "Finalize");

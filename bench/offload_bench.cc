@@ -260,7 +260,7 @@ void MakePreemption() {
   p->manager = std::move(*manager);
   const SeqId uid[] = {kUid};
   const int64_t tokens[] = {kSequenceTokens};
-  Check(p->manager->Schedule(uid, tokens), "Schedule 4k tokens");
+  Check(p->manager->Schedule({.uids = uid, .lengths = tokens}), "Schedule 4k tokens");
   Check(p->manager->PostForward(uid), "PostForward");
   Result<TensorView> layer0 = p->manager->GetCache(0);
   Check(layer0.status(), "GetCache");

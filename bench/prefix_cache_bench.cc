@@ -291,12 +291,12 @@ class ManagerRun {
       const std::span<const SeqId> uids(&uid, 1);
       auto seq = m.AddSequence(uid, req.prompt());
       Check(seq.status(), "AddSequence");
-      Check(m.Schedule(uids, std::span(&req.prompt_len, 1)), "Schedule");
+      Check(m.Schedule({.uids = uids, .lengths = std::span(&req.prompt_len, 1)}), "Schedule");
       hits[r] = (*seq)->cached_prefix_tokens();
       Check(m.PostForward(uids), "PostForward");
       for (const TokenId& t : req.decoded()) {
         Check(m.AppendTokens(uid, std::span(&t, 1)), "AppendTokens");
-        Check(m.Schedule(uids, std::span(&one, 1)), "Schedule decode");
+        Check(m.Schedule({.uids = uids, .lengths = std::span(&one, 1)}), "Schedule decode");
         Check(m.PostForward(uids), "PostForward decode");
       }
       benchmark::DoNotOptimize(m.DrainCacheEvents());

@@ -36,6 +36,7 @@ using blockkv_bench::Check;
 
 using blockkv::BlockId;
 using blockkv::SeqId;
+using blockkv::TokenId;
 
 constexpr int32_t kBlockSize = 16;
 constexpr int kStepsPerRound = 64;
@@ -61,8 +62,8 @@ struct Engine {
   std::vector<SeqId> uids;
   std::vector<int64_t> prompts;
   std::vector<int64_t> ones;
-  std::vector<int64_t> token;   // the one token id every sequence gets
-  std::vector<int64_t> tokens;  // that token, once per sequence
+  std::vector<TokenId> token;   // the one token id every sequence gets
+  std::vector<TokenId> tokens;  // that token, once per sequence
   // With prefix caching: every sequence's prompt tokens, and the sampled token appended per step.
   bool prefix_cache = false;
   std::vector<std::vector<blockkv::TokenId>> prompt_tokens;
@@ -107,7 +108,8 @@ struct Engine {
     for (size_t i = 0; i < uids.size(); ++i) {
       const std::span<const SeqId> uid(&uids[i], 1);
       if (prefix_cache) Check(manager->AddSequence(uids[i], prompt_tokens[i]).status(), "Add");
-      Check(manager->Schedule(uid, std::span<const int64_t>(&prompts[i], 1)), "prefill");
+      Check(manager->Schedule({.uids = uid, .lengths = std::span<const int64_t>(&prompts[i], 1)}),
+            "prefill");
       Check(manager->PostForward(uid), "prefill PostForward");
     }
   }
@@ -117,7 +119,7 @@ struct Engine {
   }
 
   void Step() {
-    Check(manager->Schedule(uids, ones), "Schedule");
+    Check(manager->Schedule({.uids = uids, .lengths = ones}), "Schedule");
     BuildBatch();
     Check(manager->PostForward(*batch), "PostForward");
     if (prefix_cache) benchmark::DoNotOptimize(manager->DrainCacheEvents());  // a router's feed
@@ -145,7 +147,7 @@ struct PrefixCached : Engine {
 struct Fused : Engine {
   using Engine::Engine;
   void Step() {
-    Check(manager->ScheduleBatch(uids, ones, tokens, *batch), "ScheduleBatch");
+    Check(manager->ScheduleBatch({.uids = uids, .lengths = ones}, tokens, *batch), "ScheduleBatch");
     Check(manager->PostForward(*batch), "PostForward");
   }
 };
@@ -154,7 +156,7 @@ struct Fused : Engine {
 struct ManagerOnly : Engine {
   using Engine::Engine;
   void Step() {
-    Check(manager->Schedule(uids, ones), "Schedule");
+    Check(manager->Schedule({.uids = uids, .lengths = ones}), "Schedule");
     Check(manager->PostForward(uids), "PostForward");
   }
 };

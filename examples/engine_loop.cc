@@ -19,6 +19,7 @@
 namespace {
 
 using blockkv::SeqId;
+using blockkv::TokenId;
 
 struct Request {
   SeqId uid = 0;
@@ -83,7 +84,7 @@ int main() {
   int64_t steps = 0, tokens = 0, refused = 0, forks = 0, released = 0, peak_used = 0;
   std::vector<SeqId> uids;
   std::vector<int64_t> lengths;
-  std::vector<int64_t> ids;  // the step's new tokens: lengths[i] for uids[i], one after another
+  std::vector<TokenId> ids;  // the step's new tokens: lengths[i] for uids[i], one after another
 
   while (!waiting.empty() || !running.empty()) {
     // Decode every running sequence that finished its prompt; chunk the prompts of the rest and
@@ -122,8 +123,8 @@ int main() {
     // tokens past it: ScheduleBatch takes those from `ids`.
     while (true) {
       blockkv::SchedulingResult result = blockkv::SchedulingResult::kSuccess;
-      const blockkv::Status scheduled =
-          manager.ScheduleBatch(uids, lengths, ids, batch, /*padding=*/true, &result);
+      const blockkv::Status scheduled = manager.ScheduleBatch(
+          {.uids = uids, .lengths = lengths}, ids, batch, /*padding=*/true, &result);
       if (scheduled.ok()) break;
       if (result != blockkv::SchedulingResult::kKVCacheLimitExceeded || uids.size() <= 1) {
         Ok(scheduled, "ScheduleBatch");

@@ -443,13 +443,13 @@ Result<std::unique_ptr<RaggedBatch>> RaggedBatch::Create(const StateManager& man
 RaggedBatch::RaggedBatch(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 RaggedBatch::~RaggedBatch() = default;
 
-Status RaggedBatch::InsertSequence(const Sequence& seq, std::span<const int64_t> tokens) {
+Status RaggedBatch::InsertSequence(const Sequence& seq, std::span<const TokenId> tokens) {
   BLOCKKV_RETURN_IF_ERROR(impl_->CheckInsertable(seq, std::ssize(tokens)));
   impl_->Append(seq, tokens);
   return Status::Ok();
 }
 
-void RaggedBatch::Impl::Append(const Sequence& seq, std::span<const int64_t> tokens) {
+void RaggedBatch::Impl::Append(const Sequence& seq, std::span<const TokenId> tokens) {
   Writer writer(*this);
   writer.Append(seq, tokens);
   writer.Done();

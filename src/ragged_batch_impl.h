@@ -81,7 +81,7 @@ struct RaggedBatch::Impl {
   Status CheckInsertable(const Sequence& seq, int64_t n) const;
   // InsertSequence: records `seq` with its `tokens` as the next entry and marks its slot in
   // in_batch. REQUIRES: CheckInsertable's checks hold.
-  void Append(const Sequence& seq, std::span<const int64_t> tokens);
+  void Append(const Sequence& seq, std::span<const TokenId> tokens);
   void Clear();
   // ScheduleBatch's entries leave in_batch unmarked (its duplicates are the manager's to catch,
   // and a finalized batch takes no InsertSequence): marks them after all, when the batch stays
@@ -157,7 +157,7 @@ class RaggedBatch::Impl::Writer {
 
   // `seq` with its `tokens` as the next entry, which it returns. REQUIRES: CheckInsertable's
   // checks hold (ScheduleBatch: they hold by its own checks).
-  [[gnu::always_inline]] Entry Append(const Sequence& seq, std::span<const int64_t> tokens) {
+  [[gnu::always_inline]] Entry Append(const Sequence& seq, std::span<const TokenId> tokens) {
     const auto n = static_cast<int32_t>(tokens.size());
     const int32_t start = n_tokens_;
     const Entry e{.seq = &seq,
@@ -188,7 +188,7 @@ class RaggedBatch::Impl::Writer {
   // ScheduleBatch: Append, then the entry's rows of every array. The entry is passed on as
   // computed, not read back from where it was just stored (a load right after a store to the
   // same bytes waits on store forwarding).
-  [[gnu::always_inline]] void AppendFilled(const Sequence& seq, std::span<const int64_t> tokens) {
+  [[gnu::always_inline]] void AppendFilled(const Sequence& seq, std::span<const TokenId> tokens) {
     const Entry e = Append(seq, tokens);
     Fill(n_entries_ - 1, e);
   }
@@ -196,7 +196,7 @@ class RaggedBatch::Impl::Writer {
   // [0, allocated) at `row`, the caller passes (the manager reads them where the sequence keeps
   // them, in the same cache line as the rest).
   [[gnu::always_inline]] void AppendFilledOneGroup(const Sequence& seq,
-                                                   std::span<const int64_t> tokens,
+                                                   std::span<const TokenId> tokens,
                                                    const BlockId* row, int32_t allocated) {
     const Entry e = Append(seq, tokens);
     const int32_t i = n_entries_ - 1;

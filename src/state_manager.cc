@@ -407,9 +407,10 @@ Result<KVRequirement> StateManager::Query(SeqId uid, int64_t max_new_tokens, int
 // One pass over the uids: a step's sequences are each looked up once, and what the verdict
 // counts is left for Schedule. An argument error anywhere wins over the verdict (every uid's
 // arguments are checked, also after the verdict is known).
-Result<SchedulingResult> StateManager::Check(std::span<const SeqId> uids,
-                                             std::span<const int64_t> lengths,
+Result<SchedulingResult> StateManager::Check(const ScheduleRequest& request,
                                              std::string* why) const {
+  const std::span<const SeqId> uids = request.uids;
+  const std::span<const int64_t> lengths = request.lengths;
   if (uids.size() != lengths.size()) {
     return InvalidArgumentError(ColdStrCat(uids.size(), " uids but ", lengths.size(), " lengths"));
   }
@@ -464,8 +465,8 @@ Result<SchedulingResult> StateManager::Check(std::span<const SeqId> uids,
   }
   CheckTotals totals{.verdict = verdict, .tracked = n_tracked_sequences()};
   const Status checked = num_groups() == 1 && prefix_ == nullptr
-                             ? CheckEach<true>(uids, lengths, why, totals)
-                             : CheckEach<false>(uids, lengths, why, totals);
+                             ? CheckEach<true>(request, why, totals)
+                             : CheckEach<false>(request, why, totals);
   BLOCKKV_RETURN_IF_ERROR(checked);
   verdict = totals.verdict;
   const int64_t tracked = totals.tracked;
@@ -492,8 +493,10 @@ Result<SchedulingResult> StateManager::Check(std::span<const SeqId> uids,
 // Check's pass over the uids. kSimple (one cache group, no prefix caching) is compiled on its
 // own: its loop is free of the hits and the group loop.
 template <bool kSimple>
-Status StateManager::CheckEach(std::span<const SeqId> uids, std::span<const int64_t> lengths,
-                               std::string* why, CheckTotals& totals) const {
+Status StateManager::CheckEach(const ScheduleRequest& request, std::string* why,
+                               CheckTotals& totals) const {
+  const std::span<const SeqId> uids = request.uids;
+  const std::span<const int64_t> lengths = request.lengths;
   // The loop reads everything through locals: its stores through int32 / int64 pointers could
   // alias members, which the compiler would then load again for every uid.
   const size_t groups = kSimple ? 1 : static_cast<size_t>(num_groups());
@@ -576,32 +579,31 @@ Status StateManager::CheckEach(std::span<const SeqId> uids, std::span<const int6
   return Status::Ok();
 }
 
-Result<SchedulingResult> StateManager::CanSchedule(std::span<const SeqId> uids,
-                                                   std::span<const int64_t> lengths) const {
+Result<SchedulingResult> StateManager::CanSchedule(const ScheduleRequest& request) const {
   std::string why;
-  return Check(uids, lengths, &why);
+  return Check(request, &why);
 }
 
-Status StateManager::Schedule(std::span<const SeqId> uids, std::span<const int64_t> lengths,
-                              SchedulingResult* result) {
-  return ScheduleInto(uids, lengths, result, nullptr);
+Status StateManager::Schedule(const ScheduleRequest& request, SchedulingResult* result) {
+  return ScheduleInto(request, result, nullptr);
 }
 
-Status StateManager::ScheduleBatch(std::span<const SeqId> uids, std::span<const int64_t> lengths,
-                                   std::span<const int64_t> tokens, RaggedBatch& batch,
-                                   bool padding, SchedulingResult* result) {
+Status StateManager::ScheduleBatch(const ScheduleRequest& request, std::span<const TokenId> tokens,
+                                   RaggedBatch& batch, bool padding, SchedulingResult* result) {
   if (&batch.manager() != this) {
     return InvalidArgumentError("ScheduleBatch: the batch was created for another state manager");
   }
   const BatchOut out{.tokens = tokens, .batch = &batch, .padding = padding};
-  return ScheduleInto(uids, lengths, result, &out);
+  return ScheduleInto(request, result, &out);
 }
 
-Status StateManager::ScheduleInto(std::span<const SeqId> uids, std::span<const int64_t> lengths,
-                                  SchedulingResult* result, const BatchOut* out) {
+Status StateManager::ScheduleInto(const ScheduleRequest& request, SchedulingResult* result,
+                                  const BatchOut* out) {
+  const std::span<const SeqId> uids = request.uids;
+  const std::span<const int64_t> lengths = request.lengths;
   BLOCKKV_RETURN_IF_ERROR(SettleRestores(uids));
   std::string why;
-  BLOCKKV_ASSIGN_OR_RETURN(const SchedulingResult verdict, Check(uids, lengths, &why));
+  BLOCKKV_ASSIGN_OR_RETURN(const SchedulingResult verdict, Check(request, &why));
   if (out != nullptr && std::ssize(out->tokens) != lengths_sum_) {  // no length is negative
     return InvalidArgumentError(ColdStrCat(
         "ScheduleBatch: ", out->tokens.size(), " tokens given, but the lengths add up to ",
@@ -658,13 +660,12 @@ Status StateManager::ScheduleInto(std::span<const SeqId> uids, std::span<const i
   for (size_t g = 0; g < groups; ++g) next_scratch_[g] = scratch_[g].data();
   const bool simple = groups == 1 && prefix_ == nullptr;
   if (out == nullptr) {
-    simple ? Commit<false, true>(uids, lengths, nullptr)
-           : Commit<false, false>(uids, lengths, nullptr);
+    simple ? Commit<false, true>(request, nullptr) : Commit<false, false>(request, nullptr);
     return Status::Ok();
   }
   RaggedBatch::Impl& batch = *out->batch->impl_;
   batch.Clear();
-  simple ? Commit<true, true>(uids, lengths, out) : Commit<true, false>(uids, lengths, out);
+  simple ? Commit<true, true>(request, out) : Commit<true, false>(request, out);
   Status finished = batch.Finish(out->padding);
   if (!finished.ok()) batch.MarkEntries();  // open to InsertSequence: its duplicate check
   return finished;
@@ -676,8 +677,9 @@ Status StateManager::ScheduleInto(std::span<const SeqId> uids, std::span<const i
 // the hits and the group loop, which would otherwise keep more values live than there are
 // registers.
 template <bool kBatch, bool kSimple>
-void StateManager::Commit(std::span<const SeqId> uids, std::span<const int64_t> lengths,
-                          const BatchOut* out) {
+void StateManager::Commit(const ScheduleRequest& request, const BatchOut* out) {
+  const std::span<const SeqId> uids = request.uids;
+  const std::span<const int64_t> lengths = request.lengths;
   const size_t groups = kSimple ? 1 : static_cast<size_t>(num_groups());
   const BlockId** const cursor = next_scratch_.data();
   const BlockId* next = cursor[0];  // kSimple: the one group's cursor
@@ -685,7 +687,7 @@ void StateManager::Commit(std::span<const SeqId> uids, std::span<const int64_t> 
   const int32_t* const need = need_scratch_.data();
   Sequence* const seqs = sequences_.get();
   std::optional<RaggedBatch::Impl::Writer> writer;
-  const int64_t* tokens = nullptr;  // the i-th uid's tokens
+  const TokenId* tokens = nullptr;  // the i-th uid's tokens
   if constexpr (kBatch) {
     writer.emplace(*out->batch->impl_);
     tokens = out->tokens.data();
@@ -709,16 +711,15 @@ void StateManager::Commit(std::span<const SeqId> uids, std::span<const int64_t> 
       for (size_t g = 0; g < groups; ++g) seq.groups_[g].Take(cursor[g], need[i * groups + g]);
     }
     if constexpr (kBatch) {
-      std::span<const int64_t> mine(tokens, static_cast<size_t>(length));
+      std::span<const TokenId> mine(tokens, static_cast<size_t>(length));
       tokens += length;
       if (hit != nullptr) [[unlikely]] {
         // A prefix hit runs the prompt's positions [cached, cached + in flight), whichever of its
         // chunks the engine passed (it passes them from position 0): their tokens are the
         // prompt's, which the manager knows.
-        const std::vector<TokenId>& known = keys_[slots[i]].tokens;
-        const auto begin = known.begin() + seq.seen_tokens_;
-        hit_tokens_.assign(begin, begin + seq.in_flight_tokens_);
-        mine = hit_tokens_;
+        mine = std::span<const TokenId>(keys_[slots[i]].tokens)
+                   .subspan(static_cast<size_t>(seq.seen_tokens_),
+                            static_cast<size_t>(seq.in_flight_tokens_));
       }
       if constexpr (kSimple) {
         writer->AppendFilledOneGroup(seq, mine, seq.one_group_.row, seq.one_group_.allocated);

@@ -185,7 +185,8 @@ Status Engine::PlanStep(std::vector<Entry>* entries) {
       uids_.push_back(e.live->uid);
       lengths_.push_back(e.length);
     }
-    BLOCKKV_ASSIGN_OR_RETURN(SchedulingResult fits, manager_->CanSchedule(uids_, lengths_));
+    BLOCKKV_ASSIGN_OR_RETURN(SchedulingResult fits,
+                             manager_->CanSchedule({.uids = uids_, .lengths = lengths_}));
     if (fits != SchedulingResult::kSuccess) {
       entries->pop_back();
       BLOCKKV_RETURN_IF_ERROR(manager_->FlushSequence(next.uid));
@@ -213,8 +214,8 @@ Status Engine::ScheduleStep(std::vector<Entry>* entries) {
       ids_.insert(ids_.end(), from, from + e.length);
     }
     SchedulingResult why = SchedulingResult::kSuccess;
-    Status status =
-        manager_->ScheduleBatch(uids_, lengths_, ids_, *batch_, /*padding=*/false, &why);
+    Status status = manager_->ScheduleBatch({.uids = uids_, .lengths = lengths_}, ids_, *batch_,
+                                            /*padding=*/false, &why);
     if (status.ok() || why != SchedulingResult::kKVCacheLimitExceeded) return status;
     // Too few blocks: give back this step's admissions (newest first), then preempt the newest
     // running request.

@@ -174,7 +174,7 @@ class Engine {
   // Per step, reused.
   std::vector<SeqId> uids_;
   std::vector<int64_t> lengths_;
-  std::vector<int64_t> ids_;
+  std::vector<TokenId> ids_;
   std::vector<size_t> entry_requests_;
   std::vector<uint8_t> sample_;
   std::vector<TokenId> next_;

@@ -13,7 +13,7 @@
 //   BlockPool pool(&cache, /*group=*/0);
 //   std::array<BlockId, 4> ids;
 //   Status s = pool.Take(4, ids);      // 4 fresh blocks, each with 1 reference
-//   pool.AddRef(ids);                  // a fork shares them: 2 references each
+//   s = pool.AddRef(ids);              // a fork shares them: 2 references each
 //   s = pool.Release(ids);             // 1 reference each; still used
 //   pool.MarkCached(ids[0], 35);       // the prefix cache keeps block ids[0]
 //   s = pool.Release(ids);             // 0: ids[0] evictable, the others back to the allocator

@@ -1,8 +1,8 @@
 // NcclCommunicator: a Communicator over an NCCL communicator and CUDA stream the caller already
 // has (an engine's tensor-parallel group).
 //
-//   ncclComm_t nccl = ...;                      // the engine's, e.g. from ncclCommInitRank
-//   Result<std::unique_ptr<NcclCommunicator>> comm = NcclCommunicator::Create(nccl, stream);
+//   // engine_comm: the engine's ncclComm_t (e.g. from ncclCommInitRank), `stream` its stream
+//   Result<std::unique_ptr<NcclCommunicator>> comm = NcclCommunicator::Create(engine_comm, stream);
 //   auto cache = BlockedKVCache::Create(configs, memory, *CudaDevice(local_rank), comm->get());
 //
 // This header includes <nccl.h> and CUDA's runtime header, which is why it is separate from

@@ -14,12 +14,14 @@
 //
 // The StateManager owns one PrefixCache when StateManagerConfig.prefix_cache.enabled; an engine
 // uses it through the manager:
-//   auto mgr = StateManager::Create({.prefix_cache = {.enabled = true}}, {llama}, CpuDevice());
-//   mgr->AddSequence(uid, prompt, {.ns = "tenant-a", .priority = 50});
-//   mgr->Schedule({uid}, {prompt.size()});   // shares the cached prefix, schedules the rest
-//   seq->seen_tokens()                        // = tokens taken from the cache
+//   auto mgr = *StateManager::Create({.prefix_cache = {.enabled = true}}, {llama}, CpuDevice());
+//   Result<Sequence*> seq = mgr->AddSequence(uid, prompt, {.keys = {.ns = "tenant-a"}});
+//   const SeqId uids[] = {uid};
+//   const int64_t lengths[] = {std::ssize(prompt)};
+//   Status s = mgr->Schedule({.uids = uids, .lengths = lengths});  // the cached prefix is shared
+//   int64_t cached = (*seq)->seen_tokens();  // tokens taken from the cache; the rest in flight
 //   ... forward over prompt[seen, seen + in_flight) ...
-//   mgr->PostForward({uid});                  // blocks that became full are published
+//   s = mgr->PostForward(uids);              // blocks that became full are published
 //   for (const CacheEvent& e : mgr->DrainCacheEvents().events) router.Apply(e);
 //
 // Eviction lives in BlockPool (LRU within a retention priority); this class holds the keys:
@@ -40,14 +42,13 @@
 #include <vector>
 
 #include "blockkv/block_pool.h"
+#include "blockkv/sequence.h"
 #include "blockkv/status.h"
 
 namespace blockkv {
 namespace internal {
 class UidMap;
 }  // namespace internal
-
-using TokenId = int32_t;
 
 struct BlockHash {
   uint64_t lo = 0;

@@ -4,10 +4,13 @@
 //
 //   auto batch = RaggedBatch::Create(manager);
 //   // One call: schedule the forward and build its batch (StateManager::ScheduleBatch) ...
-//   Status s = manager.ScheduleBatch(uids, lengths, tokens, **batch, /*padding=*/true);
+//   Status s = manager.ScheduleBatch({.uids = uids, .lengths = lengths}, tokens, **batch,
+//                                    /*padding=*/true);
 //   // ... or sequence by sequence:
-//   s = manager.Schedule(uids, lengths);
-//   for (i...) s = (*batch)->InsertSequence(*manager.GetSequence(uids[i]), tokens[i]);
+//   s = manager.Schedule({.uids = uids, .lengths = lengths});
+//   for (size_t i = 0; i < uids.size(); ++i) {
+//     s = (*batch)->InsertSequence(*manager.GetSequence(uids[i]), tokens_of[i]);
+//   }
 //   s = (*batch)->Finalize(/*padding=*/true);
 //   // kernels read input_ids(), tokens_to_seq(), slot_mapping(), kv_indptr(), ...
 //   (*batch)->Clear();   // next step (ScheduleBatch clears the batch itself)
@@ -79,7 +82,7 @@ class RaggedBatch {
   // kInvalidArgument when `seq` is not a tracked sequence of this batch's manager (another
   // manager's, or flushed); kOutOfRange when seen_tokens + n does not fit the int32
   // descriptors.
-  Status InsertSequence(const Sequence& seq, std::span<const int64_t> tokens);
+  Status InsertSequence(const Sequence& seq, std::span<const TokenId> tokens);
 
   // Builds the arrays (and copies them to the device mirror). An empty batch is valid: T = S = 0.
   // kFailedPrecondition, with nothing changed, when an inserted sequence was flushed, scheduled
@@ -90,11 +93,12 @@ class RaggedBatch {
   void Clear();
 
   // The i-th inserted sequence as it was inserted: its seen_tokens then, and the tokens it was
-  // given (positions seen_tokens ...). REQUIRES: 0 <= i < current_sequences().
+  // given (positions seen_tokens ...), as input_ids holds them. REQUIRES: 0 <= i <
+  // current_sequences().
   struct Inserted {
     const Sequence* seq;
     int64_t seen_tokens;
-    std::span<const int64_t> tokens;
+    std::span<const int64_t> tokens;  // a view of input_ids: int64, DeepSpeed's dtype
   };
   Inserted inserted(int32_t i) const;
 

@@ -4,8 +4,9 @@
 //
 //   auto mgr = StateManager::Create(StateManagerConfig{}, {llama}, CpuDevice());
 //   // One engine step: ask what fits, then schedule all or nothing.
-//   SchedulingResult r = *(*mgr)->CanSchedule(uids, lengths);
-//   Status s = (*mgr)->Schedule(uids, lengths);     // blocks reserved, in_flight set
+//   const ScheduleRequest step{.uids = uids, .lengths = lengths};
+//   SchedulingResult r = *(*mgr)->CanSchedule(step);
+//   Status s = (*mgr)->Schedule(step);              // blocks reserved, in_flight set
 //   ... build a RaggedBatch, run the model ...
 //   s = (*mgr)->PostForward(uids);                  // seen_tokens += in_flight
 //   s = (*mgr)->FlushSequence(uid);                 // a finished sequence's blocks go back
@@ -42,6 +43,7 @@
 #include "blockkv/kv_cache.h"
 #include "blockkv/offload.h"
 #include "blockkv/prefix_cache.h"
+#include "blockkv/sequence.h"
 #include "blockkv/status.h"
 
 namespace blockkv {
@@ -52,8 +54,6 @@ class PrefixHostTier;
 class SnapshotCodec;
 class UidMap;
 }  // namespace internal
-
-using SeqId = int64_t;  // the engine's id for a sequence (DeepSpeed's uid)
 
 struct StateManagerConfig {
   int32_t max_tracked_sequences = 2048;
@@ -88,6 +88,14 @@ enum class SchedulingResult {
   kSequenceTokenLimitExceeded = 5,   // a sequence would pass max_context or its block table
 };
 
+// One forward's sequences: uids[i] runs lengths[i] new tokens (a prompt chunk, or 1 to decode).
+// Named fields, so that the two spans cannot be swapped silently:
+//   Status s = mgr->Schedule({.uids = uids, .lengths = lengths});
+struct ScheduleRequest {
+  std::span<const SeqId> uids;
+  std::span<const int64_t> lengths;  // [uids.size()], each >= 0
+};
+
 // "Success", "EngineSequenceLimitExceeded", ... as DeepSpeed names them.
 std::string_view SchedulingResultName(SchedulingResult result);
 
@@ -105,85 +113,6 @@ struct KVRequirement {
 KVRequirement ComputeKVRequirement(int64_t seen_tokens, int32_t allocated_blocks,
                                    int64_t max_new_tokens, int32_t max_new_blocks,
                                    int32_t block_size);
-
-class StateManager;
-
-// One tracked sequence (DeepSpeed's DSSequenceDescriptor). Read-only to the engine: the manager
-// changes it through Schedule, PostForward, FreeLeadingBlocks and Fork. Aligned to a cache line:
-// what a step reads and writes of it (with one cache group, that group's table state included)
-// is its first 64 bytes.
-class alignas(64) Sequence {
- public:
-  // Not copyable: a Sequence is known by its address (RaggedBatch checks that what it is given
-  // is the manager's own), so a copy would be a stale snapshot.
-  Sequence(const Sequence&) = delete;
-  Sequence& operator=(const Sequence&) = delete;
-
-  SeqId uid() const { return uid_; }
-  int32_t tracking_slot() const { return slot_; }
-  int64_t seen_tokens() const { return seen_tokens_; }
-  int64_t in_flight_tokens() const { return in_flight_tokens_; }
-  // Accessors by cache group REQUIRE 0 <= group < the manager's num_groups().
-  // Logical length of the block table of `group`: blocks allocated so far, released ones
-  // included (token positions never move).
-  int32_t cur_allocated_blocks(int group = 0) const { return groups_[group].allocated; }
-  // Leading table entries released by FreeLeadingBlocks (now kNoBlock).
-  int32_t released_blocks(int group = 0) const { return groups_[group].released; }
-  // Changes whenever an entry of this sequence's tables changes other than by appending: a
-  // new sequence (a tracking slot reused included) and FreeLeadingBlocks get a fresh value,
-  // unique within the manager. Between two equal values the tables only grew, so a consumer
-  // that copied a prefix of a table may copy just what was appended.
-  uint64_t table_version() const { return table_version_; }
-  // Tokens taken from the prefix cache when the sequence was first scheduled (0 without a hit).
-  int64_t cached_prefix_tokens() const { return cached_prefix_tokens_; }
-  // True between PreemptSequence and ResumeSequence: its blocks are in the offload tiers and
-  // its table entries are kNoBlock.
-  bool preempted() const { return preempted_; }
-  // The table row of `group`, entries [0, cur_allocated_blocks(group)).
-  std::span<const BlockId> block_table(int group = 0) const {
-    return {groups_[group].row, static_cast<size_t>(groups_[group].allocated)};
-  }
-
- private:
-  friend class StateManager;
-  friend class internal::SnapshotCodec;  // LoadSnapshot puts sequences back in their slots
-  Sequence() = default;
-  struct GroupState {
-    BlockId* row = nullptr;  // [max_blocks_per_allocation_group] in the manager's table
-    int32_t allocated = 0;
-    int32_t released = 0;
-    // Table entries [released, allocated): the blocks it holds (kNoBlock while preempted).
-    std::span<BlockId> held() const {
-      return {row + released, static_cast<size_t>(allocated - released)};
-    }
-    // Appends the `k` blocks at `cursor` to the table and moves the cursor past them.
-    void Take(const BlockId*& cursor, int32_t k) {
-      BlockId* const to = row + allocated;
-      if (k == 1) {  // a decode step crossing into a new block: no vectorized loop's setup
-        to[0] = *cursor;
-      } else if (k > 1) {
-        std::copy_n(cursor, k, to);
-      }
-      cursor += k;
-      allocated += k;
-    }
-  };
-
-  // The first cache line: everything a decode step touches (Schedule's checks and commit, the
-  // batch's entry, PostForward).
-  SeqId uid_ = 0;
-  int32_t slot_ = -1;
-  bool preempted_ = false;
-  int64_t seen_tokens_ = 0;
-  int64_t in_flight_tokens_ = 0;
-  uint64_t table_version_ = 0;
-  // [num_groups]: with one cache group (almost every model), &one_group_, in this line; with
-  // more, this slot's row of the manager's flat group_states_ (one_group_ unused).
-  GroupState* groups_ = nullptr;
-  GroupState one_group_;
-  // The second line.
-  int64_t cached_prefix_tokens_ = 0;
-};
 
 class StateManager {
  public:
@@ -241,8 +170,7 @@ class StateManager {
   // order (batch sequence count; per sequence, context/table capacity then KV blocks of every
   // cache group against the free counts; tracked sequences; batch tokens). kInvalidArgument (a
   // Status, not a result) for mismatched spans, a negative length or a duplicate uid.
-  Result<SchedulingResult> CanSchedule(std::span<const SeqId> uids,
-                                       std::span<const int64_t> lengths) const;
+  Result<SchedulingResult> CanSchedule(const ScheduleRequest& request) const;
 
   // Schedules one forward, all or nothing: creates unknown sequences, reserves the blocks each
   // needs to hold seen + length tokens in every cache group, and sets in_flight = length. When
@@ -252,8 +180,7 @@ class StateManager {
   // included: `*result` says which, and whether shrinking the request can help. Scheduling a
   // sequence that still has tokens in flight replaces them, as DeepSpeed's pre_forward does:
   // blocks reserved for them stay in its table and serve the new tokens.
-  Status Schedule(std::span<const SeqId> uids, std::span<const int64_t> lengths,
-                  SchedulingResult* result = nullptr);
+  Status Schedule(const ScheduleRequest& request, SchedulingResult* result = nullptr);
 
   // Schedule, and the RaggedBatch of that forward built in the same pass over the sequences: a
   // step's one uid lookup per sequence and no second round of checks, where Schedule +
@@ -268,8 +195,8 @@ class StateManager {
   // returns. On any of these nothing changes, the batch included. A failed copy to the batch's
   // device mirror returns that error with the forward scheduled and the batch built but not
   // finalized: Finalize() retries the copy.
-  Status ScheduleBatch(std::span<const SeqId> uids, std::span<const int64_t> lengths,
-                       std::span<const int64_t> tokens, RaggedBatch& batch, bool padding = false,
+  Status ScheduleBatch(const ScheduleRequest& request, std::span<const TokenId> tokens,
+                       RaggedBatch& batch, bool padding = false,
                        SchedulingResult* result = nullptr);
 
   // After the forward: seen_tokens += in_flight_tokens, in_flight = 0, for each uid (DeepSpeed's
@@ -409,8 +336,7 @@ class StateManager {
   // preempted one (kFailedPrecondition) — then CanSchedule's verdict. Leaves each uid's slot (-1
   // when new) in slot_scratch_, and what the verdict counted for Schedule; `why` names the limit
   // and the values when the verdict is not kSuccess.
-  Result<SchedulingResult> Check(std::span<const SeqId> uids, std::span<const int64_t> lengths,
-                                 std::string* why) const;
+  Result<SchedulingResult> Check(const ScheduleRequest& request, std::string* why) const;
   // What Check's pass over the uids counted.
   struct CheckTotals {
     SchedulingResult verdict = SchedulingResult::kSuccess;  // the first limit exceeded
@@ -420,21 +346,20 @@ class StateManager {
   // Check's pass over the uids: their arguments and lookups (an argument error is returned), and
   // the verdict's per-sequence limits. kSimple: one cache group, no prefix caching.
   template <bool kSimple>
-  Status CheckEach(std::span<const SeqId> uids, std::span<const int64_t> lengths, std::string* why,
-                   CheckTotals& totals) const;
+  Status CheckEach(const ScheduleRequest& request, std::string* why, CheckTotals& totals) const;
   // ScheduleBatch's batch: the tokens it takes, where they go, and the padding.
   struct BatchOut {
-    std::span<const int64_t> tokens;
+    std::span<const TokenId> tokens;
     RaggedBatch* batch = nullptr;
     bool padding = false;
   };
   // Schedule, and with `out`, ScheduleBatch.
-  Status ScheduleInto(std::span<const SeqId> uids, std::span<const int64_t> lengths,
-                      SchedulingResult* result, const BatchOut* out);
+  Status ScheduleInto(const ScheduleRequest& request, SchedulingResult* result,
+                      const BatchOut* out);
   // ScheduleInto's pass after the blocks are taken: each sequence's blocks and tokens in flight,
   // and with kBatch, its entry in out's batch. kSimple: one cache group, no prefix caching.
   template <bool kBatch, bool kSimple>
-  void Commit(std::span<const SeqId> uids, std::span<const int64_t> lengths, const BatchOut* out);
+  void Commit(const ScheduleRequest& request, const BatchOut* out);
   Status CheckSequence(const Sequence& seq, std::vector<int32_t>* owners, int group) const;
   Sequence* Find(SeqId uid);
   const Sequence* Find(SeqId uid) const;
@@ -548,7 +473,6 @@ class StateManager {
   std::vector<std::vector<BlockId>> scratch_;  // per group: blocks taken in one Schedule
   std::vector<const BlockId*> next_scratch_;
   std::vector<BlockId> tail_scratch_;
-  std::vector<int64_t> hit_tokens_;            // ScheduleBatch: a prefix hit's tokens for the batch
   mutable std::vector<int64_t> free_scratch_;  // per group: free blocks Check left uncounted
   mutable int64_t lengths_sum_ = 0;            // of the lengths Check was given; -1 past int64
   mutable std::vector<SeqId> uid_scratch_;

@@ -83,7 +83,7 @@ void InsertSequence(const Wrapper& w, py::handle seq_descriptor, py::handle toke
       Throw(PyExc_RuntimeError, "Expected tokens to be on host but found device '" + device + "'");
     }
   }
-  const std::vector<int64_t> ids = ToInt64Vector(tokens, "tokens");
+  const std::vector<TokenId> ids = ToInts<TokenId>(tokens, "tokens");
   // The manager's lock (the sequence), then the batch's.
   std::optional<Status> status = Locked(w->owner->lock, w->lock, [&]() -> std::optional<Status> {
     const Sequence* seq = handle.Find();

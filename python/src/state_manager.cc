@@ -312,8 +312,8 @@ void BindManager(py::module_& m) {
           [](const Manager& self, py::handle uids, py::handle lengths) {
             const std::vector<SeqId> u = ToInt64Vector(uids, "uids");
             const std::vector<int64_t> l = ToInt64Vector(lengths, "lengths");
-            return ValueOrThrow(
-                Locked(self->lock, [&] { return self->manager->CanSchedule(u, l); }));
+            return ValueOrThrow(Locked(
+                self->lock, [&] { return self->manager->CanSchedule({.uids = u, .lengths = l}); }));
           },
           py::arg("uids"), py::arg("lengths"))
       .def(
@@ -323,8 +323,8 @@ void BindManager(py::module_& m) {
             const std::vector<int64_t> l = ToInt64Vector(lengths, "lengths");
             SchedulingResult result = SchedulingResult::kSuccess;
             // With offload on, Schedule waits for the resume copies of the uids it names.
-            const Status status =
-                LockedMayWait(*self, [&] { return self->manager->Schedule(u, l, &result); });
+            const Status status = LockedMayWait(
+                *self, [&] { return self->manager->Schedule({.uids = u, .lengths = l}, &result); });
             ThrowScheduleError(status, result);
           },
           py::arg("uids"), py::arg("lengths"),
@@ -338,13 +338,14 @@ void BindManager(py::module_& m) {
              const BatchWrapper& batch, bool padding) {
             const std::vector<SeqId> u = ToInt64Vector(uids, "uids");
             const std::vector<int64_t> l = ToInt64Vector(lengths, "lengths");
-            const std::vector<int64_t> t = ToInt64Vector(tokens, "tokens");
+            const std::vector<TokenId> t = ToInts<TokenId>(tokens, "tokens");
             SchedulingResult result = SchedulingResult::kSuccess;
             // The GIL released always: the arguments are C++ values now, and with offload on it
             // waits for the resume copies of the uids it names, as schedule does. The manager's
             // lock, then the batch's.
             const Status status = LockedWithoutGil(self->lock, batch.lock, [&] {
-              return self->manager->ScheduleBatch(u, l, t, *batch.batch, padding, &result);
+              return self->manager->ScheduleBatch({.uids = u, .lengths = l}, t, *batch.batch,
+                                                  padding, &result);
             });
             ThrowScheduleError(status, result);
           },

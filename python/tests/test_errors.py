@@ -187,8 +187,11 @@ def test_sizes_and_token_ids_past_their_type_are_value_errors():
 
     m = make_manager()
     batch = blockkv.RaggedBatchWrapper(m)
-    with pytest.raises(ValueError, match=r"tokens\[0\] = 9223372036854775808 is " + INT64):
+    # Token ids are TokenId (int32) in C++.
+    with pytest.raises(ValueError, match=r"tokens\[0\] = 9223372036854775808 is " + INT32):
         m.schedule_batch([1], [1], np.array([2**63], dtype=np.uint64), batch)
+    with pytest.raises(ValueError, match=r"tokens\[0\] = 2147483648 is " + INT32):
+        m.schedule_batch([1], [1], [2**31], batch)
     assert m.n_tracked_sequences == 0 and not batch.finalized
 
 

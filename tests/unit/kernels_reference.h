@@ -164,7 +164,9 @@ class KernelBatch {
     for (size_t i = 0; i < seqs.size(); ++i) {
       const std::vector<blockkv::SeqId> uid = {static_cast<blockkv::SeqId>(i)};
       if (seqs[i].history > 0) {
-        EXPECT_TRUE(manager_->Schedule(uid, std::vector<int64_t>{seqs[i].history}).ok());
+        EXPECT_TRUE(
+            manager_->Schedule({.uids = uid, .lengths = std::vector<int64_t>{seqs[i].history}})
+                .ok());
         EXPECT_TRUE(manager_->PostForward(uid).ok());
       }
     }
@@ -174,7 +176,7 @@ class KernelBatch {
       uids.push_back(static_cast<blockkv::SeqId>(i));
       lengths.push_back(seqs[i].n);
     }
-    EXPECT_TRUE(manager_->Schedule(uids, lengths).ok());
+    EXPECT_TRUE(manager_->Schedule({.uids = uids, .lengths = lengths}).ok());
     batch_ = std::move(*blockkv::RaggedBatch::Create(*manager_));
     Rebuild();
   }
@@ -183,7 +185,7 @@ class KernelBatch {
   void Rebuild() {
     batch_->Clear();
     for (size_t i = 0; i < seqs_.size(); ++i) {
-      const std::vector<int64_t> tokens(static_cast<size_t>(seqs_[i].n), 7);
+      const std::vector<blockkv::TokenId> tokens(static_cast<size_t>(seqs_[i].n), 7);
       EXPECT_TRUE(batch_->InsertSequence(*Seq(i), tokens).ok());
     }
     EXPECT_TRUE(batch_->Finalize(setup_.padding).ok());

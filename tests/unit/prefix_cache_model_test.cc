@@ -1052,7 +1052,7 @@ class PrefixCacheModel {
     // blocks are published before any lookup.
     for (const SeqId uid : uids) Settle(uid);
     if (preempted) {
-      const Status scheduled = mgr_->Schedule(uids, lengths);
+      const Status scheduled = mgr_->Schedule({.uids = uids, .lengths = lengths});
       MODEL_CHECK(scheduled.code() == StatusCode::kFailedPrecondition) << scheduled;
       Count("schedule/preempted");
       return AssertionSuccess();
@@ -1099,7 +1099,7 @@ class PrefixCacheModel {
     // sequence's known tokens from its position (a first schedule's from the prompt's start), 7
     // past them.
     const bool via_batch = schedules_++ % 2 == 1;
-    std::vector<int64_t> tokens;
+    std::vector<TokenId> tokens;
     for (size_t i = 0; via_batch && i < uids.size(); ++i) {
       const ModelSequence* s = Find(uids[i]);  // nullptr: one the manager creates
       const int64_t seen = s != nullptr ? s->seen : 0;
@@ -1108,9 +1108,10 @@ class PrefixCacheModel {
             s != nullptr && t < std::ssize(s->tokens) ? s->tokens[static_cast<size_t>(t)] : 7);
       }
     }
-    const Status scheduled = via_batch ? mgr_->ScheduleBatch(uids, lengths, tokens, *batch_,
-                                                             /*padding=*/false, &verdict)
-                                       : mgr_->Schedule(uids, lengths, &verdict);
+    const Status scheduled =
+        via_batch ? mgr_->ScheduleBatch({.uids = uids, .lengths = lengths}, tokens, *batch_,
+                                        /*padding=*/false, &verdict)
+                  : mgr_->Schedule({.uids = uids, .lengths = lengths}, &verdict);
     if (via_batch && scheduled.ok()) {
       const AssertionResult batched = CheckBatchTokens(uids, lengths, tokens);
       if (!batched) return batched;
@@ -1155,7 +1156,7 @@ class PrefixCacheModel {
   // tokens there, whatever chunk was passed; otherwise what was passed.
   AssertionResult CheckBatchTokens(const std::vector<SeqId>& uids,
                                    const std::vector<int64_t>& lengths,
-                                   const std::vector<int64_t>& passed) {
+                                   const std::vector<TokenId>& passed) {
     MODEL_CHECK(batch_->finalized() && batch_->current_sequences() == std::ssize(uids));
     const Result<TensorView> view = batch_->input_ids();
     MODEL_CHECK(view.ok()) << view.status();
@@ -1972,7 +1973,7 @@ class PrefixCacheModelFindingsTest : public ::testing::Test {
       uids.push_back(uid);
       lengths.push_back(static_cast<int64_t>(prompt.size()));
     }
-    ASSERT_OK(mgr_->Schedule(uids, lengths));
+    ASSERT_OK(mgr_->Schedule({.uids = uids, .lengths = lengths}));
     ASSERT_OK(mgr_->PostForward(uids));
     ASSERT_OK(mgr_->CheckInvariants());
   }
@@ -2074,7 +2075,7 @@ class HostLevelFindingsTest : public ::testing::Test {
     ASSERT_OK(mgr_->AddSequence(uid, prompt));
     const std::array<SeqId, 1> uids{uid};
     const std::array<int64_t, 1> lengths{static_cast<int64_t>(prompt.size())};
-    ASSERT_OK(mgr_->Schedule(uids, lengths));
+    ASSERT_OK(mgr_->Schedule({.uids = uids, .lengths = lengths}));
     ASSERT_OK(mgr_->PostForward(uids));
     ASSERT_OK(mgr_->CheckInvariants());
   }
@@ -2101,7 +2102,8 @@ TEST_F(HostLevelFindingsTest, PromotionsCountTheBlocksTheHitRevives) {
   const std::array<SeqId, 1> uids{3};
   const std::array<int64_t, 1> nothing{0};
   SchedulingResult verdict = SchedulingResult::kSuccess;
-  EXPECT_OK(mgr_->Schedule(uids, nothing, &verdict)) << SchedulingResultName(verdict);
+  EXPECT_OK(mgr_->Schedule({.uids = uids, .lengths = nothing}, &verdict))
+      << SchedulingResultName(verdict);
   EXPECT_EQ(mgr_->GetSequence(3)->cached_prefix_tokens(), 8);
   EXPECT_OK(mgr_->CheckInvariants());
 }

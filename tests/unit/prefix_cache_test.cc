@@ -61,7 +61,7 @@ class PrefixCacheTest : public ::testing::Test {
     EXPECT_OK(mgr_->AddSequence(uid, prompt, options));
     const SeqId uids[] = {uid};
     const int64_t lengths[] = {static_cast<int64_t>(prompt.size())};
-    EXPECT_OK(mgr_->Schedule(uids, lengths));
+    EXPECT_OK(mgr_->Schedule({.uids = uids, .lengths = lengths}));
     const Sequence* seq = mgr_->GetSequence(uid);
     EXPECT_EQ(seq->seen_tokens() + seq->in_flight_tokens(), static_cast<int64_t>(prompt.size()));
     EXPECT_OK(mgr_->PostForward(uids));
@@ -147,12 +147,12 @@ TEST_F(PrefixCacheTest, HitSchedulesOnlyTheRestAndChunkedPrefillKeepsItsChunk) {
   ASSERT_OK(mgr_->AddSequence(2, Tokens(20)));
   const SeqId uids[] = {2};
   const int64_t chunk[] = {3};  // a chunk smaller than the hit: 3 tokens after the hit
-  ASSERT_OK(mgr_->Schedule(uids, chunk));
+  ASSERT_OK(mgr_->Schedule({.uids = uids, .lengths = chunk}));
   EXPECT_EQ(mgr_->GetSequence(2)->seen_tokens(), 16);
   EXPECT_EQ(mgr_->GetSequence(2)->in_flight_tokens(), 3);
   ASSERT_OK(mgr_->PostForward(uids));
   const int64_t rest[] = {1};
-  ASSERT_OK(mgr_->Schedule(uids, rest));
+  ASSERT_OK(mgr_->Schedule({.uids = uids, .lengths = rest}));
   EXPECT_EQ(mgr_->GetSequence(2)->seen_tokens(), 19) << "only the first schedule looks up";
   ASSERT_OK(mgr_->PostForward(uids));
   EXPECT_OK(mgr_->CheckInvariants());
@@ -166,7 +166,7 @@ TEST_F(PrefixCacheTest, DecodedTokensArePublishedWhenAppended) {
   const int64_t one[] = {1};
   for (TokenId t : {106, 107}) {
     ASSERT_OK(mgr_->AppendTokens(1, std::vector<TokenId>{t}));
-    ASSERT_OK(mgr_->Schedule(uids, one));
+    ASSERT_OK(mgr_->Schedule({.uids = uids, .lengths = one}));
     ASSERT_OK(mgr_->PostForward(uids));
   }
   EXPECT_EQ(mgr_->prefix_cache()->cached_blocks(0), 2);
@@ -180,17 +180,17 @@ TEST_F(PrefixCacheTest, PostForwardOfABatchRecordsItsTokensSoDecodeNeedsNoAppend
   auto batch = RaggedBatch::Create(*mgr_);
   ASSERT_OK(batch);
   const std::vector<TokenId> prompt = Tokens(6);
-  std::vector<int64_t> ids(prompt.begin(), prompt.end());
+  std::vector<TokenId> ids(prompt.begin(), prompt.end());
   const SeqId uids[] = {1};
   for (int64_t step = 0; step < 3; ++step) {
     const int64_t lengths[] = {static_cast<int64_t>(ids.size())};
-    ASSERT_OK(mgr_->Schedule(uids, lengths));
+    ASSERT_OK(mgr_->Schedule({.uids = uids, .lengths = lengths}));
     (*batch)->Clear();
     ASSERT_OK((*batch)->InsertSequence(*mgr_->GetSequence(1), ids));
     ASSERT_OK((*batch)->Finalize());
     ASSERT_OK(mgr_->PostForward(**batch));
     ASSERT_OK(mgr_->CheckInvariants());
-    ids = {106 + step};  // the next token: positions 6, 7, 8
+    ids = {static_cast<TokenId>(106 + step)};  // the next token: positions 6, 7, 8
   }
   EXPECT_EQ(mgr_->prefix_cache()->cached_blocks(0), 2);  // tokens 100..107 in two full blocks
   Flush(1);
@@ -203,14 +203,14 @@ TEST_F(PrefixCacheTest, PostForwardOfABatchRejectsTokenIdsThatCannotBeKeys) {
   auto batch = RaggedBatch::Create(*mgr_);
   const SeqId uids[] = {1};
   const int64_t two[] = {2};
-  ASSERT_OK(mgr_->Schedule(uids, two));
-  ASSERT_OK((*batch)->InsertSequence(*mgr_->GetSequence(1), std::vector<int64_t>{100, 101}));
+  ASSERT_OK(mgr_->Schedule({.uids = uids, .lengths = two}));
+  ASSERT_OK((*batch)->InsertSequence(*mgr_->GetSequence(1), std::vector<TokenId>{100, 101}));
   ASSERT_OK(mgr_->PostForward(**batch));
   const int64_t one[] = {1};
-  ASSERT_OK(mgr_->Schedule(uids, one));
+  ASSERT_OK(mgr_->Schedule({.uids = uids, .lengths = one}));
   (*batch)->Clear();
-  ASSERT_OK(
-      (*batch)->InsertSequence(*mgr_->GetSequence(1), std::vector<int64_t>{int64_t{1} << 40}));
+  // A negative id (the batch takes any TokenId; a key needs one >= 0).
+  ASSERT_OK((*batch)->InsertSequence(*mgr_->GetSequence(1), std::vector<TokenId>{-5}));
   EXPECT_CODE(mgr_->PostForward(**batch), StatusCode::kFailedPrecondition);
   EXPECT_EQ(mgr_->GetSequence(1)->seen_tokens(), 2);
   EXPECT_OK(mgr_->CheckInvariants());
@@ -264,7 +264,7 @@ TEST_F(PrefixCacheTest, AnExactCopyOfABlockLeadsToTheChildrenOfEveryCopy) {
   const int64_t step[] = {1};
   for (TokenId t : {200, 201, 202, 203}) {  // decode a third block: 200..203
     ASSERT_OK(mgr_->AppendTokens(1, std::vector<TokenId>{t}));
-    ASSERT_OK(mgr_->Schedule(one, step));
+    ASSERT_OK(mgr_->Schedule({.uids = one, .lengths = step}));
     ASSERT_OK(mgr_->PostForward(one));
   }
   Flush(1);
@@ -358,7 +358,8 @@ TEST_F(PrefixCacheTest, FailedScheduleLeavesCachedBlocksAlone) {
   const SeqId uids[] = {2};
   const int64_t lengths[] = {17};
   SchedulingResult why;
-  EXPECT_CODE(mgr_->Schedule(uids, lengths, &why), StatusCode::kResourceExhausted);
+  EXPECT_CODE(mgr_->Schedule({.uids = uids, .lengths = lengths}, &why),
+              StatusCode::kResourceExhausted);
   EXPECT_EQ(why, SchedulingResult::kKVCacheLimitExceeded);
   EXPECT_EQ(mgr_->pool().evictable_blocks(), 2);
   EXPECT_EQ(mgr_->GetSequence(2)->seen_tokens(), 0);
@@ -374,7 +375,7 @@ TEST_F(PrefixCacheTest, TwoSequencesInOneBatchReviveTheSameEvictableBlocksOnce) 
   ASSERT_OK(mgr_->AddSequence(3, Tokens(9)));
   const SeqId uids[] = {2, 3};
   const int64_t lengths[] = {9, 9};
-  ASSERT_OK(mgr_->Schedule(uids, lengths));  // 2 revived once + 1 new each
+  ASSERT_OK(mgr_->Schedule({.uids = uids, .lengths = lengths}));  // 2 revived once + 1 new each
   EXPECT_EQ(Table(2)[0], Table(3)[0]);
   EXPECT_EQ(mgr_->pool().ref_count(Table(2)[0]), 2);
   EXPECT_OK(mgr_->CheckInvariants());
@@ -475,7 +476,7 @@ TEST_F(PrefixCacheTest, RemovedOnlyWhenTheLastCopyGoes) {
   ASSERT_OK(mgr_->AddSequence(2, Tokens(5)));
   const SeqId uids[] = {1, 2};
   const int64_t lengths[] = {5, 5};
-  ASSERT_OK(mgr_->Schedule(uids, lengths));
+  ASSERT_OK(mgr_->Schedule({.uids = uids, .lengths = lengths}));
   ASSERT_OK(mgr_->PostForward(uids));
   EXPECT_EQ(mgr_->prefix_cache()->cached_blocks(0), 2);
   Flush(1);
@@ -514,7 +515,7 @@ TEST_F(PrefixCacheTest, ForkedChildrenPublishOnce) {
     ASSERT_OK(mgr_->AppendTokens(uid, std::vector<TokenId>{106, 107}));
     const SeqId uids[] = {uid};
     const int64_t two[] = {2};
-    ASSERT_OK(mgr_->Schedule(uids, two));
+    ASSERT_OK(mgr_->Schedule({.uids = uids, .lengths = two}));
     ASSERT_OK(mgr_->PostForward(uids));
     EXPECT_OK(mgr_->CheckInvariants());
   }

@@ -90,11 +90,11 @@ std::unique_ptr<RaggedBatch> MakeBatch(const StateManager& manager) {
   return batch.ok() ? std::move(*batch) : nullptr;
 }
 
-std::vector<int64_t> RandomTokens(int64_t n, uint32_t seed) {
+std::vector<TokenId> RandomTokens(int64_t n, uint32_t seed) {
   std::mt19937 rng(seed);
-  std::uniform_int_distribution<int64_t> token(0, 99);
-  std::vector<int64_t> tokens(static_cast<size_t>(n));
-  for (int64_t& t : tokens) t = token(rng);
+  std::uniform_int_distribution<TokenId> token(0, 99);
+  std::vector<TokenId> tokens(static_cast<size_t>(n));
+  for (TokenId& t : tokens) t = token(rng);
   return tokens;
 }
 
@@ -102,7 +102,7 @@ std::vector<int64_t> RandomTokens(int64_t n, uint32_t seed) {
 const Sequence* Schedule(StateManager& manager, SeqId uid, int64_t n) {
   const std::vector<SeqId> uids = {uid};
   const std::vector<int64_t> lengths = {n};
-  EXPECT_OK(manager.Schedule(uids, lengths));
+  EXPECT_OK(manager.Schedule({.uids = uids, .lengths = lengths}));
   return manager.GetSequence(uid);
 }
 
@@ -203,7 +203,7 @@ TEST(RaggedBatchTest, SingleSequenceRoundTripsAndClears) {
     SCOPED_TRACE(length);
     auto manager = MakeManager(Config());
     auto batch = MakeBatch(*manager);
-    const std::vector<int64_t> tokens = RandomTokens(length, static_cast<uint32_t>(length));
+    const std::vector<TokenId> tokens = RandomTokens(length, static_cast<uint32_t>(length));
     const Sequence* seq = Schedule(*manager, /*uid=*/7, length);
     ASSERT_OK(batch->InsertSequence(*seq, tokens));
     ASSERT_OK(batch->Finalize());
@@ -211,7 +211,7 @@ TEST(RaggedBatchTest, SingleSequenceRoundTripsAndClears) {
     EXPECT_EQ(batch->current_tokens(), length);
     EXPECT_EQ(batch->current_sequences(), 1);
     EXPECT_EQ(batch->padded_tokens(), length);
-    EXPECT_EQ(ReadInt64(batch->input_ids()), tokens);
+    EXPECT_EQ(ReadInt64(batch->input_ids()), std::vector<int64_t>(tokens.begin(), tokens.end()));
     EXPECT_EQ(ReadInt32(batch->tokens_to_seq()), std::vector<int32_t>(tokens.size(), 0));
     EXPECT_THAT(ReadInt32(batch->batch_metadata()), ElementsAre(length, 1));
 
@@ -230,13 +230,13 @@ TEST(RaggedBatchTest, SeveralSequencesGiveDeepSpeedLayout) {
     auto batch = MakeBatch(*manager);
     std::vector<SeqId> uids(lengths.size());
     std::iota(uids.begin(), uids.end(), SeqId{100});
-    ASSERT_OK(manager->Schedule(uids, lengths));
+    ASSERT_OK(manager->Schedule({.uids = uids, .lengths = lengths}));
 
-    std::vector<int64_t> all_tokens;
+    std::vector<TokenId> all_tokens;
     std::vector<int32_t> expected_to_seq;
     std::vector<int32_t> expected_descriptors;
     for (size_t i = 0; i < lengths.size(); ++i) {
-      const std::vector<int64_t> tokens = RandomTokens(lengths[i], static_cast<uint32_t>(i));
+      const std::vector<TokenId> tokens = RandomTokens(lengths[i], static_cast<uint32_t>(i));
       expected_descriptors.insert(
           expected_descriptors.end(),
           {static_cast<int32_t>(all_tokens.size()), static_cast<int32_t>(lengths[i]), 0, 0});
@@ -248,7 +248,8 @@ TEST(RaggedBatchTest, SeveralSequencesGiveDeepSpeedLayout) {
     }
     ASSERT_OK(batch->Finalize());
     const auto total = static_cast<int32_t>(all_tokens.size());
-    EXPECT_EQ(ReadInt64(batch->input_ids()), all_tokens);
+    EXPECT_EQ(ReadInt64(batch->input_ids()),
+              std::vector<int64_t>(all_tokens.begin(), all_tokens.end()));
     EXPECT_EQ(ReadInt32(batch->tokens_to_seq()), expected_to_seq);
     EXPECT_EQ(ReadInt32(batch->inflight_seq_descriptors()), expected_descriptors);
     EXPECT_THAT(ReadInt32(batch->batch_metadata()),
@@ -293,7 +294,7 @@ TEST(RaggedBatchTest, CsrAndSlotMappingFollowBlockTablesOfSequencesWithHistory) 
   AddHistory(*manager, 3, 32);
   const std::vector<SeqId> uids = {1, 2, 3};
   const std::vector<int64_t> lengths = {30, 5, 1};
-  ASSERT_OK(manager->Schedule(uids, lengths));
+  ASSERT_OK(manager->Schedule({.uids = uids, .lengths = lengths}));
 
   ExpectedGroup expected;
   for (size_t i = 0; i < uids.size(); ++i) {
@@ -412,7 +413,7 @@ TEST(RaggedBatchTest, TwoCacheGroupsWithDifferentBlockSizesGetTheirOwnTables) {
 TEST(RaggedBatchTest, PaddingFillsTokensMapAndSlotsWithMinusOne) {
   auto manager = MakeManager(Config(), {Group(16)});
   auto batch = MakeBatch(*manager);
-  const std::vector<int64_t> tokens = RandomTokens(70, 8);
+  const std::vector<TokenId> tokens = RandomTokens(70, 8);
   ASSERT_OK(batch->InsertSequence(*Schedule(*manager, 1, 70), tokens));
   ASSERT_OK(batch->Finalize(/*padding=*/true));
   EXPECT_EQ(batch->current_tokens(), 70);
@@ -424,7 +425,8 @@ TEST(RaggedBatchTest, PaddingFillsTokensMapAndSlotsWithMinusOne) {
   ASSERT_EQ(ids.size(), 128u);
   ASSERT_EQ(to_seq.size(), 128u);
   ASSERT_EQ(slots.size(), 128u);
-  EXPECT_EQ(std::vector<int64_t>(ids.begin(), ids.begin() + 70), tokens);
+  EXPECT_EQ(std::vector<int64_t>(ids.begin(), ids.begin() + 70),
+            std::vector<int64_t>(tokens.begin(), tokens.end()));
   EXPECT_THAT(std::vector<int64_t>(ids.begin() + 70, ids.end()), Each(-1));
   EXPECT_THAT(std::vector<int32_t>(to_seq.begin(), to_seq.begin() + 70), Each(0));
   EXPECT_THAT(std::vector<int32_t>(to_seq.begin() + 70, to_seq.end()), Each(-1));
@@ -483,7 +485,7 @@ TEST(RaggedBatchTest, InsertAfterFinalizeIsFailedPreconditionUntilClear) {
   ASSERT_OK(batch->InsertSequence(*Schedule(*manager, 1, 4), RandomTokens(4, 9)));
   ASSERT_OK(batch->Finalize());
   const Sequence* second = Schedule(*manager, 2, 3);
-  const std::vector<int64_t> tokens = RandomTokens(3, 10);
+  const std::vector<TokenId> tokens = RandomTokens(3, 10);
   Status late = batch->InsertSequence(*second, tokens);
   EXPECT_CODE(late, StatusCode::kFailedPrecondition);
   EXPECT_THAT(late.message(), HasSubstr("Clear"));
@@ -548,7 +550,7 @@ TEST(RaggedBatchTest, DoubleInsertIsAlreadyExists) {
   auto manager = MakeManager(Config());
   auto batch = MakeBatch(*manager);
   const Sequence* seq = Schedule(*manager, 5, 2);
-  const std::vector<int64_t> tokens = RandomTokens(2, 18);
+  const std::vector<TokenId> tokens = RandomTokens(2, 18);
   ASSERT_OK(batch->InsertSequence(*seq, tokens));
   Status again = batch->InsertSequence(*seq, tokens);
   EXPECT_CODE(again, StatusCode::kAlreadyExists);
@@ -586,8 +588,8 @@ TEST(RaggedBatchTest, SequenceWithoutBlocksIsFailedPrecondition) {
 void RunStep(StateManager& manager, RaggedBatch& batch, std::span<const SeqId> uids,
              int64_t* allocations_in_batch) {
   const std::vector<int64_t> lengths(uids.size(), 1);
-  ASSERT_OK(manager.Schedule(uids, lengths));
-  const std::vector<int64_t> token = {42};
+  ASSERT_OK(manager.Schedule({.uids = uids, .lengths = lengths}));
+  const std::vector<TokenId> token = {42};
   const int64_t before = g_heap_allocations.load();
   for (SeqId uid : uids) ASSERT_OK(batch.InsertSequence(*manager.GetSequence(uid), token));
   ASSERT_OK(batch.Finalize(/*padding=*/true));
@@ -711,7 +713,7 @@ TEST(RaggedBatchOwnership, RejectsASequenceOfAnotherManager) {
   std::unique_ptr<StateManager> other = MakeManager(Config());
   std::unique_ptr<RaggedBatch> batch = MakeBatch(*mine);
   const Sequence* foreign = Schedule(*other, 1, 4);
-  const std::vector<int64_t> tokens = RandomTokens(4, 1);
+  const std::vector<TokenId> tokens = RandomTokens(4, 1);
   const Status s = batch->InsertSequence(*foreign, tokens);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
   EXPECT_THAT(s.message(), HasSubstr("not tracked by this batch's state manager"));
@@ -723,7 +725,7 @@ TEST(RaggedBatchOwnership, RejectsAFlushedSequence) {
   std::unique_ptr<RaggedBatch> batch = MakeBatch(*manager);
   const Sequence* seq = Schedule(*manager, 1, 4);
   ASSERT_OK(manager->FlushSequence(1));
-  const std::vector<int64_t> tokens = RandomTokens(4, 2);
+  const std::vector<TokenId> tokens = RandomTokens(4, 2);
   EXPECT_EQ(batch->InsertSequence(*seq, tokens).code(), StatusCode::kInvalidArgument);
 }
 
@@ -781,11 +783,12 @@ Arrays ReadAll(const RaggedBatch& batch, int groups) {
 }
 
 // The tokens of every uid, one after another: lengths[i] of them, from a per-uid pattern.
-std::vector<int64_t> TokensFor(std::span<const SeqId> uids, std::span<const int64_t> lengths,
+std::vector<TokenId> TokensFor(std::span<const SeqId> uids, std::span<const int64_t> lengths,
                                int step) {
-  std::vector<int64_t> tokens;
+  std::vector<TokenId> tokens;
   for (size_t i = 0; i < uids.size(); ++i) {
-    for (int64_t t = 0; t < lengths[i]; ++t) tokens.push_back(uids[i] * 100 + step + t);
+    for (int64_t t = 0; t < lengths[i]; ++t)
+      tokens.push_back(static_cast<TokenId>(uids[i] * 100 + step + t));
   }
   return tokens;
 }
@@ -825,14 +828,15 @@ void ExpectScheduleBatchBuildsWhatInsertAndFinalizeBuild(const std::vector<KVCac
     }
     running = uids;
     const bool padding = rng() % 2 == 0;
-    const std::vector<int64_t> tokens = TokensFor(uids, lengths, step);
+    const std::vector<TokenId> tokens = TokensFor(uids, lengths, step);
 
-    ASSERT_OK(fused->ScheduleBatch(uids, lengths, tokens, *fused_batch, padding));
-    ASSERT_OK(separate->Schedule(uids, lengths));
+    ASSERT_OK(
+        fused->ScheduleBatch({.uids = uids, .lengths = lengths}, tokens, *fused_batch, padding));
+    ASSERT_OK(separate->Schedule({.uids = uids, .lengths = lengths}));
     separate_batch->Clear();
     size_t at = 0;
     for (size_t i = 0; i < uids.size(); ++i) {
-      const std::span<const int64_t> mine(tokens.data() + at, static_cast<size_t>(lengths[i]));
+      const std::span<const TokenId> mine(tokens.data() + at, static_cast<size_t>(lengths[i]));
       ASSERT_OK(separate_batch->InsertSequence(*separate->GetSequence(uids[i]), mine));
       at += static_cast<size_t>(lengths[i]);
     }
@@ -865,17 +869,17 @@ TEST(ScheduleBatchTest, APrefixHitGetsThePromptsTokensAtThePositionsItRuns) {
   auto batch = MakeBatch(*manager);
   std::vector<TokenId> prompt(40);
   std::iota(prompt.begin(), prompt.end(), 100);
-  const std::vector<int64_t> tokens(prompt.begin(), prompt.end());
+  const std::vector<TokenId> tokens(prompt.begin(), prompt.end());
   // The first request computes the prompt and publishes its two full blocks.
   ASSERT_OK(manager->AddSequence(1, prompt));
   const std::vector<SeqId> first = {1};
   const std::vector<int64_t> length = {40};
-  ASSERT_OK(manager->ScheduleBatch(first, length, tokens, *batch));
+  ASSERT_OK(manager->ScheduleBatch({.uids = first, .lengths = length}, tokens, *batch));
   ASSERT_OK(manager->PostForward(*batch));
   // The second hits 32 cached tokens: its batch entry is the last 8, at positions 32...
   ASSERT_OK(manager->AddSequence(2, prompt));
   const std::vector<SeqId> second = {2};
-  ASSERT_OK(manager->ScheduleBatch(second, length, tokens, *batch));
+  ASSERT_OK(manager->ScheduleBatch({.uids = second, .lengths = length}, tokens, *batch));
   EXPECT_EQ(manager->GetSequence(2)->cached_prefix_tokens(), 32);
   EXPECT_THAT(ReadInt64(batch->input_ids()), ElementsAreArray(tokens.begin() + 32, tokens.end()));
   EXPECT_THAT(ReadInt32(batch->inflight_seq_descriptors()), ElementsAre(0, 8, 32, 0));
@@ -888,8 +892,8 @@ TEST(ScheduleBatchTest, APrefixHitGetsThePromptsTokensAtThePositionsItRuns) {
   ASSERT_OK(manager->AddSequence(3, prompt));
   const std::vector<SeqId> third = {3};
   const std::vector<int64_t> chunk = {4};
-  const std::vector<int64_t> chunk_tokens(tokens.begin(), tokens.begin() + 4);
-  ASSERT_OK(manager->ScheduleBatch(third, chunk, chunk_tokens, *batch));
+  const std::vector<TokenId> chunk_tokens(tokens.begin(), tokens.begin() + 4);
+  ASSERT_OK(manager->ScheduleBatch({.uids = third, .lengths = chunk}, chunk_tokens, *batch));
   EXPECT_THAT(ReadInt32(batch->inflight_seq_descriptors()), ElementsAre(0, 4, 32, 0));
   EXPECT_THAT(ReadInt64(batch->input_ids()),
               ElementsAreArray(tokens.begin() + 32, tokens.begin() + 36));
@@ -904,7 +908,8 @@ TEST(ScheduleBatchTest, ErrorsChangeNeitherTheManagerNorTheBatch) {
   auto batch = MakeBatch(*manager);
   const std::vector<SeqId> uids = {1, 2};
   const std::vector<int64_t> lengths = {70, 3};
-  ASSERT_OK(manager->ScheduleBatch(uids, lengths, TokensFor(uids, lengths, 0), *batch));
+  ASSERT_OK(manager->ScheduleBatch({.uids = uids, .lengths = lengths}, TokensFor(uids, lengths, 0),
+                                   *batch));
   const Arrays before = ReadAll(*batch, 1);
   const std::vector<int32_t> free_before = manager->free_blocks();
 
@@ -912,22 +917,25 @@ TEST(ScheduleBatchTest, ErrorsChangeNeitherTheManagerNorTheBatch) {
   auto foreign = MakeBatch(*other);
   const std::vector<SeqId> three = {3};
   const std::vector<int64_t> one = {1};
-  const std::vector<int64_t> seven = {7};
-  const Status wrong_batch = manager->ScheduleBatch(three, one, seven, *foreign);
+  const std::vector<TokenId> seven = {7};
+  const Status wrong_batch =
+      manager->ScheduleBatch({.uids = three, .lengths = one}, seven, *foreign);
   EXPECT_CODE(wrong_batch, StatusCode::kInvalidArgument);
   EXPECT_THAT(wrong_batch.message(), HasSubstr("another state manager"));
-  const Status short_tokens = manager->ScheduleBatch(three, one, {}, *batch);
+  const Status short_tokens = manager->ScheduleBatch({.uids = three, .lengths = one}, {}, *batch);
   EXPECT_CODE(short_tokens, StatusCode::kInvalidArgument);
   EXPECT_THAT(short_tokens.message(), HasSubstr("0 tokens given, but the lengths add up to 1"));
   const std::vector<SeqId> twice = {3, 3};
   const std::vector<int64_t> ones = {1, 1};
-  const std::vector<int64_t> sevens = {7, 7};
-  EXPECT_CODE(manager->ScheduleBatch(twice, ones, sevens, *batch), StatusCode::kInvalidArgument);
+  const std::vector<TokenId> sevens = {7, 7};
+  EXPECT_CODE(manager->ScheduleBatch({.uids = twice, .lengths = ones}, sevens, *batch),
+              StatusCode::kInvalidArgument);
   // More blocks than the pool holds: ResourceExhausted naming the limit.
   const std::vector<int64_t> huge = {int64_t{kNumBlocks} * 64 + 1};
   SchedulingResult result = SchedulingResult::kSuccess;
-  const Status full = manager->ScheduleBatch(three, huge, TokensFor(three, huge, 0), *batch,
-                                             /*padding=*/false, &result);
+  const Status full =
+      manager->ScheduleBatch({.uids = three, .lengths = huge}, TokensFor(three, huge, 0), *batch,
+                             /*padding=*/false, &result);
   EXPECT_CODE(full, StatusCode::kResourceExhausted);
   EXPECT_NE(result, SchedulingResult::kSuccess);
 
@@ -946,13 +954,15 @@ TEST(ScheduleBatchTest, SteadyStateStepsMakeNoHeapAllocation) {
   std::vector<SeqId> uids(32);
   std::iota(uids.begin(), uids.end(), SeqId{1});
   const std::vector<int64_t> lengths(uids.size(), 1);
-  const std::vector<int64_t> tokens(uids.size(), 42);
-  ASSERT_OK(manager->ScheduleBatch(uids, lengths, tokens, *batch));  // creates the sequences
+  const std::vector<TokenId> tokens(uids.size(), 42);
+  ASSERT_OK(manager->ScheduleBatch({.uids = uids, .lengths = lengths}, tokens,
+                                   *batch));  // creates the sequences
   ASSERT_OK(manager->PostForward(*batch));
   for (int step = 0; step < 40; ++step) {  // crosses block boundaries
     SCOPED_TRACE(step);
     const int64_t before = g_heap_allocations.load();
-    ASSERT_OK(manager->ScheduleBatch(uids, lengths, tokens, *batch, /*padding=*/true));
+    ASSERT_OK(manager->ScheduleBatch({.uids = uids, .lengths = lengths}, tokens, *batch,
+                                     /*padding=*/true));
     ASSERT_OK(manager->PostForward(*batch));
     EXPECT_EQ(g_heap_allocations.load() - before, 0);
   }
@@ -964,7 +974,8 @@ TEST(ScheduleBatchTest, CopiesTheBatchToTheDeviceMirror) {
   auto batch = MakeBatch(*manager);
   const std::vector<SeqId> uids = {1, 2};
   const std::vector<int64_t> lengths = {30, 5};
-  ASSERT_OK(manager->ScheduleBatch(uids, lengths, TokensFor(uids, lengths, 0), *batch));
+  ASSERT_OK(manager->ScheduleBatch({.uids = uids, .lengths = lengths}, TokensFor(uids, lengths, 0),
+                                   *batch));
   ExpectMirrorEqual(batch->input_ids(), batch->input_ids(true));
   ExpectMirrorEqual(batch->kv_indices(), batch->kv_indices(0, true));
   ExpectMirrorEqual(batch->slot_mapping(), batch->slot_mapping(0, true));
@@ -974,8 +985,9 @@ TEST(ScheduleBatchTest, CopiesTheBatchToTheDeviceMirror) {
   // Finalize copies again.
   device->fail_copies = true;
   const std::vector<int64_t> ones = {1, 1};
-  const std::vector<int64_t> next = {7, 8};
-  EXPECT_CODE(manager->ScheduleBatch(uids, ones, next, *batch), StatusCode::kInternal);
+  const std::vector<TokenId> next = {7, 8};
+  EXPECT_CODE(manager->ScheduleBatch({.uids = uids, .lengths = ones}, next, *batch),
+              StatusCode::kInternal);
   EXPECT_FALSE(batch->finalized());
   EXPECT_EQ(manager->GetSequence(1)->in_flight_tokens(), 1);
   device->fail_copies = false;

@@ -240,7 +240,7 @@ TEST(SnapshotTest, LoadedCacheHitsAndEvictsLikeTheSavedOne) {
       const int64_t lengths[] = {static_cast<int64_t>(prompt.size())};
       for (StateManager* m : {a.get(), b.get()}) {
         ASSERT_OK(m->AddSequence(uid, prompt));
-        const Status s = m->Schedule(uids, lengths);
+        const Status s = m->Schedule({.uids = uids, .lengths = lengths});
         if (s.ok()) {
           ASSERT_OK(m->PostForward(uids));
         }
@@ -306,7 +306,7 @@ TEST(SnapshotTest, SaveRefusesWhileTokensAreInFlight) {
   ASSERT_OK(m->AddSequence(42, prompt));
   const SeqId uids[] = {42};
   const int64_t lengths[] = {5};
-  ASSERT_OK(m->Schedule(uids, lengths));
+  ASSERT_OK(m->Schedule({.uids = uids, .lengths = lengths}));
   const Result<Bytes> bytes = m->SaveSnapshot();
   ASSERT_CODE(bytes, StatusCode::kFailedPrecondition);
   EXPECT_NE(bytes.status().message().find("sequence 42 has 5 tokens in flight"), std::string::npos)
@@ -572,7 +572,7 @@ TEST(SnapshotCorruptionTest, EachStructuralErrorIsDataLossNamingIt) {
     ASSERT_OK(source->AddSequence(uid, prompt));
     const SeqId uids[] = {uid};
     const int64_t lengths[] = {std::ssize(prompt)};
-    ASSERT_OK(source->Schedule(uids, lengths));
+    ASSERT_OK(source->Schedule({.uids = uids, .lengths = lengths}));
     ASSERT_OK(source->PostForward(uids));
   }
   ASSERT_OK(source->FlushSequence(3000));  // its own full blocks: cached, evictable

@@ -166,7 +166,8 @@ class SnapshotWorkload {
     if (uids.empty() || rng_() % 4 == 0) return;  // some wait unscheduled
     const auto chunk = std::max<int64_t>(1, std::min<int64_t>(std::ssize(prompt), 1 + rng_() % 16));
     std::vector<int64_t> lengths(uids.size(), chunk);
-    if (m_.Schedule(uids, lengths).ok()) Check(m_.PostForward(uids), "PostForward");
+    if (m_.Schedule({.uids = uids, .lengths = lengths}).ok())
+      Check(m_.PostForward(uids), "PostForward");
   }
 
   // The next prefill chunk, or one decoded token.
@@ -181,7 +182,8 @@ class SnapshotWorkload {
     }
     const blockkv::SeqId uids[] = {uid};
     const int64_t lengths[] = {std::min<int64_t>(n, 1 + static_cast<int64_t>(rng_() % 8))};
-    if (m_.Schedule(uids, lengths).ok()) Check(m_.PostForward(uids), "PostForward");
+    if (m_.Schedule({.uids = uids, .lengths = lengths}).ok())
+      Check(m_.PostForward(uids), "PostForward");
   }
 
   blockkv::SeqId Pick() { return live_[rng_() % live_.size()]; }

@@ -529,7 +529,7 @@ class ModelDriver {
     });
 
     // CanSchedule settles nothing: it decides on the state the model last synced to.
-    const Result<SchedulingResult> can = mgr_->CanSchedule(uids, lengths);
+    const Result<SchedulingResult> can = mgr_->CanSchedule({.uids = uids, .lengths = lengths});
     std::optional<SchedulingResult> want_can;
     if (!invalid && !preempted) want_can = ModelVerdict(uids, lengths);
     SchedulingResult result = SchedulingResult::kSuccess;
@@ -542,13 +542,16 @@ class ModelDriver {
         schedules_++ % 2 == 1 &&
         std::all_of(lengths.begin(), lengths.end(), [](int64_t n) { return n < kMostTokens; });
     const BatchState batch_before = ReadBatch();
-    std::vector<int64_t> tokens;
+    std::vector<TokenId> tokens;
     for (size_t i = 0; via_batch && i < uids.size(); ++i) {
-      for (int64_t t = 0; t < lengths[i]; ++t) tokens.push_back(uids[i] * 1000 + t);
+      for (int64_t t = 0; t < lengths[i]; ++t) {
+        tokens.push_back(static_cast<TokenId>(uids[i] * 1000 + t));
+      }
     }
-    const Status s = via_batch ? mgr_->ScheduleBatch(uids, lengths, tokens, *batch_,
-                                                     /*padding=*/schedules_ % 4 == 0, &result)
-                               : mgr_->Schedule(uids, lengths, &result);
+    const Status s = via_batch
+                         ? mgr_->ScheduleBatch({.uids = uids, .lengths = lengths}, tokens, *batch_,
+                                               /*padding=*/schedules_ % 4 == 0, &result)
+                         : mgr_->Schedule({.uids = uids, .lengths = lengths}, &result);
     if (via_batch && !s.ok()) {
       MODEL_CHECK(ReadBatch() == batch_before) << "a failed ScheduleBatch changed its batch: " << s;
     }
@@ -1000,7 +1003,7 @@ class ModelDriver {
     }
     const std::array<SeqId, 1> uids{uid};
     const std::array<int64_t, 1> lengths{tokens};
-    const Result<SchedulingResult> can = mgr_->CanSchedule(uids, lengths);
+    const Result<SchedulingResult> can = mgr_->CanSchedule({.uids = uids, .lengths = lengths});
     if (const ModelSequence* m = model_.Find(uid); m != nullptr && m->preempted) {
       MODEL_CHECK(can.status().code() == StatusCode::kFailedPrecondition) << can.status();
       Count("query_fits/preempted");
@@ -1611,7 +1614,7 @@ TEST(StateManagerModelForkTest, ForkCopiesThePartialTailAndSharesFullBlocks) {
   StateManager& mgr = **created;
   const std::array<SeqId, 1> parent{7};
   const std::array<int64_t, 1> length{40};  // group 0: 2 full + 8; group 1: 1 full + 8
-  ASSERT_OK(mgr.Schedule(parent, length));
+  ASSERT_OK(mgr.Schedule({.uids = parent, .lengths = length}));
   ASSERT_OK(mgr.PostForward(parent));
 
   // A distinct byte pattern in every layer of every block the parent holds.
@@ -1681,7 +1684,7 @@ TEST(StateManagerModelForkTest, ForkCopiesThePartialTailAndSharesFullBlocks) {
   // Both append on their own: each gets its own new blocks past the shared prefix.
   const std::array<SeqId, 2> both{7, 8};
   const std::array<int64_t, 2> more{30, 30};  // 70 tokens: group 0 needs 5 blocks, group 1 3
-  ASSERT_OK(mgr.Schedule(both, more));
+  ASSERT_OK(mgr.Schedule({.uids = both, .lengths = more}));
   ASSERT_OK(mgr.CheckInvariants());
   for (int g = 0; g < 2; ++g) {
     const std::span<const BlockId> pt = p->block_table(g);

@@ -75,7 +75,7 @@ class PreemptTest : public ::testing::Test {
   std::vector<std::vector<std::vector<uint8_t>>> Run(SeqId uid, int64_t tokens) {
     const SeqId uids[] = {uid};
     const int64_t lengths[] = {tokens};
-    EXPECT_TRUE(mgr_->Schedule(uids, lengths).ok());
+    EXPECT_TRUE(mgr_->Schedule({.uids = uids, .lengths = lengths}).ok());
     EXPECT_TRUE(mgr_->PostForward(uids).ok());
     std::vector<std::vector<std::vector<uint8_t>>> contents(mgr_->num_groups());
     for (int g = 0; g < mgr_->num_groups(); ++g) {
@@ -136,7 +136,7 @@ TEST_F(PreemptTest, RoundTripThroughTheHostTier) {
   // It runs on where it stopped.
   const SeqId uids[] = {1};
   const int64_t lengths[] = {5};
-  ASSERT_TRUE(mgr_->Schedule(uids, lengths).ok());
+  ASSERT_TRUE(mgr_->Schedule({.uids = uids, .lengths = lengths}).ok());
   ASSERT_TRUE(mgr_->PostForward(uids).ok());
   EXPECT_EQ(mgr_->GetSequence(1)->seen_tokens(), 26);
   ExpectInvariants();
@@ -148,8 +148,10 @@ TEST_F(PreemptTest, APreemptedSequenceCannotRunUntilResumed) {
   ASSERT_TRUE(mgr_->PreemptSequence(1).ok());
   const SeqId uids[] = {1};
   const int64_t lengths[] = {1};
-  EXPECT_EQ(mgr_->Schedule(uids, lengths).code(), StatusCode::kFailedPrecondition);
-  EXPECT_EQ(mgr_->CanSchedule(uids, lengths).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(mgr_->Schedule({.uids = uids, .lengths = lengths}).code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_EQ(mgr_->CanSchedule({.uids = uids, .lengths = lengths}).status().code(),
+            StatusCode::kFailedPrecondition);
   EXPECT_EQ(mgr_->Fork(1, 2).code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(mgr_->FreeLeadingBlocks(1, 1).code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(mgr_->PreemptSequence(1).status().code(), StatusCode::kFailedPrecondition);
@@ -168,7 +170,7 @@ TEST_F(PreemptTest, ErrorsChangeNothing) {
   // Tokens in flight.
   const SeqId uids[] = {1};
   const int64_t lengths[] = {1};
-  ASSERT_TRUE(mgr_->Schedule(uids, lengths).ok());
+  ASSERT_TRUE(mgr_->Schedule({.uids = uids, .lengths = lengths}).ok());
   EXPECT_EQ(mgr_->PreemptSequence(1).status().code(), StatusCode::kFailedPrecondition);
   ASSERT_TRUE(mgr_->PostForward(uids).ok());
   ExpectInvariants();
@@ -270,7 +272,7 @@ TEST_F(PreemptTest, ACorruptDiskSlotFailsTheResumeAndKeepsTheSequencePreempted) 
   EXPECT_NE(copied.message().find("checksum"), std::string::npos) << copied;
   const SeqId uids[] = {1};
   const int64_t lengths[] = {1};
-  const Status scheduled = mgr_->Schedule(uids, lengths);
+  const Status scheduled = mgr_->Schedule({.uids = uids, .lengths = lengths});
   EXPECT_EQ(scheduled.code(), StatusCode::kDataLoss) << scheduled;
   EXPECT_TRUE(mgr_->GetSequence(1)->preempted());
   EXPECT_EQ(mgr_->offload_store()->live_handles(), 2);
@@ -339,7 +341,7 @@ class HostPrefixTest : public PreemptTest {
     EXPECT_TRUE(mgr_->AddSequence(uid, prompt, {.keys = {.ns = std::move(ns)}}).ok());
     const SeqId uids[] = {uid};
     const int64_t lengths[] = {static_cast<int64_t>(prompt.size())};
-    const Status s = mgr_->Schedule(uids, lengths);
+    const Status s = mgr_->Schedule({.uids = uids, .lengths = lengths});
     EXPECT_TRUE(s.ok()) << s;
     const Sequence* seq = mgr_->GetSequence(uid);
     const int64_t cached = seq->seen_tokens();
@@ -423,7 +425,7 @@ TEST_F(HostPrefixTest, OneBatchPromotesAnEntryOnce) {
   ASSERT_TRUE(mgr_->AddSequence(4, a).ok());
   const SeqId uids[] = {3, 4};
   const int64_t lengths[] = {17, 17};
-  const Status s = mgr_->Schedule(uids, lengths);
+  const Status s = mgr_->Schedule({.uids = uids, .lengths = lengths});
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_EQ(mgr_->GetSequence(3)->seen_tokens(), 16);
   EXPECT_EQ(mgr_->GetSequence(4)->seen_tokens(), 0);

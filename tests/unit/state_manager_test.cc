@@ -45,7 +45,7 @@ std::unique_ptr<StateManager> Make(StateManagerConfig config,
 void RunStep(StateManager& m, SeqId uid, int64_t n) {
   const SeqId uids[] = {uid};
   const int64_t lengths[] = {n};
-  ASSERT_TRUE(m.Schedule(uids, lengths).ok());
+  ASSERT_TRUE(m.Schedule({.uids = uids, .lengths = lengths}).ok());
   ASSERT_TRUE(m.PostForward(uids).ok());
   ASSERT_TRUE(m.CheckInvariants().ok()) << m.CheckInvariants();
 }
@@ -210,18 +210,22 @@ TEST(StateManagerCanSchedule, ReportsEachLimit) {
   const SeqId three[] = {1, 2, 3};
   const int64_t small2[] = {10, 10};
   const int64_t small3[] = {10, 10, 10};
-  EXPECT_EQ(*m->CanSchedule(two, small2), SchedulingResult::kSuccess);
-  EXPECT_EQ(*m->CanSchedule(three, small3), SchedulingResult::kBatchSequenceLimitExceeded);
+  EXPECT_EQ(*m->CanSchedule({.uids = two, .lengths = small2}), SchedulingResult::kSuccess);
+  EXPECT_EQ(*m->CanSchedule({.uids = three, .lengths = small3}),
+            SchedulingResult::kBatchSequenceLimitExceeded);
   const int64_t many_tokens[] = {100, 101};  // 4 blocks fit, 201 tokens do not
-  EXPECT_EQ(*m->CanSchedule(two, many_tokens), SchedulingResult::kBatchTokenLimitExceeded);
+  EXPECT_EQ(*m->CanSchedule({.uids = two, .lengths = many_tokens}),
+            SchedulingResult::kBatchTokenLimitExceeded);
   const int64_t too_much_kv[] = {190, 90};  // 3 + 2 blocks of 4
-  EXPECT_EQ(*m->CanSchedule(two, too_much_kv), SchedulingResult::kKVCacheLimitExceeded);
+  EXPECT_EQ(*m->CanSchedule({.uids = two, .lengths = too_much_kv}),
+            SchedulingResult::kKVCacheLimitExceeded);
   RunStep(*m, 1, 1);
   RunStep(*m, 2, 1);
   const Status s = m->GetOrCreateSequence(3).status();
   ASSERT_TRUE(s.ok());
   const SeqId new_pair[] = {3, 4};
-  EXPECT_EQ(*m->CanSchedule(new_pair, small2), SchedulingResult::kEngineSequenceLimitExceeded);
+  EXPECT_EQ(*m->CanSchedule({.uids = new_pair, .lengths = small2}),
+            SchedulingResult::kEngineSequenceLimitExceeded);
 }
 
 TEST(StateManagerCanSchedule, EnforcesMaxContextAndTableCapacity) {
@@ -230,12 +234,14 @@ TEST(StateManagerCanSchedule, EnforcesMaxContextAndTableCapacity) {
   auto m = Make(c, {SmallModel(64, /*max_blocks=*/64)});
   const SeqId uid[] = {1};
   const int64_t over_context[] = {101};
-  EXPECT_EQ(*m->CanSchedule(uid, over_context), SchedulingResult::kSequenceTokenLimitExceeded);
+  EXPECT_EQ(*m->CanSchedule({.uids = uid, .lengths = over_context}),
+            SchedulingResult::kSequenceTokenLimitExceeded);
   auto table = Make(Config(64), {SmallModel(64, /*max_blocks=*/2)});
   const int64_t over_table[] = {129};
   const int64_t at_table[] = {128};
-  EXPECT_EQ(*table->CanSchedule(uid, over_table), SchedulingResult::kSequenceTokenLimitExceeded);
-  EXPECT_EQ(*table->CanSchedule(uid, at_table), SchedulingResult::kSuccess);
+  EXPECT_EQ(*table->CanSchedule({.uids = uid, .lengths = over_table}),
+            SchedulingResult::kSequenceTokenLimitExceeded);
+  EXPECT_EQ(*table->CanSchedule({.uids = uid, .lengths = at_table}), SchedulingResult::kSuccess);
 }
 
 TEST(StateManagerCanSchedule, RejectsDuplicatesAndBadArguments) {
@@ -245,16 +251,20 @@ TEST(StateManagerCanSchedule, RejectsDuplicatesAndBadArguments) {
   const SeqId dup_new[] = {2, 3, 2};
   const int64_t two[] = {1, 1};
   const int64_t three[] = {1, 1, 1};
-  EXPECT_EQ(m->CanSchedule(dup_known, two).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(m->CanSchedule(dup_new, three).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(m->CanSchedule(dup_new, two).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(m->CanSchedule({.uids = dup_known, .lengths = two}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(m->CanSchedule({.uids = dup_new, .lengths = three}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(m->CanSchedule({.uids = dup_new, .lengths = two}).status().code(),
+            StatusCode::kInvalidArgument);
   const SeqId one[] = {1};
   const int64_t negative[] = {-1};
-  EXPECT_EQ(m->CanSchedule(one, negative).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(m->CanSchedule({.uids = one, .lengths = negative}).status().code(),
+            StatusCode::kInvalidArgument);
   // The duplicate check does not remember earlier calls.
   const SeqId pair[] = {1, 2};
-  EXPECT_EQ(*m->CanSchedule(pair, two), SchedulingResult::kSuccess);
-  EXPECT_EQ(*m->CanSchedule(pair, two), SchedulingResult::kSuccess);
+  EXPECT_EQ(*m->CanSchedule({.uids = pair, .lengths = two}), SchedulingResult::kSuccess);
+  EXPECT_EQ(*m->CanSchedule({.uids = pair, .lengths = two}), SchedulingResult::kSuccess);
 }
 
 // ---- Schedule ---------------------------------------------------------------------------------
@@ -265,7 +275,7 @@ TEST(StateManagerSchedule, FailsAndChangesNothingWhenOneSequenceDoesNotFit) {
   const SeqId uids[] = {1, 2, 3};
   const int64_t lengths[] = {60, 10, 64};  // 1 + 1 + 1 = 3 blocks, 2 free
   SchedulingResult result = SchedulingResult::kSuccess;
-  const Status s = m->Schedule(uids, lengths, &result);
+  const Status s = m->Schedule({.uids = uids, .lengths = lengths}, &result);
   EXPECT_EQ(s.code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(result, SchedulingResult::kKVCacheLimitExceeded);
   EXPECT_NE(s.message().find("KVCacheLimitExceeded"), std::string::npos) << s;
@@ -281,7 +291,7 @@ TEST(StateManagerSchedule, ReservesExactlyTheBlocksEachSequenceNeeds) {
   const SeqId uids[] = {1, 2};
   const int64_t prompts[] = {64, 65};
   SchedulingResult result = SchedulingResult::kKVCacheLimitExceeded;
-  ASSERT_TRUE(m->Schedule(uids, prompts, &result).ok());
+  ASSERT_TRUE(m->Schedule({.uids = uids, .lengths = prompts}, &result).ok());
   EXPECT_EQ(result, SchedulingResult::kSuccess);
   EXPECT_EQ(m->GetSequence(1)->cur_allocated_blocks(), 1);
   EXPECT_EQ(m->GetSequence(2)->cur_allocated_blocks(), 2);
@@ -291,7 +301,7 @@ TEST(StateManagerSchedule, ReservesExactlyTheBlocksEachSequenceNeeds) {
   EXPECT_EQ(m->GetSequence(2)->in_flight_tokens(), 0);
   // Decode: sequence 1 crosses into a new block, sequence 2 does not.
   const int64_t one_each[] = {1, 1};
-  ASSERT_TRUE(m->Schedule(uids, one_each).ok());
+  ASSERT_TRUE(m->Schedule({.uids = uids, .lengths = one_each}).ok());
   EXPECT_EQ(m->GetSequence(1)->cur_allocated_blocks(), 2);
   EXPECT_EQ(m->GetSequence(2)->cur_allocated_blocks(), 2);
   EXPECT_EQ(m->free_blocks()[0], 12);
@@ -308,14 +318,15 @@ TEST(StateManagerSchedule, AllocatesInEveryCacheGroup) {
   // Group 1 runs out first.
   const SeqId uid[] = {2};
   const int64_t len[] = {150};
-  EXPECT_EQ(*m->CanSchedule(uid, len), SchedulingResult::kKVCacheLimitExceeded);
+  EXPECT_EQ(*m->CanSchedule({.uids = uid, .lengths = len}),
+            SchedulingResult::kKVCacheLimitExceeded);
 }
 
 TEST(StateManagerPostForward, UnknownUidChangesNothing) {
   auto m = Make(Config(16));
   const SeqId uids[] = {1};
   const int64_t lengths[] = {10};
-  ASSERT_TRUE(m->Schedule(uids, lengths).ok());
+  ASSERT_TRUE(m->Schedule({.uids = uids, .lengths = lengths}).ok());
   const SeqId with_unknown[] = {1, 99};
   EXPECT_EQ(m->PostForward(with_unknown).code(), StatusCode::kNotFound);
   EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 0);
@@ -418,10 +429,10 @@ TEST(StateManagerFork, FailsAndChangesNothing) {
   EXPECT_EQ(m->pool().ref_count(m->GetSequence(1)->block_table()[0]), 1);
   const SeqId uids[] = {2};
   const int64_t lengths[] = {0};
-  ASSERT_TRUE(m->Schedule(uids, lengths).ok());
+  ASSERT_TRUE(m->Schedule({.uids = uids, .lengths = lengths}).ok());
   const SeqId one[] = {1};
   const int64_t zero[] = {0};
-  ASSERT_TRUE(m->Schedule(one, zero).ok());
+  ASSERT_TRUE(m->Schedule({.uids = one, .lengths = zero}).ok());
   ASSERT_TRUE(m->FlushSequence(2).ok());
   EXPECT_TRUE(m->CheckInvariants().ok());
 }
@@ -430,7 +441,7 @@ TEST(StateManagerFork, RefusesAParentWithTokensInFlight) {
   auto m = Make(Config(8));
   const SeqId uids[] = {1};
   const int64_t lengths[] = {10};
-  ASSERT_TRUE(m->Schedule(uids, lengths).ok());
+  ASSERT_TRUE(m->Schedule({.uids = uids, .lengths = lengths}).ok());
   EXPECT_EQ(m->Fork(1, 2).code(), StatusCode::kFailedPrecondition);
   EXPECT_EQ(m->n_tracked_sequences(), 1);
 }
@@ -505,10 +516,10 @@ TEST(StateManagerPostForwardBatch, AdvancesEverySequenceOfTheBatch) {
   auto m = Make(Config(8));
   const SeqId uids[] = {1, 2};
   const int64_t lengths[] = {3, 5};
-  ASSERT_TRUE(m->Schedule(uids, lengths).ok());
+  ASSERT_TRUE(m->Schedule({.uids = uids, .lengths = lengths}).ok());
   auto batch = RaggedBatch::Create(*m);
   ASSERT_TRUE(batch.ok());
-  const std::vector<int64_t> tokens(5, 9);
+  const std::vector<TokenId> tokens(5, 9);
   ASSERT_TRUE((*batch)->InsertSequence(*m->GetSequence(1), std::span(tokens).first(3)).ok());
   ASSERT_TRUE((*batch)->InsertSequence(*m->GetSequence(2), tokens).ok());
   ASSERT_TRUE(m->PostForward(**batch).ok());
@@ -522,9 +533,9 @@ TEST(StateManagerPostForwardBatch, ASequenceChangedSinceInsertionChangesNothing)
   auto m = Make(Config(8));
   const SeqId uids[] = {1, 2};
   const int64_t lengths[] = {3, 3};
-  ASSERT_TRUE(m->Schedule(uids, lengths).ok());
+  ASSERT_TRUE(m->Schedule({.uids = uids, .lengths = lengths}).ok());
   auto batch = RaggedBatch::Create(*m);
-  const std::vector<int64_t> tokens(3, 9);
+  const std::vector<TokenId> tokens(3, 9);
   ASSERT_TRUE((*batch)->InsertSequence(*m->GetSequence(1), tokens).ok());
   ASSERT_TRUE((*batch)->InsertSequence(*m->GetSequence(2), tokens).ok());
   ASSERT_TRUE(m->PostForward(std::span(uids).subspan(1)).ok());  // 2 advanced behind its back
@@ -539,10 +550,10 @@ TEST(StateManagerPostForwardBatch, AnotherManagersBatchIsInvalidArgument) {
   auto b = Make(Config(8));
   const SeqId uids[] = {1};
   const int64_t lengths[] = {2};
-  ASSERT_TRUE(a->Schedule(uids, lengths).ok());
-  ASSERT_TRUE(b->Schedule(uids, lengths).ok());
+  ASSERT_TRUE(a->Schedule({.uids = uids, .lengths = lengths}).ok());
+  ASSERT_TRUE(b->Schedule({.uids = uids, .lengths = lengths}).ok());
   auto batch = RaggedBatch::Create(*a);
-  const std::vector<int64_t> tokens(2, 9);
+  const std::vector<TokenId> tokens(2, 9);
   ASSERT_TRUE((*batch)->InsertSequence(*a->GetSequence(1), tokens).ok());
   EXPECT_EQ(b->PostForward(**batch).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(b->GetSequence(1)->seen_tokens(), 0);
