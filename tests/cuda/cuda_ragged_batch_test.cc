@@ -124,11 +124,12 @@ void ExpectMirrorEqualsHost(const RaggedBatch& b, int n_groups) {
   }
 }
 
-std::vector<int64_t> TokensFor(std::span<const SeqId> uids, std::span<const int64_t> lengths,
+std::vector<TokenId> TokensFor(std::span<const SeqId> uids, std::span<const int64_t> lengths,
                                int step) {
-  std::vector<int64_t> tokens;
+  std::vector<TokenId> tokens;
   for (size_t i = 0; i < uids.size(); ++i) {
-    for (int64_t t = 0; t < lengths[i]; ++t) tokens.push_back(uids[i] * 100 + step + t);
+    for (int64_t t = 0; t < lengths[i]; ++t)
+      tokens.push_back(static_cast<TokenId>(uids[i] * 100 + step + t));
   }
   return tokens;
 }
@@ -159,16 +160,17 @@ TEST(CudaRaggedBatchTest, MirrorEqualsTheHostOverManySteps) {
     SCOPED_TRACE(step);
     const std::vector<SeqId>& uids = steps[step];
     const std::vector<int64_t> lengths = LengthsFor(*manager, uids);
-    const std::vector<int64_t> tokens = TokensFor(uids, lengths, static_cast<int>(step));
+    const std::vector<TokenId> tokens = TokensFor(uids, lengths, static_cast<int>(step));
     const bool padding = step % 3 != 0;
     if (step % 2 == 0) {
-      ASSERT_TRUE(manager->ScheduleBatch(uids, lengths, tokens, *batch, padding).ok());
+      ASSERT_TRUE(
+          manager->ScheduleBatch({.uids = uids, .lengths = lengths}, tokens, *batch, padding).ok());
     } else {
       batch->Clear();
-      ASSERT_TRUE(manager->Schedule(uids, lengths).ok());
+      ASSERT_TRUE(manager->Schedule({.uids = uids, .lengths = lengths}).ok());
       size_t at = 0;
       for (size_t i = 0; i < uids.size(); ++i) {
-        const std::span<const int64_t> mine(tokens.data() + at, static_cast<size_t>(lengths[i]));
+        const std::span<const TokenId> mine(tokens.data() + at, static_cast<size_t>(lengths[i]));
         ASSERT_TRUE(batch->InsertSequence(*manager->GetSequence(uids[i]), mine).ok());
         at += static_cast<size_t>(lengths[i]);
       }
@@ -193,7 +195,10 @@ TEST(CudaRaggedBatchTest, HostArraysArePinnedAndDeviceArraysAreDeviceMemory) {
   ASSERT_NE(batch, nullptr);
   const std::vector<SeqId> uids = {1};
   const std::vector<int64_t> lengths = {5};
-  ASSERT_TRUE(manager->ScheduleBatch(uids, lengths, TokensFor(uids, lengths, 0), *batch).ok());
+  ASSERT_TRUE(
+      manager
+          ->ScheduleBatch({.uids = uids, .lengths = lengths}, TokensFor(uids, lengths, 0), *batch)
+          .ok());
   cudaPointerAttributes host{};
   ASSERT_EQ(cudaPointerGetAttributes(&host, batch->slot_mapping()->data), cudaSuccess);
   EXPECT_EQ(host.type, cudaMemoryTypeHost);  // page-locked: the copy is asynchronous DMA
@@ -219,13 +224,19 @@ TEST(CudaRaggedBatchTest, TheNextStepWaitsForTheCopyBeforeWritingTheStaging) {
   std::vector<SeqId> uids(32);
   std::iota(uids.begin(), uids.end(), SeqId{1});
   std::vector<int64_t> lengths = LengthsFor(*manager, uids);
-  ASSERT_TRUE(manager->ScheduleBatch(uids, lengths, TokensFor(uids, lengths, 0), *batch).ok());
+  ASSERT_TRUE(
+      manager
+          ->ScheduleBatch({.uids = uids, .lengths = lengths}, TokensFor(uids, lengths, 0), *batch)
+          .ok());
   ASSERT_TRUE(manager->PostForward(*batch).ok());
 
   int sleep_ms = 200;
   ASSERT_EQ(cudaLaunchHostFunc(cudaStreamLegacy, Sleep, &sleep_ms), cudaSuccess);
   lengths = LengthsFor(*manager, uids);
-  ASSERT_TRUE(manager->ScheduleBatch(uids, lengths, TokensFor(uids, lengths, 1), *batch).ok());
+  ASSERT_TRUE(
+      manager
+          ->ScheduleBatch({.uids = uids, .lengths = lengths}, TokensFor(uids, lengths, 1), *batch)
+          .ok());
   const Result<TensorView> slots = batch->slot_mapping(0, true);
   ASSERT_TRUE(slots.ok());
   const Bytes step1 = HostBytes(batch->slot_mapping());
@@ -238,7 +249,10 @@ TEST(CudaRaggedBatchTest, TheNextStepWaitsForTheCopyBeforeWritingTheStaging) {
 
   // Step 2 at once: different slots (one token further on).
   lengths = LengthsFor(*manager, uids);
-  ASSERT_TRUE(manager->ScheduleBatch(uids, lengths, TokensFor(uids, lengths, 2), *batch).ok());
+  ASSERT_TRUE(
+      manager
+          ->ScheduleBatch({.uids = uids, .lengths = lengths}, TokensFor(uids, lengths, 2), *batch)
+          .ok());
   EXPECT_NE(HostBytes(batch->slot_mapping()), step1);
   Bytes got(step1.size());
   ASSERT_EQ(cudaMemcpy(got.data(), snapshot, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);

@@ -1040,16 +1040,17 @@ TEST(RaggedBatchMirrorTest, MirrorEqualsTheHostOverGrowingAndShrinkingBatchesOfT
       const Sequence* seq = manager->GetSequence(uid);
       lengths.push_back(seq == nullptr ? 5 + uid : 1);  // a prompt, then decode steps
     }
-    const std::vector<int64_t> tokens = TokensFor(uids, lengths, static_cast<int>(step));
+    const std::vector<TokenId> tokens = TokensFor(uids, lengths, static_cast<int>(step));
     const bool padding = step % 3 != 0;
     if (step % 2 == 0) {
-      ASSERT_OK(manager->ScheduleBatch(uids, lengths, tokens, *batch, padding));
+      ASSERT_OK(
+          manager->ScheduleBatch({.uids = uids, .lengths = lengths}, tokens, *batch, padding));
     } else {
       batch->Clear();
-      ASSERT_OK(manager->Schedule(uids, lengths));
+      ASSERT_OK(manager->Schedule({.uids = uids, .lengths = lengths}));
       size_t at = 0;
       for (size_t i = 0; i < uids.size(); ++i) {
-        const std::span<const int64_t> mine(tokens.data() + at, static_cast<size_t>(lengths[i]));
+        const std::span<const TokenId> mine(tokens.data() + at, static_cast<size_t>(lengths[i]));
         ASSERT_OK(batch->InsertSequence(*manager->GetSequence(uids[i]), mine));
         at += static_cast<size_t>(lengths[i]);
       }
@@ -1073,7 +1074,8 @@ TEST(RaggedBatchMirrorTest, AStepNearTheSequenceLimitIsOneCopy) {
   for (int step = 0; step < 20; ++step) {  // crosses block boundaries
     SCOPED_TRACE(step);
     const int before = device->copies;
-    ASSERT_OK(manager->ScheduleBatch(uids, ones, TokensFor(uids, ones, step), *batch));
+    ASSERT_OK(manager->ScheduleBatch({.uids = uids, .lengths = ones}, TokensFor(uids, ones, step),
+                                     *batch));
     EXPECT_EQ(device->copies - before, 1);
     ExpectWholeMirrorEqual(*batch, 1);
     ASSERT_OK(manager->PostForward(*batch));
