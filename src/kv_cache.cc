@@ -157,7 +157,7 @@ Result<std::vector<BlockedKVCache::Group>> BlockedKVCache::AllocateGroups(
       return Status(storage.status().code(), StrCat("allocating KV cache group ", g, " (", bytes,
                                                     " bytes): ", storage.status().message()));
     }
-    groups.push_back(Group{config, std::move(allocator), std::move(*storage)});
+    groups.push_back(Group{config, std::move(allocator), std::move(*storage), {}});
   }
   return groups;
 }
@@ -188,6 +188,17 @@ Status BlockedKVCache::Reserve(int32_t n, std::span<BlockId> out, int group) {
 
 Status BlockedKVCache::Free(std::span<const BlockId> blocks, int group) {
   BLOCKKV_RETURN_IF_ERROR(CheckGroup(group));
+  const std::vector<uint8_t>& lent = groups_[group].lent;
+  if (!lent.empty()) {
+    for (const BlockId b : blocks) {
+      if (b >= 0 && b < plan_.num_blocks && lent[b] != 0) {
+        return FailedPreconditionError(
+            StrCat("Free: block ", b, " of group ", group,
+                   " is held by an offload store (its offload is in flight, or failed and kept "
+                   "it); the store frees it once the copy is done, or restore or drop its handle"));
+      }
+    }
+  }
   return groups_[group].allocator.Free(blocks);
 }
 
@@ -281,6 +292,11 @@ Status BlockedKVCache::CheckInvariants() const {
     if (group.storage.size() != plan_.num_blocks * *group.config.bytes_per_block()) {
       return InternalError(StrCat("cache group ", g, " storage is ", group.storage.size(),
                                   " bytes, not num_blocks x bytes_per_block"));
+    }
+    for (size_t b = 0; b < group.lent.size(); ++b) {
+      if (group.lent[b] != 0 && !group.allocator.IsUsed(static_cast<BlockId>(b))) {
+        return InternalError(StrCat("cache group ", g, ": block ", b, " is lent but free"));
+      }
     }
   }
   return Status::Ok();

@@ -4,6 +4,7 @@
 #include "blockkv/offload.h"
 
 #include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <optional>
 #include <utility>
@@ -48,22 +49,67 @@ Status OffloadConfig::Validate() const {
 
 namespace {
 
+// The cache's Reserve / Free. A block the store holds is marked lent in the cache, so that the
+// cache's Free refuses it and a second store over the same cache cannot take it too.
 class CacheOwner final : public OffloadStore::BlockOwner {
  public:
-  explicit CacheOwner(BlockedKVCache* cache) : cache_(cache) {}
+  using Lend = Status (*)(BlockedKVCache&, int, std::span<const BlockId>);
+  using Return = void (*)(BlockedKVCache&, int, std::span<const BlockId>);
+  CacheOwner(BlockedKVCache* cache, Lend lend, Return give_back)
+      : cache_(cache), lend_(lend), return_(give_back) {}
   Status Take(int group, std::span<BlockId> out) override {
     return cache_->Reserve(static_cast<int32_t>(out.size()), out, group);
   }
   void Release(int group, std::span<const BlockId> blocks) override {
+    return_(*cache_, group, blocks);
     const Status s = cache_->Free(blocks, group);
     BLOCKKV_CHECK(s.ok(), s.message().c_str());
+  }
+  Status Adopt(int group, std::span<const BlockId> blocks,
+               std::span<const int32_t> /*store_holds: the lent marks count them*/) override {
+    return lend_(*cache_, group, blocks);
+  }
+  void GiveBack(int group, std::span<const BlockId> blocks) override {
+    return_(*cache_, group, blocks);
   }
 
  private:
   BlockedKVCache* cache_;
+  Lend lend_;
+  Return return_;
 };
 
 }  // namespace
+
+Status OffloadStore::LendFromCache(BlockedKVCache& cache, int group,
+                                   std::span<const BlockId> blocks) {
+  std::vector<uint8_t>& lent = cache.groups_[group].lent;
+  const BlockedAllocator& allocator = cache.groups_[group].allocator;
+  for (const BlockId b : blocks) {
+    if (!allocator.IsUsed(b)) {
+      return FailedPreconditionError(StrCat("Offload: block ", b, " of group ", group,
+                                            " is free: offload only blocks reserved from the "
+                                            "cache"));
+    }
+    if (!lent.empty() && lent[b] != 0) {
+      return FailedPreconditionError(
+          StrCat("Offload: block ", b, " of group ", group,
+                 " is an offload store's already (an offload of it is in flight, or failed and "
+                 "kept it)"));
+    }
+  }
+  if (lent.empty()) lent.assign(static_cast<size_t>(cache.num_blocks()), 0);
+  for (const BlockId b : blocks) lent[b] = 1;
+  return Status::Ok();
+}
+
+void OffloadStore::ReturnToCache(BlockedKVCache& cache, int group,
+                                 std::span<const BlockId> blocks) {
+  // (Also blocks a failed Restore took and gives back, which were never lent.)
+  std::vector<uint8_t>& lent = cache.groups_[group].lent;
+  if (lent.empty()) return;
+  for (const BlockId b : blocks) lent[b] = 0;
+}
 
 // ---- OffloadStore -------------------------------------------------------------------------------
 
@@ -73,9 +119,12 @@ Result<std::unique_ptr<OffloadStore>> OffloadStore::Create(BlockedKVCache* cache
   if (cache == nullptr) return InvalidArgumentError("OffloadStore::Create: cache is null");
   BLOCKKV_RETURN_IF_ERROR(config.Validate());
   auto impl = std::make_unique<Impl>();
+  static std::atomic<uint32_t> next_id{1};
+  impl->id = next_id.fetch_add(1, std::memory_order_relaxed);
+  if (impl->id == 0) impl->id = next_id.fetch_add(1, std::memory_order_relaxed);
   impl->cache = cache;
   if (owner == nullptr) {
-    impl->own_owner = std::make_unique<CacheOwner>(cache);
+    impl->own_owner = std::make_unique<CacheOwner>(cache, &LendFromCache, &ReturnToCache);
     owner = impl->own_owner.get();
   }
   impl->owner = owner;
@@ -137,6 +186,7 @@ Result<std::unique_ptr<OffloadStore>> OffloadStore::Create(BlockedKVCache* cache
     group.disk_base = disk_base;
     disk_base += block_bytes * impl->disk_blocks;
     group.busy.assign(static_cast<size_t>(cache->num_blocks()), 0);
+    group.held.assign(static_cast<size_t>(cache->num_blocks()), 0);
     group.marks.assign(static_cast<size_t>(cache->num_blocks()), 0);
     largest = std::max(largest, block_bytes);
     impl->groups.push_back(std::move(group));
@@ -179,6 +229,7 @@ OffloadStore::~OffloadStore() {
   for (Impl::Entry& e : impl_->entries) {
     if (e.live && e.tier == Tier::kDevice) {
       impl_->owner->Release(e.group, std::span(&e.device, 1));
+      --impl_->groups[e.group].held[e.device];
     }
   }
 }
@@ -205,10 +256,13 @@ Status OffloadTicket::Wait() {
   return store_ == nullptr ? Status::Ok() : store_->WaitJob(first_, last_);
 }
 
-OffloadTicket OffloadTicket::Join(const OffloadTicket& a, const OffloadTicket& b) {
+Result<OffloadTicket> OffloadTicket::Join(const OffloadTicket& a, const OffloadTicket& b) {
   if (a.store_ == nullptr) return b;
   if (b.store_ == nullptr) return a;
-  BLOCKKV_CHECK(a.store_ == b.store_, "OffloadTicket::Join: tickets of two stores");
+  if (a.store_ != b.store_) {
+    return InvalidArgumentError(
+        "OffloadTicket::Join: the tickets are of two stores; wait for each on its own");
+  }
   OffloadTicket joined = a;
   joined.first_ = std::min(a.first_, b.first_);
   joined.last_ = std::max(a.last_, b.last_);
@@ -253,6 +307,8 @@ Result<OffloadTicket> OffloadStore::Offload(std::span<const BlockId> blocks, int
                tier == Tier::kHost ? m.host_blocks : m.disk_blocks, " slots free)"));
   }
   if (blocks.empty()) return OffloadTicket();
+  // Last, because it records the hand-over: the caller must hold every block.
+  BLOCKKV_RETURN_IF_ERROR(m.owner->Adopt(group, blocks, g.held));
   std::vector<Copy> copies;
   copies.reserve(blocks.size());
   for (size_t i = 0; i < blocks.size(); ++i) {
@@ -261,12 +317,13 @@ Result<OffloadTicket> OffloadStore::Offload(std::span<const BlockId> blocks, int
     e.group = group;
     e.tier = tier;
     e.device = blocks[i];
+    ++g.held[blocks[i]];
     const int32_t slot = free_slots.back();
     free_slots.pop_back();
     (tier == Tier::kHost ? e.host_slot : e.disk_slot) = slot;
     copies.push_back({tier == Tier::kHost ? Copy::kToHost : Copy::kToDisk, group, blocks[i],
                       e.host_slot, e.disk_slot, index, 0});
-    out[i] = {index, e.generation};
+    out[i] = m.HandleOf(index);
   }
   return OffloadTicket(this, m.Submit(Op::kOffload, std::move(copies)));
 }
@@ -307,6 +364,8 @@ Result<OffloadTicket> OffloadStore::Restore(std::span<const OffloadHandle> handl
     Impl::Entry& e = m.entries[handles[i].index];
     if (e.tier == Tier::kDevice) {  // its offload failed: the block it kept is handed back
       out[i] = e.device;
+      m.owner->GiveBack(e.group, std::span(&e.device, 1));
+      --m.groups[e.group].held[e.device];
       m.FreeEntry(handles[i].index);
       ++m.stats.restored_blocks;
       continue;
@@ -356,7 +415,10 @@ Result<OffloadHandle> OffloadStore::CopyToHost(int group, BlockId block) {
         StrCat("CopyToHost: block ", block, " of group ", group, " does not exist"));
   }
   Impl::Group& g = m.groups[group];
-  BLOCKKV_CHECK(g.busy[block] == 0, "CopyToHost: a copy is in flight on the block");
+  if (g.busy[block] != 0) {
+    return FailedPreconditionError(StrCat("CopyToHost: block ", block, " of group ", group,
+                                          " has a copy in flight; wait for its ticket"));
+  }
   if (g.free_host.empty()) {
     return ResourceExhaustedError(StrCat("CopyToHost: the host tier of group ", group, " is full (",
                                          m.host_blocks, " slots)"));
@@ -373,7 +435,7 @@ Result<OffloadHandle> OffloadStore::CopyToHost(int group, BlockId block) {
   e.host_slot = slot;
   m.stats.copied_to_host += 1;
   m.stats.bytes_written += g.layout.block_bytes();
-  return OffloadHandle{index, e.generation};
+  return m.HandleOf(index);
 }
 
 Status OffloadStore::CopyToDevice(OffloadHandle handle, BlockId block) {
@@ -389,7 +451,12 @@ Status OffloadStore::CopyToDevice(OffloadHandle handle, BlockId block) {
     return OutOfRangeError(StrCat("CopyToDevice: block ", block, " does not exist"));
   }
   Impl::Group& g = m.groups[e.group];
-  BLOCKKV_CHECK(g.busy[block] == 0, "CopyToDevice: a copy is in flight on the block");
+  if (g.busy[block] != 0 || g.held[block] != 0) {
+    return FailedPreconditionError(
+        StrCat("CopyToDevice: block ", block, " of group ", e.group,
+               g.busy[block] != 0 ? " has a copy in flight; wait for its ticket"
+                                  : " is held by the store (an offload failed and kept it)"));
+  }
   BLOCKKV_RETURN_IF_ERROR(
       m.sync_mover->FromHost(g.layout, m.HostSlot(e.group, e.host_slot), block));
   BLOCKKV_RETURN_IF_ERROR(m.sync_mover->Finish());
@@ -403,7 +470,10 @@ Status OffloadStore::Drop(std::span<const OffloadHandle> handles) {
   BLOCKKV_RETURN_IF_ERROR(m.CheckHandles(handles, -1, "Drop"));
   for (const OffloadHandle& h : handles) {
     Impl::Entry& e = m.entries[h.index];
-    if (e.tier == Tier::kDevice) m.owner->Release(e.group, std::span(&e.device, 1));
+    if (e.tier == Tier::kDevice) {
+      m.owner->Release(e.group, std::span(&e.device, 1));
+      --m.groups[e.group].held[e.device];
+    }
     m.FreeEntry(h.index);
   }
   return Status::Ok();
@@ -411,6 +481,7 @@ Status OffloadStore::Drop(std::span<const OffloadHandle> handles) {
 
 Result<Tier> OffloadStore::tier(OffloadHandle handle) const {
   const Impl& m = *impl_;
+  BLOCKKV_RETURN_IF_ERROR(m.CheckStore(handle, "handle"));
   if (!m.IsLive(handle)) {
     return NotFoundError(StrCat("handle (index ", handle.index, ", generation ", handle.generation,
                                 ") is not a live handle of this store"));
@@ -438,6 +509,7 @@ int32_t OffloadStore::free_disk_blocks(int group) const {
   return static_cast<int32_t>(impl_->groups[group].free_disk.size());
 }
 int64_t OffloadStore::live_handles() const { return impl_->live_handles; }
+uint32_t OffloadStore::id() const { return impl_->id; }
 const OffloadStats& OffloadStore::stats() const { return impl_->stats; }
 int OffloadStore::num_groups() const { return static_cast<int>(impl_->groups.size()); }
 int64_t OffloadStore::block_bytes(int group) const {
@@ -478,6 +550,17 @@ Status OffloadStore::CheckInvariants() const {
     if (!placed) {
       return InternalError(
           StrCat("handle ", i, " is on the ", TierName(e.tier), " tier without a place there"));
+    }
+  }
+  for (size_t g = 0; g < m.groups.size(); ++g) {
+    std::vector<int32_t> held(m.groups[g].held.size(), 0);
+    for (const Impl::Entry& e : m.entries) {
+      if (e.live && e.group == static_cast<int>(g) && e.device != kNoBlock) ++held[e.device];
+    }
+    if (held != m.groups[g].held) {
+      return InternalError(StrCat("group ", g,
+                                  ": the counts of handles holding device blocks "
+                                  "disagree with the handles"));
     }
   }
   if (live != m.live_handles) {

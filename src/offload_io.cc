@@ -6,10 +6,12 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "blockkv/offload.h"
 #include "internal/block_mover.h"
@@ -110,6 +112,46 @@ class HostBlockMover final : public internal::BlockMover {
 
 }  // namespace
 
+namespace {
+
+// Writes one page of a pattern at offset 0 and reads it back: a file that does not keep what is
+// written (/dev/null, /dev/zero, a full disk) is refused now rather than found out at the first
+// restore, after the device blocks it stood for were freed. The page is overwritten by the first
+// block stored there; every block carries its own checksum.
+Status ProbeBlockFile(BlockFile& file, const std::string& path) {
+  constexpr size_t kPage = 4096;
+  std::vector<std::byte> page(kPage);
+  std::vector<std::byte> back(kPage);
+  uint64_t x = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(page.data())) ^
+               static_cast<uint64_t>(::getpid()) ^ 0x9E3779B97F4A7C15ull;
+  for (size_t i = 0; i < kPage; i += 8) {  // splitmix64: no two words alike, no zero page
+    x += 0x9E3779B97F4A7C15ull;
+    uint64_t z = x;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    std::memcpy(page.data() + i, &z, 8);
+  }
+  if (const Status written = file.Write(0, page); !written.ok()) {
+    return {written.code(),
+            StrCat("the disk tier file ", path, " failed a probe write: ", written.message())};
+  }
+  const Status read = file.Read(0, back);
+  if (read.code() == StatusCode::kUnavailable) {
+    return {read.code(),
+            StrCat("the disk tier file ", path, " failed a probe read: ", read.message())};
+  }
+  if (!read.ok() || back != page) {
+    return InvalidArgumentError(
+        StrCat("the disk tier file ", path, " does not read back what was written to it (",
+               read.ok() ? std::string("different bytes") : read.message(),
+               "): it cannot hold offloaded blocks; give disk_path a file on a real file system"));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<std::unique_ptr<BlockFile>> OpenPosixBlockFile(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) {
@@ -121,7 +163,10 @@ Result<std::unique_ptr<BlockFile>> OpenPosixBlockFile(const std::string& path) {
   }
   struct stat st {};
   const bool regular = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode);
-  return std::unique_ptr<BlockFile>(std::make_unique<PosixBlockFile>(path, fd, regular));
+  auto file = std::make_unique<PosixBlockFile>(path, fd, regular);
+  // A failed probe destroys the file: closed, and removed when it is a regular file.
+  BLOCKKV_RETURN_IF_ERROR(ProbeBlockFile(*file, path));
+  return std::unique_ptr<BlockFile>(std::move(file));
 }
 
 namespace internal {

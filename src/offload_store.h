@@ -71,9 +71,11 @@ struct OffloadStore::Impl {
     std::vector<int32_t> free_disk;
     int64_t disk_base = 0;        // offset of slot 0 in the file
     std::vector<int32_t> busy;    // [num_blocks]: jobs in flight on the device block
+    std::vector<int32_t> held;    // [num_blocks]: live handles holding the device block
     std::vector<uint32_t> marks;  // [num_blocks]: == mark_epoch when seen in this call
   };
 
+  uint32_t id = 0;  // OffloadHandle::store of this store's handles
   BlockedKVCache* cache = nullptr;
   std::unique_ptr<BlockOwner> own_owner;  // the cache's Reserve / Free by default
   BlockOwner* owner = nullptr;
@@ -140,11 +142,15 @@ struct OffloadStore::Impl {
   // Waits for copies in flight on `handles`, then checks them (live, not repeated, of `group`
   // unless group < 0).
   Status CheckHandles(std::span<const OffloadHandle> handles, int group, const char* what);
-  // Whether `h` names a live entry of this generation.
+  // Whether `h` names a live entry of this generation (of this store, or store 0: unstated).
   bool IsLive(OffloadHandle h) const {
-    return h.index >= 0 && h.index < static_cast<int32_t>(entries.size()) &&
-           entries[h.index].live && entries[h.index].generation == h.generation;
+    return (h.store == 0 || h.store == id) && h.index >= 0 &&
+           h.index < static_cast<int32_t>(entries.size()) && entries[h.index].live &&
+           entries[h.index].generation == h.generation;
   }
+  // kInvalidArgument for a handle that states another store, naming `what`.
+  Status CheckStore(OffloadHandle h, const std::string& what) const;
+  OffloadHandle HandleOf(int32_t index) const { return {index, entries[index].generation, id}; }
   int32_t NewEntry();
   void FreeEntry(int32_t index);
   void FreeSlots(Entry& entry);

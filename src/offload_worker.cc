@@ -1,6 +1,8 @@
 // OffloadStore's worker thread and the bookkeeping of finished jobs (offload_store.h).
 #include <algorithm>
+#include <atomic>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -163,6 +165,7 @@ void OffloadStore::Impl::Apply(Job& job) {
       case Op::kOffload:
         if (ok) {
           release[c.group].push_back(e.device);
+          --groups[c.group].held[e.device];
           e.device = kNoBlock;
           e.checksum = c.checksum;
         } else {
@@ -208,6 +211,27 @@ void OffloadStore::Impl::Apply(Job& job) {
   }
 }
 
+namespace {
+
+// Generations of every store of the process come from one counter, so that a handle rebuilt
+// without its store's id (store 0) still matches no other store's handle. 0 is never handed out.
+std::atomic<uint32_t> g_next_generation{1};
+
+uint32_t NextGeneration() {
+  uint32_t g = g_next_generation.fetch_add(1, std::memory_order_relaxed);
+  if (g == 0) g = g_next_generation.fetch_add(1, std::memory_order_relaxed);
+  return g;
+}
+
+}  // namespace
+
+Status OffloadStore::Impl::CheckStore(OffloadHandle h, const std::string& what) const {
+  if (h.store == 0 || h.store == id) return Status::Ok();
+  return InvalidArgumentError(StrCat(what, " (index ", h.index, ", generation ", h.generation,
+                                     ") is a handle of offload store ", h.store,
+                                     ", not of this store (", id, ")"));
+}
+
 int32_t OffloadStore::Impl::NewEntry() {
   int32_t index;
   if (!free_entries.empty()) {
@@ -220,6 +244,7 @@ int32_t OffloadStore::Impl::NewEntry() {
   }
   Entry& e = entries[index];
   e.live = true;
+  e.generation = NextGeneration();
   e.job = 0;
   e.device = kNoBlock;
   e.host_slot = -1;
@@ -233,7 +258,6 @@ void OffloadStore::Impl::FreeEntry(int32_t index) {
   Entry& e = entries[index];
   FreeSlots(e);
   e.live = false;
-  ++e.generation;
   free_entries.push_back(index);
   --live_handles;
 }
@@ -260,6 +284,7 @@ Status OffloadStore::Impl::CheckHandles(std::span<const OffloadHandle> handles, 
   NextMarkEpoch();
   for (size_t i = 0; i < handles.size(); ++i) {
     const OffloadHandle h = handles[i];
+    BLOCKKV_RETURN_IF_ERROR(CheckStore(h, StrCat(what, ": handles[", i, "]")));
     if (!IsLive(h)) {
       return NotFoundError(StrCat(what, ": handles[", i, "] (index ", h.index, ", generation ",
                                   h.generation, ") is not a live handle of this store"));

@@ -303,8 +303,9 @@ Result<std::vector<std::byte>> StateManager::SaveSnapshot() const {
 
 Status StateManager::SaveSnapshot(const std::string& path) const {
   using internal::SnapshotCodec;
-  BLOCKKV_ASSIGN_OR_RETURN(SnapshotCodec::SavePlan plan, SnapshotCodec::Plan(*this));
   const std::string tmp = path + ".tmp";
+  ::unlink(tmp.c_str());  // a save killed part-way (kill -9) left it; none is in progress now
+  BLOCKKV_ASSIGN_OR_RETURN(SnapshotCodec::SavePlan plan, SnapshotCodec::Plan(*this));
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return internal::IoError("SaveSnapshot: creating", tmp, errno, /*reading=*/false);
   Status s = SnapshotCodec::Write(
@@ -324,6 +325,7 @@ Status StateManager::SaveSnapshot(const std::string& path) const {
 }
 
 Status StateManager::LoadSnapshot(const std::string& path) {
+  ::unlink((path + ".tmp").c_str());  // a stale one of a save killed part-way (as SaveSnapshot)
   std::vector<std::byte> bytes;
   BLOCKKV_RETURN_IF_ERROR(internal::ReadFile(path, &bytes));
   const Status s = LoadSnapshot(bytes);

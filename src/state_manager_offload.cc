@@ -20,6 +20,18 @@ void StateManager::PoolOwner::Release(int group, std::span<const BlockId> blocks
   BLOCKKV_CHECK(released.ok(), "the offload store gave back a block it held no reference to");
 }
 
+Status StateManager::PoolOwner::Adopt(int group, std::span<const BlockId> blocks,
+                                      std::span<const int32_t> store_holds) {
+  const BlockPool& pool = (*pools_)[group];
+  for (const BlockId b : blocks) {
+    if (pool.ref_count(b) <= store_holds[b]) {
+      return FailedPreconditionError(StrCat("Offload: block ", b, " of group ", group, " has ",
+                                            pool.ref_count(b), " references, all the store's"));
+    }
+  }
+  return Status::Ok();
+}
+
 Status StateManager::EnableOffload() {
   pool_owner_ = std::make_unique<PoolOwner>(&pools_);
   Result<std::unique_ptr<OffloadStore>> store =
@@ -100,7 +112,9 @@ Result<OffloadTicket> StateManager::PreemptSequence(SeqId uid) {
     Result<OffloadTicket> copied =
         offload_->Offload(held, g, std::span(parked.handles).subspan(first), tiers[g]);
     BLOCKKV_CHECK(copied.ok(), "PreemptSequence: an offload that was checked failed");
-    ticket = OffloadTicket::Join(ticket, *copied);
+    Result<OffloadTicket> joined = OffloadTicket::Join(ticket, *copied);
+    BLOCKKV_CHECK(joined.ok(), "PreemptSequence: tickets of one store did not join");
+    ticket = *joined;
     // The store holds the sequence's references now.
     std::fill(held.begin(), held.end(), kNoBlock);
   }
@@ -127,18 +141,27 @@ Result<OffloadTicket> StateManager::ResumeSequence(SeqId uid) {
     return FailedPreconditionError(StrCat("ResumeSequence: sequence ", uid, " is not preempted"));
   }
   Parked& parked = parked_[seq->slot_];
+  // Fresh blocks are needed only for handles on the host or disk: a handle whose offload failed
+  // (the disk full) still holds its device block and comes back without a copy. (Counted from
+  // what the store has applied so far, before Restore applies the copies done since.)
+  size_t next = 0;
   for (int g = 0; g < num_groups(); ++g) {
-    if (pools_[g].free_blocks() < parked.counts[g]) {
-      return ResourceExhaustedError(StrCat("ResumeSequence: sequence ", uid, " needs ",
-                                           parked.counts[g], " blocks of group ", g, ", ",
-                                           pools_[g].free_blocks(), " are free"));
+    int32_t need = 0;
+    for (int32_t i = 0; i < parked.counts[g]; ++i) {
+      const Result<Tier> where = offload_->tier(parked.handles[next++]);
+      need += static_cast<int32_t>(!where.ok() || *where != Tier::kDevice);
+    }
+    if (pools_[g].free_blocks() < need) {
+      return ResourceExhaustedError(StrCat("ResumeSequence: sequence ", uid, " needs ", need,
+                                           " blocks of group ", g, ", ", pools_[g].free_blocks(),
+                                           " are free"));
     }
   }
   std::vector<BlockId>& blocks = tail_scratch_;
   blocks.resize(parked.handles.size());
   Result<OffloadTicket> copied = offload_->Restore(parked.handles, OffloadStore::kAnyGroup, blocks);
   if (!copied.ok()) return copied.status();  // nothing changed
-  size_t next = 0;
+  next = 0;
   for (int g = 0; g < num_groups(); ++g) {
     const std::span<BlockId> held = seq->groups_[g].held();
     std::copy_n(blocks.begin() + static_cast<std::ptrdiff_t>(next), held.size(), held.begin());

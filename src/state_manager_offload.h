@@ -19,6 +19,10 @@ class StateManager::PoolOwner final : public OffloadStore::BlockOwner {
     return (*pools_)[group].Take(static_cast<int32_t>(out.size()), out);
   }
   void Release(int group, std::span<const BlockId> blocks) override;
+  // The caller holds a reference beyond the store's: pools count one per holder.
+  Status Adopt(int group, std::span<const BlockId> blocks,
+               std::span<const int32_t> store_holds) override;
+  void GiveBack(int /*group*/, std::span<const BlockId> /*blocks*/) override {}  // references move
 
  private:
   std::vector<BlockPool>* pools_;

@@ -70,7 +70,9 @@ class BlockedKVCache {
   // `n` free blocks of `group`, as BlockedAllocator::Allocate. A bad group is kOutOfRange.
   Result<std::vector<BlockId>> Reserve(int32_t n, int group = 0);
   Status Reserve(int32_t n, std::span<BlockId> out, int group = 0);
-  // Returns blocks of `group`, as BlockedAllocator::Free. A bad group is kOutOfRange.
+  // Returns blocks of `group`, as BlockedAllocator::Free. A bad group is kOutOfRange; a block an
+  // OffloadStore holds (its offload in flight, or kept by one that failed) is
+  // kFailedPrecondition: the store gives it back itself. Nothing is freed on failure.
   Status Free(std::span<const BlockId> blocks, int group = 0);
 
   // Copies the contents of block src[i] to block dst[i] in every layer of `group` (a fork's
@@ -103,7 +105,12 @@ class BlockedKVCache {
     KVCacheConfig config;
     BlockedAllocator allocator;
     DeviceBuffer storage;  // [num_caches, num_blocks, block_size, 2, num_kv_heads, head_size]
+    // [num_blocks] once an OffloadStore lent a block (empty before): 1 while a store holds the
+    // reserved block, which Free then refuses.
+    std::vector<uint8_t> lent;
   };
+  // An OffloadStore over this cache with the default owner marks the blocks it takes over.
+  friend class OffloadStore;
 
   BlockedKVCache(std::shared_ptr<Device> device, KVCachePlan plan, std::vector<Group> groups);
   // One buffer and allocator per group, as planned; on failure what was allocated is freed.

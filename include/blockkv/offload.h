@@ -68,8 +68,11 @@ class BlockFile {
   virtual Status Read(int64_t offset, std::span<std::byte> data) = 0;
 };
 using BlockFileOpener = std::function<Result<std::unique_ptr<BlockFile>>(const std::string& path)>;
-// Creates (or truncates) `path`, mode 0600; a regular file is removed when the BlockFile is
-// destroyed (a device node such as /dev/full is left alone).
+// Creates (or truncates) `path`, mode 0600, and probes it: a page written at offset 0 must read
+// back the same, so a file that loses what is written (/dev/null, /dev/zero) is
+// kInvalidArgument and one that cannot be written (/dev/full: kResourceExhausted) the write's
+// error, each naming the path, here rather than at the first restore. A regular file is removed
+// when the BlockFile is destroyed (a device node such as /dev/full is left alone).
 Result<std::unique_ptr<BlockFile>> OpenPosixBlockFile(const std::string& path);
 
 struct OffloadConfig {
@@ -81,16 +84,23 @@ struct OffloadConfig {
   std::string disk_path{};
   int64_t disk_bytes = 0;
   int32_t disk_blocks = 0;
-  BlockFileOpener open_file{};  // empty: OpenPosixBlockFile
+  BlockFileOpener open_file{};  // empty: OpenPosixBlockFile (another opener's file is not probed)
 
   // Sizes >= 0, at least one host block, disk sizes only with a path. kInvalidArgument names
   // the field.
   Status Validate() const;
 };
 
+// One offloaded block. `store` is the id of the store that made it (OffloadStore::id(), never
+// 0): a handle of another store is kInvalidArgument wherever a handle is taken, and changes
+// nothing. A handle rebuilt from index and generation alone (store 0: the Python module's packed
+// int64 carries only those) is known by its generation, which every store of the process draws
+// from one counter: another store's handle then matches no live handle (kNotFound) unless 2^32
+// handles were made since.
 struct OffloadHandle {
   int32_t index = -1;
   uint32_t generation = 0;
+  uint32_t store = 0;
   friend bool operator==(const OffloadHandle&, const OffloadHandle&) = default;
 };
 
@@ -118,8 +128,8 @@ class OffloadTicket {
   Status Wait();
   // One ticket for both: done when both are, failed when either failed. When they come from one
   // store it covers every copy submitted from the first to the last of them, so join tickets of
-  // consecutive calls. REQUIRES: both from the same store, or either empty.
-  static OffloadTicket Join(const OffloadTicket& a, const OffloadTicket& b);
+  // consecutive calls. Tickets of two stores are kInvalidArgument (an empty one joins any).
+  static Result<OffloadTicket> Join(const OffloadTicket& a, const OffloadTicket& b);
 
  private:
   friend class OffloadStore;
@@ -138,7 +148,17 @@ class OffloadStore {
     virtual ~BlockOwner() = default;
     // out.size() fresh blocks of `group`, all or nothing (kResourceExhausted).
     virtual Status Take(int group, std::span<BlockId> out) = 0;
+    // Gives back blocks the store held (its references: an offload's sources once copied).
     virtual void Release(int group, std::span<const BlockId> blocks) = 0;
+    // Offload takes over the caller's hold on `blocks` (distinct ids in range): each must be held
+    // by the caller beyond the `store_holds[b]` references the store holds already (one per
+    // handle on it). kFailedPrecondition naming the first that is not (free, or held only by the
+    // store), and nothing changes; otherwise the owner records the hand-over.
+    virtual Status Adopt(int group, std::span<const BlockId> blocks,
+                         std::span<const int32_t> store_holds) = 0;
+    // The store hands blocks it held back to the caller without a copy (a Restore of handles
+    // whose offload failed): the reverse of Adopt.
+    virtual void GiveBack(int group, std::span<const BlockId> blocks) = 0;
   };
 
   // A store for the blocks of `cache`, with `owner` (nullptr: the cache's Reserve / Free) giving
@@ -157,14 +177,16 @@ class OffloadStore {
   // store owns the blocks from now on and gives them back to their owner when the copy is done.
   // kOutOfRange (bad group or id), kInvalidArgument (a repeated id, out too short, tier kDevice
   // or kDisk without a disk tier), kResourceExhausted (too few free slots in the tier, naming
-  // both numbers); nothing changes on failure.
+  // both numbers), kFailedPrecondition (a block the caller does not hold: never reserved, freed,
+  // or already the store's because an offload of it is in flight or failed and kept it);
+  // nothing changes on failure.
   Result<OffloadTicket> Offload(std::span<const BlockId> blocks, int group,
                                 std::span<OffloadHandle> out, Tier tier = Tier::kHost);
   // New device blocks for `handles` into out[0, n), each of its handle's cache group (a handle
   // whose offload failed gives back its own block at once), copied from wherever each handle is
   // in one job: the handles are released when it succeeds, and all kept when it fails. `group`
   // is the group every handle must belong to, or kAnyGroup. kNotFound (a stale or unknown
-  // handle), kInvalidArgument (a handle of another group, a repeated one, out too short),
+  // handle), kInvalidArgument (a handle of another store or group, a repeated one, out too short),
   // kResourceExhausted (the owner has too few blocks); nothing changes on failure.
   static constexpr int kAnyGroup = -1;
   Result<OffloadTicket> Restore(std::span<const OffloadHandle> handles, int group,
@@ -175,10 +197,10 @@ class OffloadStore {
   Result<OffloadTicket> Spill(std::span<const OffloadHandle> handles);
   // Synchronous copies on the calling thread, for the prefix cache's host level: device block
   // `block` of `group` (which stays the caller's) into a new host handle; and a host handle's
-  // bytes into device block `block` of its group (the handle stays). Neither may touch a block
-  // with a copy in flight (REQUIRES: !busy). kOutOfRange (bad group or id), kResourceExhausted
-  // (no free host slot), kNotFound (a stale handle), kFailedPrecondition (a handle not on the
-  // host); a device error is kInternal and changes nothing.
+  // bytes into device block `block` of its group (the handle stays). kOutOfRange (bad group or
+  // id), kResourceExhausted (no free host slot), kNotFound (a stale handle), kFailedPrecondition
+  // (a handle not on the host, a block with a copy in flight (busy), or, for CopyToDevice, a
+  // block the store holds); a device error is kInternal and changes nothing.
   Result<OffloadHandle> CopyToHost(int group, BlockId block);
   Status CopyToDevice(OffloadHandle handle, BlockId block);
   // (These two and Drop do not reap finished copies unless they wait for a handle's, so they
@@ -187,7 +209,8 @@ class OffloadStore {
   // kept device block goes back to its owner. kNotFound for a stale handle (nothing dropped).
   Status Drop(std::span<const OffloadHandle> handles);
 
-  // Where `handle`'s bytes are now; kNotFound when it is stale.
+  // Where `handle`'s bytes are now; kNotFound when it is stale, kInvalidArgument when it is
+  // another store's.
   Result<Tier> tier(OffloadHandle handle) const;
   // True while a copy in flight reads or writes device block `block` of `group`.
   bool busy(int group, BlockId block) const;
@@ -199,6 +222,8 @@ class OffloadStore {
   int32_t free_host_blocks(int group) const;  // REQUIRES: a valid group
   int32_t free_disk_blocks(int group) const;  // REQUIRES: a valid group
   int64_t live_handles() const;
+  // This store's id, unique among the stores of the process (OffloadHandle::store).
+  uint32_t id() const;
   const OffloadStats& stats() const;
   int num_groups() const;
   int64_t block_bytes(int group) const;  // bytes of one block of `group`, every layer
@@ -216,6 +241,10 @@ class OffloadStore {
   struct Impl;
   friend class OffloadTicket;
   explicit OffloadStore(std::unique_ptr<Impl> impl);
+  // The default owner's hand-over marks (BlockedKVCache::Group::lent), which the cache's Free
+  // checks: Lend checks that every block is reserved and not lent, then marks them all.
+  static Status LendFromCache(BlockedKVCache& cache, int group, std::span<const BlockId> blocks);
+  static void ReturnToCache(BlockedKVCache& cache, int group, std::span<const BlockId> blocks);
   bool PollJob(uint64_t last);
   Status WaitJob(uint64_t first, uint64_t last);
 

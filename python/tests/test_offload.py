@@ -204,22 +204,43 @@ def test_a_corrupt_disk_slot_is_a_runtime_error_and_keeps_the_handles(tmp_path):
     assert same(contents(views, restored), expected)
 
 
-@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-def test_disk_full_keeps_the_device_blocks():
-    cache = offload_cache(num_blocks=4, host_blocks=1, disk_path="/dev/full", disk_blocks=2)
-    views = layers(cache)
-    blocks = cache.reserve(2)
-    expected = fill(views, blocks, seed=8)
-    handles, ticket = cache.offload(blocks, tier="disk")
-    with pytest.raises(blockkv.ResourceExhaustedError):  # ENOSPC is kResourceExhausted
+@pytest.mark.parametrize("path,error", [("/dev/null", ValueError), ("/dev/zero", ValueError),
+                                        ("/dev/full", blockkv.ResourceExhaustedError)])
+def test_a_disk_tier_that_does_not_read_back_is_refused_when_it_opens(path, error):
+    """/dev/null used to accept offloads and free the device blocks; the loss showed at restore."""
+    if not os.path.exists(path):
+        pytest.skip(f"needs {path}")
+    with pytest.raises(error, match=path):
+        offload_cache(num_blocks=4, host_blocks=1, disk_path=path, disk_blocks=2)
+    assert os.path.exists(path)  # a device node is never removed
+
+
+def test_a_handle_of_another_cache_is_a_value_error_that_changes_nothing():
+    a = offload_cache(num_blocks=4, host_blocks=2)
+    b = offload_cache(num_blocks=4, host_blocks=2)
+    expected = []
+    handles = []
+    for cache, seed in ((a, 13), (b, 14)):
+        blocks = cache.reserve(1)
+        expected.append(fill(layers(cache), blocks, seed=seed))
+        h, ticket = cache.offload(blocks)
         ticket.wait()
-    assert [cache.handle_tier(h) for h in handles] == ["device", "device"]
-    assert cache.free_blocks == [2]  # the store still holds them
-    restored, ticket = cache.restore(handles)  # hands the same blocks back, no copy
-    ticket.wait()
-    assert sorted(restored.tolist()) == sorted(blocks.tolist())
-    assert same(contents(views, blocks), expected)
-    assert os.path.exists("/dev/full")  # a device node is never removed
+        handles.append(h)
+    # Same history, so a's handle has an index that is live in b: it must not restore b's block.
+    assert handles[0][0] & 0xFFFFFFFF == handles[1][0] & 0xFFFFFFFF
+    before = (b.free_blocks, b.free_host_blocks(), b.offload_stats())
+    with pytest.raises(ValueError, match="not a live handle of this store"):
+        b.restore(handles[0])
+    with pytest.raises(ValueError):
+        b.drop(handles[0])
+    with pytest.raises(ValueError):
+        b.handle_tier(int(handles[0][0]))
+    assert (b.free_blocks, b.free_host_blocks(), b.offload_stats()) == before
+    for cache, h, want in ((a, handles[0], expected[0]), (b, handles[1], expected[1])):
+        restored, ticket = cache.restore(h)
+        ticket.wait()
+        assert same(contents(layers(cache), restored), want)
+        cache.check_invariants()
 
 
 def test_offload_errors_change_nothing():
@@ -269,6 +290,34 @@ def test_offload_errors_change_nothing():
     restored, ticket = cache.restore(handles[1:])
     ticket.wait()
     assert same(contents(views, restored), [e[1:2] for e in expected])
+    cache.check_invariants()
+
+
+def test_misused_blocks_are_value_errors_that_change_nothing():
+    """Each of these aborted the interpreter ("check failed at src/offload.cc:59: block 0 is
+    already free"); now each is a ValueError before anything changes."""
+    cache = offload_cache(num_blocks=4, host_blocks=4)
+    views = layers(cache)
+    with pytest.raises(ValueError, match="block 0 of group 0 is free"):  # never reserved
+        cache.offload([0])
+    assert cache.free_blocks == [4] and cache.free_host_blocks() == 4
+    assert cache.offload_stats()["live_handles"] == 0
+    blocks = cache.reserve(2)
+    expected = fill(views, blocks, seed=12)
+    handles, ticket = cache.offload(blocks)
+    # The store holds the blocks until the copy is reaped: free is refused meanwhile.
+    with pytest.raises(ValueError, match="held by an offload store"):
+        cache.free(blocks)
+    # Offloading them again while the first copy runs (or once it freed them) is refused too.
+    with pytest.raises(ValueError, match=f"block {blocks[0]} of group 0"):
+        cache.offload(blocks)
+    assert cache.offload_stats()["live_handles"] == 2 and cache.free_host_blocks() == 2
+    ticket.wait()
+    assert cache.free_blocks == [4]
+    cache.check_invariants()
+    restored, ticket = cache.restore(handles)
+    ticket.wait()
+    assert same(contents(views, restored), expected)
     cache.check_invariants()
 
 

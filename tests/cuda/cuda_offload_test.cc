@@ -196,22 +196,41 @@ TEST(CudaOffloadTest, ManyTicketsInFlightRoundTrip) {
   Result<OffloadTicket> second =
       env.store->Restore(std::span(handles).last(8), 0, std::span(out).last(8));
   ASSERT_TRUE(second.ok()) << second.status();
-  ASSERT_TRUE(OffloadTicket::Join(*first, *second).Wait().ok());
+  ASSERT_TRUE(OffloadTicket::Join(*first, *second)->Wait().ok());
   for (size_t i = 0; i < 16; ++i) {
     EXPECT_TRUE(ReadBlock(*env.cache, 0, out[i]) == want[i]) << "block " << i;
   }
   EXPECT_TRUE(env.store->CheckInvariants().ok());
 }
 
-// pwrite to /dev/full fails with ENOSPC: the offload fails, the device blocks stay as they were,
-// and the restore hands the same blocks back.
+// A disk tier that passed its probe when it opened and then fills up: every write is ENOSPC.
+class FullDisk final : public BlockFile {
+ public:
+  explicit FullDisk(std::unique_ptr<BlockFile> file) : file_(std::move(file)) {}
+  Status Write(int64_t /*offset*/, std::span<const std::byte> /*data*/) override {
+    return ResourceExhaustedError("injected: No space left on device (errno 28)");
+  }
+  Status Read(int64_t offset, std::span<std::byte> data) override {
+    return file_->Read(offset, data);
+  }
+
+ private:
+  std::unique_ptr<BlockFile> file_;
+};
+
+// The disk full: the offload fails, the device blocks stay as they were, and the restore hands
+// the same blocks back. (/dev/full itself is refused when the store opens: its probe write fails.)
 TEST(CudaOffloadTest, DiskFullKeepsTheDeviceBlocks) {
   BLOCKKV_SKIP_WITHOUT_GPU();
-  Result<std::unique_ptr<BlockFile>> probe = OpenPosixBlockFile("/dev/full");
-  if (!probe.ok()) GTEST_SKIP() << "cannot open /dev/full here: " << probe.status();
-  probe->reset();
   std::mt19937 rng(5);
-  Env env = MakeEnv({GroupA()}, {.host_blocks = 2, .disk_path = "/dev/full", .disk_blocks = 4});
+  const BlockFileOpener full = [](const std::string& path) -> Result<std::unique_ptr<BlockFile>> {
+    Result<std::unique_ptr<BlockFile>> file = OpenPosixBlockFile(path);
+    if (!file.ok()) return file.status();
+    return std::unique_ptr<BlockFile>(std::make_unique<FullDisk>(std::move(*file)));
+  };
+  Env env = MakeEnv(
+      {GroupA()},
+      {.host_blocks = 2, .disk_path = TempPath("full"), .disk_blocks = 4, .open_file = full});
   ASSERT_NE(env.store, nullptr);
   Result<std::vector<BlockId>> blocks = env.cache->Reserve(3);
   ASSERT_TRUE(blocks.ok());

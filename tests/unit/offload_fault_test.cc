@@ -1,5 +1,5 @@
 // OffloadStore with a failing disk tier: nothing is ever lost. Writes that fail (ENOSPC, a write
-// cut short part-way, a real /dev/full) keep the device blocks, and a Restore hands the same
+// cut short part-way) keep the device blocks, and a Restore hands the same
 // blocks back with their bytes; a failed spill keeps the handle on the host; reads that come back
 // corrupt (a flipped byte, a short read, a file cut short or changed behind the store's back) are
 // kDataLoss naming the handle and slot, never wrong KV, and keep the handles.
@@ -246,38 +246,36 @@ TEST_F(OffloadFaultTest, ASpillThatFailsKeepsTheHandleOnTheHost) {
   ExpectRestoredExactly();
 }
 
-// pwrite to /dev/full fails with ENOSPC: the real error path of the POSIX file, end to end.
-TEST_F(OffloadFaultTest, DevFullIsResourceExhaustedAndLosesNothing) {
-  Result<std::unique_ptr<BlockFile>> probe = OpenPosixBlockFile("/dev/full");
-  if (!probe.ok()) GTEST_SKIP() << "cannot open /dev/full here: " << probe.status();
-  const std::byte one{1};
-  const Status probe_write = (*probe)->Write(0, std::span(&one, 1));
-  probe->reset();
-  if (probe_write.code() != StatusCode::kResourceExhausted) {
-    GTEST_SKIP() << "a write to /dev/full gave " << probe_write << ", not ENOSPC";
+// A file that does not keep what is written to it is refused when the tier opens, naming it:
+// before, /dev/null accepted offloads and freed the device blocks, and the loss showed only at
+// restore. /dev/full's probe write fails with ENOSPC; /dev/null reads back nothing, /dev/zero
+// zeros. Device nodes are left in place.
+TEST(DiskTierProbeTest, AFileThatDoesNotReadBackIsRefusedWhenTheTierOpens) {
+  struct Case {
+    const char* path;
+    StatusCode code;
+    const char* why;
+  };
+  for (const Case& c : {Case{"/dev/null", StatusCode::kInvalidArgument, "does not read back"},
+                        Case{"/dev/zero", StatusCode::kInvalidArgument, "does not read back"},
+                        Case{"/dev/full", StatusCode::kResourceExhausted, "errno 28"}}) {
+    struct stat st {};
+    if (::stat(c.path, &st) != 0 || !S_ISCHR(st.st_mode)) continue;
+    const Result<std::unique_ptr<BlockFile>> file = OpenPosixBlockFile(c.path);
+    if (file.status().code() == StatusCode::kUnavailable) continue;  // cannot be opened here
+    EXPECT_CODE(file, c.code) << c.path;
+    EXPECT_THAT(file.status().message(), AllOf(HasSubstr(c.path), HasSubstr(c.why)));
+    // Through the store: Create fails the same way and the cache is as it was.
+    auto cache = blockkv_test::MakeCache({blockkv_test::SmallGroup()}, kBlocks);
+    ASSERT_NE(cache, nullptr);
+    const Result<std::unique_ptr<OffloadStore>> store = OffloadStore::Create(
+        cache.get(), {.host_blocks = 4, .disk_path = c.path, .disk_blocks = 4});
+    EXPECT_CODE(store, c.code) << c.path;
+    EXPECT_THAT(store.status().message(), HasSubstr(c.path));
+    EXPECT_EQ(cache->free_blocks()[0], kBlocks);
+    ASSERT_EQ(::stat(c.path, &st), 0) << c.path << " was removed: " << std::strerror(errno);
+    EXPECT_TRUE(S_ISCHR(st.st_mode));
   }
-  Open({.host_blocks = 4,
-        .disk_path = "/dev/full",
-        .disk_blocks = 4,
-        .open_file = OpenPosixBlockFile});
-  Fill(2);
-  const Status s = OffloadAll(Tier::kDisk);
-  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s;
-  EXPECT_THAT(s.message(), AllOf(HasSubstr("/dev/full"), HasSubstr("errno 28")));
-  ExpectKeptOnDevice();
-  ExpectRestoredInPlace();
-  // A spill there fails the same way and keeps the handle on the host.
-  Fill(1);
-  ASSERT_OK(OffloadAll(Tier::kHost));
-  Result<OffloadTicket> spill = store_->Spill(handles_);
-  ASSERT_OK(spill);
-  EXPECT_CODE(spill->Wait(), StatusCode::kResourceExhausted);
-  EXPECT_EQ(*store_->tier(handles_[0]), Tier::kHost);
-  ExpectRestoredExactly();
-  store_.reset();
-  struct stat st {};
-  ASSERT_EQ(::stat("/dev/full", &st), 0) << "the store removed /dev/full: " << std::strerror(errno);
-  EXPECT_TRUE(S_ISCHR(st.st_mode));
 }
 
 // The POSIX file removes a regular file it made, and nothing else (regression: its destructor
@@ -294,8 +292,11 @@ TEST(PosixBlockFileTest, RemovesOnlyARegularFile) {
   const std::string fifo = dir.File("fifo");
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
   {
+    // A fifo cannot hold blocks (pwrite: ESPIPE): its probe fails and the file it opened is
+    // destroyed, which must not remove the fifo.
     Result<std::unique_ptr<BlockFile>> file = OpenPosixBlockFile(fifo);
-    ASSERT_OK(file);
+    EXPECT_CODE(file, StatusCode::kUnavailable);
+    EXPECT_THAT(file.status().message(), HasSubstr(fifo));
   }
   EXPECT_EQ(::access(fifo.c_str(), F_OK), 0) << "the fifo was removed";
 }

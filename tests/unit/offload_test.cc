@@ -497,7 +497,7 @@ TEST(OffloadTicketTest, AJoinedTicketIsDoneWhenBothAreAndFailsWhenEitherFails) {
   ASSERT_OK(ta);
   Result<OffloadTicket> tb = env->store->Offload(b.blocks, 0, hb);
   ASSERT_OK(tb);
-  OffloadTicket joined = OffloadTicket::Join(*tb, *ta);
+  OffloadTicket joined = *OffloadTicket::Join(*tb, *ta);
   EXPECT_FALSE(joined.Poll());
   // The store holds the sources of both offloads while they are in flight.
   std::vector<BlockId> held = env->store->held_blocks(0);
@@ -515,8 +515,8 @@ TEST(OffloadTicketTest, AJoinedTicketIsDoneWhenBothAreAndFailsWhenEitherFails) {
   std::sort(held.begin(), held.end());
   EXPECT_EQ(held, (std::vector<BlockId>{std::min(a.blocks[0], a.blocks[1]),
                                         std::max(a.blocks[0], a.blocks[1])}));
-  EXPECT_OK(OffloadTicket::Join(OffloadTicket(), *tb).Wait());
-  EXPECT_CODE(OffloadTicket::Join(*ta, OffloadTicket()).Wait(), StatusCode::kResourceExhausted);
+  EXPECT_OK(OffloadTicket::Join(OffloadTicket(), *tb)->Wait());
+  EXPECT_CODE(OffloadTicket::Join(*ta, OffloadTicket())->Wait(), StatusCode::kResourceExhausted);
   env->ExpectConsistent();
 }
 

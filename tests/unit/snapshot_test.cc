@@ -415,6 +415,48 @@ TEST_F(SnapshotFileTest, SaveWritesTheInMemoryBytesAtomicallyAndLoadReadsThem) {
   EXPECT_EQ(Dump(*b), Dump(*a));
 }
 
+// A save killed part-way (kill -9) leaves path.tmp, as large as the snapshot. The next load or
+// save of the path removes it, even one that then fails.
+TEST_F(SnapshotFileTest, AStaleTmpOfAKilledSaveIsRemovedWhenASaveOrLoadStarts) {
+  const std::string path = dir_ + "/a.snap";
+  const std::string tmp = path + ".tmp";
+  auto a = RandomState(24, 50);
+  ASSERT_OK(a->SaveSnapshot(path));
+  const Bytes saved = ReadAll(path);
+  const auto leave_stale = [&] {
+    std::ofstream(tmp, std::ios::binary) << std::string(saved.size() / 2, 'x');
+    ASSERT_TRUE(Exists(tmp));
+  };
+  leave_stale();
+  auto b = MakeSnapshotManager();
+  ASSERT_OK(b->LoadSnapshot(path));
+  EXPECT_FALSE(Exists(tmp));
+  EXPECT_EQ(Dump(*b), Dump(*a));
+  leave_stale();
+  ASSERT_OK(a->SaveSnapshot(path));
+  EXPECT_FALSE(Exists(tmp));
+  EXPECT_EQ(ReadAll(path), saved);
+  // A save refused before it writes (tokens in flight) still removes it, and keeps the snapshot.
+  leave_stale();
+  auto c = MakeSnapshotManager();
+  const std::vector<TokenId> prompt = {1, 2, 3, 4, 5};
+  ASSERT_OK(c->AddSequence(42, prompt));
+  const SeqId uids[] = {42};
+  const int64_t lengths[] = {5};
+  ASSERT_OK(c->Schedule(uids, lengths));
+  EXPECT_CODE(c->SaveSnapshot(path), StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(Exists(tmp));
+  EXPECT_EQ(ReadAll(path), saved);
+  // And a load that fails (of a missing file) too.
+  leave_stale();
+  EXPECT_CODE(MakeSnapshotManager()->LoadSnapshot(dir_ + "/missing.snap"), StatusCode::kNotFound);
+  EXPECT_TRUE(Exists(tmp));  // another path's tmp is left alone
+  const std::string missing_tmp = dir_ + "/missing.snap.tmp";
+  std::ofstream(missing_tmp) << "x";
+  EXPECT_CODE(MakeSnapshotManager()->LoadSnapshot(dir_ + "/missing.snap"), StatusCode::kNotFound);
+  EXPECT_FALSE(Exists(missing_tmp));
+}
+
 TEST_F(SnapshotFileTest, MissingFileIsNotFoundAndADirectoryIsInvalidArgument) {
   auto m = RandomState(22, 50);
   const std::string before = Dump(*m, /*exact=*/true);

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "blockkv/state_manager.h"
+#include "unit/offload_test_util.h"
 #include "unit/test_util.h"
 
 namespace blockkv {
@@ -283,11 +284,17 @@ TEST_F(PreemptTest, ACorruptDiskSlotFailsTheResumeAndKeepsTheSequencePreempted) 
 }
 
 TEST_F(PreemptTest, DiskFullKeepsTheDeviceBlocks) {
-  if (!std::filesystem::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
-  OffloadConfig offload{.host_blocks = 1, .disk_path = "/dev/full", .disk_blocks = 8};
-  auto mgr = StateManager::Create(Config(16, offload), {Group(3)}, CpuDevice(64 << 20));
-  if (!mgr.ok()) GTEST_SKIP() << "cannot open /dev/full: " << mgr.status();
-  mgr_ = std::move(*mgr);
+  blockkv_test::TempDir dir;
+  auto plan = std::make_shared<blockkv_test::FaultPlan>();
+  Make(16, {.host_blocks = 1,
+            .disk_path = dir.File("tier"),
+            .disk_blocks = 8,
+            .open_file = blockkv_test::FaultyOpener(plan)});
+  {
+    std::lock_guard lock(plan->mu);
+    plan->writes_ok = 0;  // the disk is full from now on
+    plan->failing_writes = 1 << 20;
+  }
   const auto before = Run(1, 8);
   Result<OffloadTicket> out = mgr_->PreemptSequence(1);
   ASSERT_TRUE(out.ok()) << out.status();
@@ -297,6 +304,72 @@ TEST_F(PreemptTest, DiskFullKeepsTheDeviceBlocks) {
   ASSERT_TRUE(mgr_->ResumeSequence(1)->Wait().ok());
   ExpectContents(1, before);
   ExpectInvariants();
+}
+
+// A preemption whose copy fails (the disk full) keeps the device blocks; a resume then takes them
+// back as they are, without a copy and without needing a free block, which is exactly the state
+// an engine preempts in (was: "needs 2 blocks of group 0, 0 are free", the sequence stuck).
+TEST_F(PreemptTest, AFailedPreemptionResumesWithoutACopyWhenNoBlockIsFree) {
+  blockkv_test::TempDir dir;
+  auto plan = std::make_shared<blockkv_test::FaultPlan>();
+  Make(8, {.host_blocks = 1,
+           .disk_path = dir.File("tier"),
+           .disk_blocks = 8,
+           .open_file = blockkv_test::FaultyOpener(plan)});
+  {
+    std::lock_guard lock(plan->mu);
+    plan->writes_ok = 0;  // every disk write fails with ENOSPC from now on
+    plan->failing_writes = 1 << 20;
+  }
+  const auto before = Run(1, 8);  // 2 blocks: more than the host tier's 1, so to the disk
+  const std::vector<BlockId> table(mgr_->GetSequence(1)->block_table(0).begin(),
+                                   mgr_->GetSequence(1)->block_table(0).end());
+  Result<OffloadTicket> out = mgr_->PreemptSequence(1);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->Wait().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(mgr_->free_blocks()[0], 6);  // kept
+  Run(2, 24);                            // another sequence takes every other block
+  ASSERT_EQ(mgr_->free_blocks()[0], 0);
+  const OffloadStats stats = mgr_->offload_store()->stats();
+
+  Result<OffloadTicket> in = mgr_->ResumeSequence(1);
+  ASSERT_TRUE(in.ok()) << in.status();
+  EXPECT_TRUE(in->Poll());  // nothing to copy
+  ASSERT_TRUE(in->Wait().ok());
+  const std::span<const BlockId> resumed = mgr_->GetSequence(1)->block_table(0);
+  EXPECT_EQ(std::vector<BlockId>(resumed.begin(), resumed.end()), table);  // the same blocks
+  ExpectContents(1, before);
+  EXPECT_EQ(mgr_->free_blocks()[0], 0);
+  EXPECT_EQ(mgr_->offload_store()->stats().bytes_read, stats.bytes_read);
+  EXPECT_EQ(mgr_->offload_store()->live_handles(), 0);
+  ExpectInvariants();
+  // It runs on: once a block is free, its next token is scheduled.
+  ASSERT_TRUE(mgr_->FlushSequence(2).ok());
+  const SeqId uids[] = {1};
+  const int64_t one[] = {1};
+  EXPECT_TRUE(mgr_->Schedule(uids, one).ok());
+  ExpectInvariants();
+}
+
+// When the copy is needed and no block is free, the resume is refused naming the counts, and the
+// sequence stays preempted with its handles.
+TEST_F(PreemptTest, AResumeThatNeedsBlocksIsRefusedAndChangesNothing) {
+  Make(8, {.host_blocks = 8});
+  const auto before = Run(1, 8);
+  ASSERT_TRUE(mgr_->PreemptSequence(1)->Wait().ok());
+  Run(2, 32);
+  ASSERT_EQ(mgr_->free_blocks()[0], 0);
+  const int64_t handles = mgr_->offload_store()->live_handles();
+  const Result<OffloadTicket> in = mgr_->ResumeSequence(1);
+  EXPECT_EQ(in.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(in.status().message().find("needs 2 blocks of group 0, 0 are free"), std::string::npos)
+      << in.status();
+  EXPECT_EQ(mgr_->offload_store()->live_handles(), handles);
+  EXPECT_EQ(mgr_->free_blocks()[0], 0);
+  ExpectInvariants();
+  ASSERT_TRUE(mgr_->FlushSequence(2).ok());
+  ASSERT_TRUE(mgr_->ResumeSequence(1)->Wait().ok());
+  ExpectContents(1, before);
 }
 
 // ---- the prefix cache's host level ----------------------------------------------------------
