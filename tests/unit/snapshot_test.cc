@@ -443,7 +443,7 @@ TEST_F(SnapshotFileTest, AStaleTmpOfAKilledSaveIsRemovedWhenASaveOrLoadStarts) {
   ASSERT_OK(c->AddSequence(42, prompt));
   const SeqId uids[] = {42};
   const int64_t lengths[] = {5};
-  ASSERT_OK(c->Schedule(uids, lengths));
+  ASSERT_OK(c->Schedule({.uids = uids, .lengths = lengths}));
   EXPECT_CODE(c->SaveSnapshot(path), StatusCode::kFailedPrecondition);
   EXPECT_FALSE(Exists(tmp));
   EXPECT_EQ(ReadAll(path), saved);

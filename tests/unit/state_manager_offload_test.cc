@@ -347,7 +347,7 @@ TEST_F(PreemptTest, AFailedPreemptionResumesWithoutACopyWhenNoBlockIsFree) {
   ASSERT_TRUE(mgr_->FlushSequence(2).ok());
   const SeqId uids[] = {1};
   const int64_t one[] = {1};
-  EXPECT_TRUE(mgr_->Schedule(uids, one).ok());
+  EXPECT_TRUE(mgr_->Schedule({.uids = uids, .lengths = one}).ok());
   ExpectInvariants();
 }
 
