@@ -38,8 +38,10 @@ void PrefixHostTier::OnEvict(int group, BlockId block) {
       return entries_[static_cast<size_t>(kv.second)].chain_id == b.chain_id;
     });
   }();
-  if (!known && (store_->free_host_blocks(group) > 0 || droppable(group) > 0)) {
-    MakeRoom(group, 1);
+  // Only into a free slot: replacing the least recently used entry copied a block only to throw
+  // another away, and preempted sequences take slots back from entries anyway (MakeRoom), so in a
+  // preemption-heavy run nearly every such copy was dropped unused (docs/prefix_cache.md).
+  if (!known && store_->free_host_blocks(group) > 0) {
     if (Result<OffloadHandle> handle = store_->CopyToHost(group, block); handle.ok()) {
       int32_t e;
       if (!free_.empty()) {

@@ -346,6 +346,10 @@ void Engine::RecordStep() {
   if (const OffloadStore* store = manager_->offload_store()) {
     stats_.offloaded_blocks = store->stats().offloaded_blocks;
     stats_.restored_blocks = store->stats().restored_blocks;
+    const StateManager::HostPrefixStats host = manager_->host_prefix_stats();
+    stats_.host_demoted = host.demoted;
+    stats_.host_promoted = host.promoted;
+    stats_.host_dropped = host.dropped;
   }
   if (const PrefixCache* cache = manager_->prefix_cache()) {
     const PrefixCacheStats total = cache->total_stats();

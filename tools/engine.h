@@ -75,6 +75,11 @@ struct EngineStats {
   // The offload store's own counts: every block it copied out and back, preemption included.
   int64_t offloaded_blocks = 0;
   int64_t restored_blocks = 0;
+  // The prefix cache's host level (StateManager::host_prefix_stats): evicted blocks copied to the
+  // host, copied back for a hit, and dropped unused.
+  int64_t host_demoted = 0;
+  int64_t host_promoted = 0;
+  int64_t host_dropped = 0;
   int64_t recomputations = 0;  // running requests flushed and queued again (no room on the host)
   int64_t deferred_steps = 0;  // steps at which a waiting request was not admitted
   int32_t num_blocks = 0;

@@ -134,6 +134,12 @@ std::string FormatSimulate(const SimulateReport& report, const EngineOptions& en
         .Int(s.offloaded_blocks)
         .Key("host_tier_blocks_in")
         .Int(s.restored_blocks)
+        .Key("host_prefix_demoted")
+        .Int(s.host_demoted)
+        .Key("host_prefix_promoted")
+        .Int(s.host_promoted)
+        .Key("host_prefix_dropped")
+        .Int(s.host_dropped)
         .Key("recomputations")
         .Int(s.recomputations)
         .Key("host_blocks")
@@ -175,6 +181,8 @@ std::string FormatSimulate(const SimulateReport& report, const EngineOptions& en
       "admission deferred at %lld steps\n",
       ll(s.preemptions), engine.host_blocks, ll(s.preempted_blocks), ll(s.recomputations),
       ll(s.deferred_steps));
+  add("host prefix   %lld evicted blocks demoted to the host, %lld promoted back, %lld dropped\n",
+      ll(s.host_demoted), ll(s.host_promoted), ll(s.host_dropped));
   return text;
 }
 
