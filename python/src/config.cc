@@ -99,7 +99,7 @@ void SetValidated(Config& config, Change&& change) {
 template <class Config>
 auto Int32Setter(int32_t Config::*field, const char* name) {
   return [field, name](Config& c, py::handle v) {
-    const int32_t value = ToInt<int32_t>(v, name);
+    const auto value = ToInt<int32_t>(v, name);
     SetValidated(c, [&](Config& copy) { copy.*field = value; });
   };
 }
@@ -108,7 +108,7 @@ auto Int32Setter(int32_t Config::*field, const char* name) {
 template <class Config>
 auto Int64Setter(int64_t Config::*field, const char* name) {
   return [field, name](Config& c, py::handle v) {
-    const int64_t value = ToInt<int64_t>(v, name);
+    const auto value = ToInt<int64_t>(v, name);
     SetValidated(c, [&](Config& copy) { copy.*field = value; });
   };
 }

@@ -259,7 +259,7 @@ void AppendInts(py::handle obj, const char* what, std::vector<T>* out) {
   } else if (IsTorchTensor(obj)) {
     AppendTensor(obj, what, out);
   } else if (PyIndex_Check(p) && !PyBool_Check(p)) {  // a NumPy integer scalar
-    out->push_back(CheckedInt<T>(obj, what, kScalar));
+    out->push_back(ToInt<T>(obj, what));
   } else {  // ranges, array-likes, ...; a bool, a float or a str fails the dtype check
     AppendArray(py::array(py::module_::import("numpy").attr("asarray")(obj)), what, out, obj);
   }

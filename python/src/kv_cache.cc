@@ -119,13 +119,13 @@ using Cache = std::shared_ptr<PyCache>;
 
 Tier ToTier(py::handle obj) {
   if (!py::isinstance<py::str>(obj)) {
-    Throw(PyExc_TypeError, "tier must be \"host\" or \"disk\", got " +
+    Throw(PyExc_TypeError, R"(tier must be "host" or "disk", got )" +
                                std::string(py::str(py::type::of(obj).attr("__name__"))));
   }
   const auto name = obj.cast<std::string>();
   if (name == "host") return Tier::kHost;
   if (name == "disk") return Tier::kDisk;
-  Throw(PyExc_ValueError, "tier must be \"host\" or \"disk\", got " + std::string(py::repr(obj)));
+  Throw(PyExc_ValueError, R"(tier must be "host" or "disk", got )" + std::string(py::repr(obj)));
 }
 
 // A path: str, bytes or os.PathLike; None is no disk tier.
