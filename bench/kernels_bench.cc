@@ -8,6 +8,9 @@
 //                        sequence. Goal: paged ≥ 0.9× contiguous.
 //   BM_Memcpy            memcpy of the same K/V bytes the decode reads, on the same number of
 //                        threads. Goal: decode's bytes/s ≥ 0.7× memcpy's at context ≥ 4k.
+//   BM_DecodePageTable   BM_DecodePaged's call over a CsrPageTable of the same blocks (the
+//                        caller's own table; the RaggedBatch's arrays, qo_indptr 0..B) instead
+//                        of the RaggedBatch: the table path's checks against the batch path's.
 //   BM_AppendDecode      AppendKV of one token per sequence (for scale; a few rows per token).
 // Shape: B = 16, Hq = 32, Hkv = 8, D = 128, bf16, block size 16; args: context, threads.
 // bytes_per_second counts the K/V bytes read (B · context · Hkv · D · 2 planes · 2 bytes).
@@ -132,6 +135,28 @@ void BM_DecodePaged(benchmark::State& state) {
   SetCounters(state, context);
 }
 
+void BM_DecodePageTable(benchmark::State& state) {
+  const int64_t context = state.range(0);
+  DecodeSetup setup(context);
+  Activations act;
+  std::vector<int32_t> qo_indptr(kBatch + 1);
+  for (int32_t i = 0; i <= kBatch; ++i) qo_indptr[static_cast<size_t>(i)] = i;
+  const blockkv::CsrPageTable table{
+      .qo_indptr = qo_indptr.data(),
+      .kv_indptr = static_cast<const int32_t*>(setup.batch->kv_indptr()->data),
+      .kv_indices = static_cast<const int32_t*>(setup.batch->kv_indices()->data),
+      .kv_last_page_len = static_cast<const int32_t*>(setup.batch->kv_last_page_len()->data),
+      .num_seqs = kBatch};
+  blockkv::AttentionOptions options;
+  options.num_threads = static_cast<int>(state.range(1));
+  for (auto _ : state) {
+    Check(blockkv::PagedAttention(act.View(act.q), setup.cache, table, act.View(act.out), options),
+          "PagedAttention (page table)");
+    benchmark::ClobberMemory();
+  }
+  SetCounters(state, context);
+}
+
 void BM_DecodeContiguous(benchmark::State& state) {
   const int64_t context = state.range(0);
   // K: [B, context, Hkv, D], V likewise, right after it.
@@ -152,22 +177,23 @@ void BM_DecodeContiguous(benchmark::State& state) {
     indptr[static_cast<size_t>(i) + 1] = i + 1;
     indices[static_cast<size_t>(i)] = i;
   }
-  const blockkv::internal::PagedKV view{.data = kv.get(),
-                                        .block_stride = context * kKVHeads * kHeadSize,
-                                        .token_stride = kKVHeads * kHeadSize,
-                                        .plane_stride = plane,
-                                        .head_stride = kHeadSize,
-                                        .num_blocks = kBatch,
-                                        .block_size = static_cast<int32_t>(context),
-                                        .num_kv_heads = kKVHeads,
-                                        .head_size = kHeadSize,
-                                        .dtype = DType::kBFloat16,
-                                        .kv_scale = 1.0f,
-                                        .descriptors = descriptors.data(),
-                                        .kv_indptr = indptr.data(),
-                                        .kv_indices = indices.data(),
-                                        .num_seqs = kBatch,
-                                        .num_tokens = kBatch};
+  blockkv::internal::PagedKV view{.data = kv.get(),
+                                  .block_stride = context * kKVHeads * kHeadSize,
+                                  .token_stride = kKVHeads * kHeadSize,
+                                  .plane_stride = plane,
+                                  .head_stride = kHeadSize,
+                                  .num_blocks = kBatch,
+                                  .block_size = static_cast<int32_t>(context),
+                                  .num_kv_heads = kKVHeads,
+                                  .head_size = kHeadSize,
+                                  .dtype = DType::kBFloat16,
+                                  .kv_scale = 1.0f};
+  view.form = blockkv::internal::TableForm::kBatch;
+  view.descriptors = descriptors.data();
+  view.kv_indptr = indptr.data();
+  view.kv_indices = indices.data();
+  view.num_seqs = kBatch;
+  view.num_tokens = kBatch;
   Activations act;
   const blockkv::internal::Activations q{.data = act.q.data(),
                                          .token_stride = kQHeads * kHeadSize,
@@ -237,6 +263,7 @@ void Args(benchmark::internal::Benchmark* b) {
 }
 
 BENCHMARK(BM_DecodePaged)->Apply(Args);
+BENCHMARK(BM_DecodePageTable)->Apply(Args);
 BENCHMARK(BM_DecodeContiguous)->Apply(Args);
 BENCHMARK(BM_Memcpy)->Apply(Args);
 BENCHMARK(BM_AppendDecode)->Args({4096, 1})->Unit(benchmark::kMicrosecond)->UseRealTime();

@@ -2,10 +2,13 @@
 // touched; then the views of src/internal/paged_view.h go to the CPU backend (kernels_cpu.cc)
 // or the CUDA backend (cuda/kernels.cu).
 //
-// What a check reads: the batch's host arrays (descriptors and the CSR page table), whichever
-// side the tensors live on, so a CUDA call validates without a device round trip. The scan over
-// each sequence's needed table entries (kNoBlock, ids past the cache) is O(blocks in the batch),
-// small beside the attention itself.
+// Three ways in, one path: a RaggedBatch (its host arrays validate, its device mirror serves the
+// GPU; the cache must be a layer of the batch's own manager), or a page table of the caller's
+// (page_table.h), CSR or slot mapping, whose arrays live with the cache: read in place on the
+// host, copied to the host first (synchronously, on the call's stream) for a CUDA cache. Each
+// becomes a PagedKV; the checks below read it through its accessors, the same ones the backends
+// use. The scans are O(sequences + blocks read + tokens), small beside the attention itself; the
+// slot-uniqueness check of a table's AppendKV sorts the step's slots (O(T log T)).
 #include "blockkv/kernels.h"
 
 #include <cstddef>
@@ -16,8 +19,13 @@
 #include <iterator>
 #include <limits>
 #include <thread>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
+#include "blockkv/block_allocator.h"
+#include "blockkv/ragged_batch.h"
+#include "blockkv/state_manager.h"
 #include "internal/kernels_backend.h"
 #include "internal/paged_view.h"
 #include "internal/strings.h"
@@ -79,9 +87,14 @@ Status CheckCache(const TensorView& cache) {
     return InvalidArgumentError(
         StrCat("layer_cache's head_size dimension must be contiguous, stride ", cache.stride(4)));
   }
-  if (cache.shape[0] > std::numeric_limits<int32_t>::max() || cache.shape[1] < 1 ||
-      cache.shape[3] < 1 || cache.shape[1] > std::numeric_limits<int32_t>::max()) {
+  if (cache.shape[0] < 0 || cache.shape[0] > std::numeric_limits<int32_t>::max() ||
+      cache.shape[1] < 1 || cache.shape[3] < 1 ||
+      cache.shape[1] > std::numeric_limits<int32_t>::max()) {
     return InvalidArgumentError(StrCat("layer_cache shape ", Shape(cache), " is out of range"));
+  }
+  if (cache.shape[3] > internal::kMaxHeads) {
+    return InvalidArgumentError(StrCat("layer_cache's ", cache.shape[3],
+                                       " KV heads exceed the limit of ", internal::kMaxHeads));
   }
   if (cache.data == nullptr && cache.shape[0] > 0) {
     return InvalidArgumentError("layer_cache has no data");
@@ -89,16 +102,25 @@ Status CheckCache(const TensorView& cache) {
   return Status::Ok();
 }
 
-// An activation [rows, heads, D] on the cache's device, rows = T or P of the batch.
+// Which row counts an activation may have: a RaggedBatch's T or P, or a table's T or more.
+struct Rows {
+  int64_t tokens = 0;  // real tokens
+  int64_t padded = 0;  // RaggedBatch: P; a table: -1 (any count >= tokens)
+};
+
+// An activation [rows, heads, D] on the cache's device.
 Status CheckActivations(const char* name, const TensorView& t, const TensorView& cache,
-                        int64_t heads, const RaggedBatch& batch) {
+                        int64_t heads, const Rows& rows) {
   const int64_t d = cache.shape[4];
   const bool rows_ok =
-      t.ndim == 3 && (t.shape[0] == batch.current_tokens() || t.shape[0] == batch.padded_tokens());
+      t.ndim == 3 && (rows.padded < 0 ? t.shape[0] >= rows.tokens
+                                      : t.shape[0] == rows.tokens || t.shape[0] == rows.padded);
   if (!rows_ok || t.shape[1] != heads || t.shape[2] != d) {
-    return InvalidArgumentError(StrCat(name, " must be [T, ", heads, ", ", d,
-                                       "] with T = ", batch.current_tokens(), " (or padded ",
-                                       batch.padded_tokens(), "), got shape ", Shape(t)));
+    const std::string want = rows.padded < 0
+                                 ? StrCat(">= ", rows.tokens, " (the table's tokens)")
+                                 : StrCat("= ", rows.tokens, " (or padded ", rows.padded, ")");
+    return InvalidArgumentError(
+        StrCat(name, " must be [T, ", heads, ", ", d, "] with T ", want, ", got shape ", Shape(t)));
   }
   if (!IsActivationDType(t.dtype)) {
     return InvalidArgumentError(
@@ -151,6 +173,10 @@ Status CheckGqa(int64_t hq, int64_t hkv) {
     return InvalidArgumentError(StrCat("query heads ", hq, " must be a positive multiple of ", hkv,
                                        " KV heads (grouped-query attention)"));
   }
+  if (hq > internal::kMaxHeads) {
+    return InvalidArgumentError(
+        StrCat("query heads ", hq, " exceed the limit of ", internal::kMaxHeads));
+  }
   return Status::Ok();
 }
 
@@ -162,14 +188,8 @@ Activations ActivationsOf(const TensorView& t) {
                      .dtype = t.dtype};
 }
 
-// The paged view of `cache` over the batch's group `group`, host or device arrays.
-Result<PagedKV> MakePagedKV(const TensorView& cache, const RaggedBatch& batch, int group,
-                            float kv_scale) {
-  const bool on_device = cache.device == DeviceKind::kCuda;
-  BLOCKKV_ASSIGN_OR_RETURN(TensorView descriptors, batch.inflight_seq_descriptors(on_device));
-  BLOCKKV_ASSIGN_OR_RETURN(TensorView tokens_to_seq, batch.tokens_to_seq(on_device));
-  BLOCKKV_ASSIGN_OR_RETURN(TensorView indptr, batch.kv_indptr(group, on_device));
-  BLOCKKV_ASSIGN_OR_RETURN(TensorView indices, batch.kv_indices(group, on_device));
+// The cache part of a paged view (the page table is filled in by the caller).
+PagedKV CacheView(const TensorView& cache, float kv_scale) {
   return PagedKV{.data = cache.data,
                  .block_stride = cache.stride(0),
                  .token_stride = cache.stride(1),
@@ -180,40 +200,52 @@ Result<PagedKV> MakePagedKV(const TensorView& cache, const RaggedBatch& batch, i
                  .num_kv_heads = static_cast<int32_t>(cache.shape[3]),
                  .head_size = static_cast<int32_t>(cache.shape[4]),
                  .dtype = cache.dtype,
-                 .kv_scale = cache.dtype == DType::kFloat8E4M3 ? kv_scale : 1.0f,
-                 .descriptors = static_cast<const int32_t*>(descriptors.data),
-                 .tokens_to_seq = static_cast<const int32_t*>(tokens_to_seq.data),
-                 .kv_indptr = static_cast<const int32_t*>(indptr.data),
-                 .kv_indices = static_cast<const int32_t*>(indices.data),
-                 .num_seqs = batch.current_sequences(),
-                 .num_tokens = batch.current_tokens()};
+                 .kv_scale = cache.dtype == DType::kFloat8E4M3 ? kv_scale : 1.0f};
 }
 
-// The table entries for token positions [first, end) of sequence i (host view `host`) hold
-// blocks of this cache: not released (kNoBlock), not past num_blocks. Also checks that the
-// batch's table length matches this cache's block size.
-Status CheckBlocks(const PagedKV& host, int32_t i, int64_t first, int64_t end, int group) {
-  const int32_t* desc = host.descriptors + int64_t{i} * 4;
-  const int64_t total = int64_t{desc[1]} + desc[2];
+// The paged view of `cache` over the batch's group `group`, host or device arrays.
+Result<PagedKV> BatchView(const TensorView& cache, const RaggedBatch& batch, int group,
+                          float kv_scale, bool on_device) {
+  BLOCKKV_ASSIGN_OR_RETURN(TensorView descriptors, batch.inflight_seq_descriptors(on_device));
+  BLOCKKV_ASSIGN_OR_RETURN(TensorView tokens_to_seq, batch.tokens_to_seq(on_device));
+  BLOCKKV_ASSIGN_OR_RETURN(TensorView indptr, batch.kv_indptr(group, on_device));
+  BLOCKKV_ASSIGN_OR_RETURN(TensorView indices, batch.kv_indices(group, on_device));
+  PagedKV view = CacheView(cache, kv_scale);
+  view.form = internal::TableForm::kBatch;
+  view.descriptors = static_cast<const int32_t*>(descriptors.data);
+  view.tokens_to_seq = static_cast<const int32_t*>(tokens_to_seq.data);
+  view.kv_indptr = static_cast<const int32_t*>(indptr.data);
+  view.kv_indices = static_cast<const int32_t*>(indices.data);
+  view.num_seqs = batch.current_sequences();
+  view.num_tokens = batch.current_tokens();
+  return view;
+}
+
+// Sequence i's table entries for token positions [first, end) hold blocks of this cache (host
+// view). A RaggedBatch's entries may be kNoBlock (released by FreeLeadingBlocks), and its table
+// length must match this cache's block size.
+Status CheckBlocks(const PagedKV& host, int32_t i, int64_t first, int64_t end) {
   const int64_t bs = host.block_size;
-  const int32_t begin = host.kv_indptr[i];
-  const int64_t listed = int64_t{host.kv_indptr[i + 1]} - begin;
-  if (listed != (total + bs - 1) / bs) {
-    return InvalidArgumentError(
-        StrCat("layer_cache block size ", bs, " does not match cache group ", group,
-               " of the batch: sequence ", i, " holds ", total, " tokens in ", listed, " blocks"));
+  if (host.form == internal::TableForm::kBatch) {
+    const int64_t listed = int64_t{host.kv_indptr[i + 1]} - host.kv_indptr[i];
+    if (listed != (host.Length(i) + bs - 1) / bs) {
+      return InvalidArgumentError(StrCat(
+          "layer_cache block size ", bs, " does not match the batch's cache group: sequence ", i,
+          " holds ", host.Length(i), " tokens in ", listed, " blocks"));
+    }
   }
+  const int32_t* blocks = host.Blocks(i);
   for (int64_t b = first / bs; b < (end + bs - 1) / bs; ++b) {
-    const int32_t block = host.kv_indices[begin + b];
-    if (block == kNoBlock) {
+    const int32_t block = blocks[b];
+    if (block == kNoBlock && host.form == internal::TableForm::kBatch) {
       return FailedPreconditionError(StrCat("sequence ", i, " of the batch needs block ", b,
                                             " (tokens [", b * bs, ", ", (b + 1) * bs,
                                             ")), which was released (FreeLeadingBlocks)"));
     }
     if (block < 0 || block >= host.num_blocks) {
-      return InvalidArgumentError(StrCat("sequence ", i, " of the batch uses block ", block,
-                                         ", outside layer_cache's ", host.num_blocks,
-                                         " blocks: is it this group's cache?"));
+      return InvalidArgumentError(StrCat("sequence ", i, " uses block ", block, " (its block ", b,
+                                         "), outside layer_cache's ", host.num_blocks,
+                                         " blocks: is it this cache's table?"));
     }
   }
   return Status::Ok();
@@ -224,6 +256,7 @@ Status CheckBlocks(const PagedKV& host, int32_t i, int64_t first, int64_t end, i
 // be written through ids it never handed out).
 Status CheckOwnCache(const TensorView& cache, const RaggedBatch& batch, int group) {
   BLOCKKV_ASSIGN_OR_RETURN(TensorView storage, batch.manager().kv_cache().GetGroupStorage(group));
+  storage = CanonicalStrides(storage);
   const auto* begin = static_cast<const std::byte*>(storage.data);
   const std::byte* end = begin + storage.numel() * static_cast<int64_t>(ElementSize(storage.dtype));
   const auto* at = static_cast<const std::byte*>(cache.data);
@@ -242,12 +275,8 @@ Status CheckOwnCache(const TensorView& cache, const RaggedBatch& batch, int grou
   return Status::Ok();
 }
 
-// Checks shared by both kernels; fills *host with the host view (for the block checks).
-Status CheckCommon(const TensorView& cache, const RaggedBatch& batch, int group, float kv_scale,
-                   int num_threads, PagedKV* host) {
-  if (!batch.finalized()) {
-    return FailedPreconditionError("the batch is not finalized: call Finalize before the kernels");
-  }
+// Checks shared by both kernels and every form of page table.
+Status CheckCommon(const TensorView& cache, float kv_scale, int num_threads) {
   BLOCKKV_RETURN_IF_ERROR(CheckCache(cache));
   BLOCKKV_RETURN_IF_ERROR(CheckScale("kv_scale", kv_scale));
   if (num_threads < 0) {
@@ -258,10 +287,7 @@ Status CheckCommon(const TensorView& cache, const RaggedBatch& batch, int group,
     return UnavailableError("the tensors are on a CUDA device but blockkv was built without CUDA");
   }
 #endif
-  TensorView host_cache = cache;
-  host_cache.device = DeviceKind::kCpu;
-  BLOCKKV_ASSIGN_OR_RETURN(*host, MakePagedKV(host_cache, batch, group, kv_scale));
-  return CheckOwnCache(cache, batch, group);
+  return Status::Ok();
 }
 
 Status CheckRotary(const RotaryOptions& rotary, int64_t head_size) {
@@ -277,16 +303,225 @@ Status CheckRotary(const RotaryOptions& rotary, int64_t head_size) {
   return Status::Ok();
 }
 
-}  // namespace
+// ---- page tables of the caller's -------------------------------------------------------------
 
-Status AppendKV(const TensorView& layer_cache, const TensorView& k, const TensorView& v,
-                const RaggedBatch& batch, const AppendKVOptions& options) {
-  PagedKV host;
-  BLOCKKV_RETURN_IF_ERROR(
-      CheckCommon(layer_cache, batch, options.group, options.kv_scale, options.num_threads, &host));
+// A page table's arrays as the checks read them: in place for a host cache; for a CUDA cache,
+// host copies made here (they live as long as this object).
+class HostArrays {
+ public:
+  HostArrays(const TensorView& cache, CUstream_st* stream)
+      : on_device_(cache.device == DeviceKind::kCuda),
+        ordinal_(cache.device_ordinal),
+        stream_(stream) {}
+
+  // `n` elements at `p`, readable here. kInvalidArgument for a null array of n > 0 elements.
+  template <class T>
+  Result<const T*> Get(const char* name, const T* p, int64_t n) {
+    if (n <= 0) return p;
+    if (p == nullptr)
+      return InvalidArgumentError(StrCat(name, " is null but must hold ", n, " entries"));
+    if (!on_device_) return p;
+#if defined(BLOCKKV_HAVE_CUDA)
+    copies_.emplace_back(static_cast<size_t>(n) * sizeof(T));
+    BLOCKKV_RETURN_IF_ERROR(internal::CopyToHostCuda(copies_.back().data(), p,
+                                                     copies_.back().size(), ordinal_, stream_));
+    return reinterpret_cast<const T*>(copies_.back().data());
+#else
+    return UnavailableError("the tensors are on a CUDA device but blockkv was built without CUDA");
+#endif
+  }
+
+ private:
+  bool on_device_;
+  int ordinal_;
+  CUstream_st* stream_;
+  std::vector<std::vector<std::byte>> copies_;  // 8-byte aligned (operator new)
+};
+
+// The 0-based, non-decreasing offsets indptr[0..n] (n + 1 entries).
+Status CheckIndptr(const char* name, const int32_t* indptr, int32_t n) {
+  if (indptr[0] != 0) return InvalidArgumentError(StrCat(name, "[0] must be 0, got ", indptr[0]));
+  for (int32_t i = 0; i < n; ++i) {
+    if (indptr[i + 1] < indptr[i]) {
+      return InvalidArgumentError(StrCat(name, "[", i + 1, "] = ", indptr[i + 1], " is less than ",
+                                         name, "[", i, "] = ", indptr[i]));
+    }
+  }
+  return Status::Ok();
+}
+
+Status CheckNumSeqs(int32_t num_seqs) {
+  if (num_seqs < 0) return InvalidArgumentError(StrCat("num_seqs must be >= 0, got ", num_seqs));
+  return Status::Ok();
+}
+
+// Each sequence holds at least its new tokens, and at most what an int32 position counts.
+Status CheckLengths(const PagedKV& host) {
+  for (int32_t i = 0; i < host.num_seqs; ++i) {
+    const int64_t length = host.Length(i);
+    if (length < host.Tokens(i) || length > std::numeric_limits<int32_t>::max()) {
+      return InvalidArgumentError(StrCat("sequence ", i, " has ", host.Tokens(i),
+                                         " new tokens but holds ", length,
+                                         " tokens in all (must be >= them, < 2^31)"));
+    }
+  }
+  return Status::Ok();
+}
+
+// Host and device views of a CSR table (arrays copied to `arrays` for a CUDA cache) and its
+// structure checked; *positions: the host positions, or null.
+Status CsrViews(const CsrPageTable& t, const TensorView& cache, float kv_scale, HostArrays& arrays,
+                PagedKV* host, PagedKV* device, const int32_t** positions) {
+  BLOCKKV_RETURN_IF_ERROR(CheckNumSeqs(t.num_seqs));
+  const int64_t s = t.num_seqs;
+  *device = CacheView(cache, kv_scale);
+  device->form = internal::TableForm::kCsr;
+  device->qo_indptr = t.qo_indptr;
+  device->kv_indptr = t.kv_indptr;
+  device->kv_indices = t.kv_indices;
+  device->kv_last_page_len = t.kv_last_page_len;
+  device->num_seqs = t.num_seqs;
+  *host = *device;
+  if (s == 0) return Status::Ok();
+  BLOCKKV_ASSIGN_OR_RETURN(host->qo_indptr, arrays.Get("qo_indptr", t.qo_indptr, s + 1));
+  BLOCKKV_RETURN_IF_ERROR(CheckIndptr("qo_indptr", host->qo_indptr, t.num_seqs));
+  BLOCKKV_ASSIGN_OR_RETURN(host->kv_indptr, arrays.Get("kv_indptr", t.kv_indptr, s + 1));
+  BLOCKKV_RETURN_IF_ERROR(CheckIndptr("kv_indptr", host->kv_indptr, t.num_seqs));
+  BLOCKKV_ASSIGN_OR_RETURN(host->kv_indices,
+                           arrays.Get("kv_indices", t.kv_indices, host->kv_indptr[s]));
+  BLOCKKV_ASSIGN_OR_RETURN(host->kv_last_page_len,
+                           arrays.Get("kv_last_page_len", t.kv_last_page_len, s));
+  host->num_tokens = device->num_tokens = host->qo_indptr[s];
+  if (t.positions != nullptr) {
+    BLOCKKV_ASSIGN_OR_RETURN(*positions, arrays.Get("positions", t.positions, host->num_tokens));
+  }
+  for (int32_t i = 0; i < t.num_seqs; ++i) {
+    const int32_t blocks = host->kv_indptr[i + 1] - host->kv_indptr[i];
+    const int32_t last = host->kv_last_page_len[i];
+    if (blocks > 0 ? last < 1 || last > host->block_size : last != 0) {
+      return InvalidArgumentError(StrCat(
+          "kv_last_page_len[", i, "] = ", last, " must be in [1, block_size ", host->block_size,
+          "] (0 for a sequence of no blocks); it has ", blocks, " blocks"));
+    }
+  }
+  return CheckLengths(*host);
+}
+
+// The same for vLLM's form; *slot_mapping: the host slot mapping (num_tokens entries).
+Status SlotViews(const SlotMappingPageTable& t, const TensorView& cache, float kv_scale,
+                 HostArrays& arrays, PagedKV* host, PagedKV* device, const int64_t** slot_mapping) {
+  BLOCKKV_RETURN_IF_ERROR(CheckNumSeqs(t.num_seqs));
+  if (t.num_tokens < 0 || t.max_blocks_per_seq < 0) {
+    return InvalidArgumentError(StrCat("num_tokens ", t.num_tokens, " and max_blocks_per_seq ",
+                                       t.max_blocks_per_seq, " must be >= 0"));
+  }
+  const int64_t s = t.num_seqs;
+  *device = CacheView(cache, kv_scale);
+  device->form = internal::TableForm::kSlots;
+  device->qo_indptr = t.query_start_loc;
+  device->kv_indices = t.block_tables;
+  device->seq_lens = t.seq_lens;
+  device->table_stride = t.max_blocks_per_seq;
+  device->num_seqs = t.num_seqs;
+  *host = *device;
+  BLOCKKV_ASSIGN_OR_RETURN(*slot_mapping, arrays.Get("slot_mapping", t.slot_mapping, t.num_tokens));
+  if (s == 0) return Status::Ok();
+  BLOCKKV_ASSIGN_OR_RETURN(host->qo_indptr,
+                           arrays.Get("query_start_loc", t.query_start_loc, s + 1));
+  BLOCKKV_RETURN_IF_ERROR(CheckIndptr("query_start_loc", host->qo_indptr, t.num_seqs));
+  host->num_tokens = device->num_tokens = host->qo_indptr[s];
+  if (host->num_tokens > t.num_tokens) {
+    return InvalidArgumentError(StrCat("query_start_loc[", s, "] = ", host->num_tokens,
+                                       " tokens, but slot_mapping has ", t.num_tokens));
+  }
+  BLOCKKV_ASSIGN_OR_RETURN(host->seq_lens, arrays.Get("seq_lens", t.seq_lens, s));
+  BLOCKKV_ASSIGN_OR_RETURN(host->kv_indices,
+                           arrays.Get("block_tables", t.block_tables, s * t.max_blocks_per_seq));
+  BLOCKKV_RETURN_IF_ERROR(CheckLengths(*host));
+  for (int32_t i = 0; i < t.num_seqs; ++i) {
+    const int64_t need = (int64_t{host->seq_lens[i]} + host->block_size - 1) / host->block_size;
+    if (need > t.max_blocks_per_seq) {
+      return InvalidArgumentError(StrCat("sequence ", i, " holds ", host->seq_lens[i],
+                                         " tokens: ", need, " blocks of ", host->block_size,
+                                         ", more than max_blocks_per_seq ", t.max_blocks_per_seq));
+    }
+  }
+  return Status::Ok();
+}
+
+// The slot (block · block_size + offset) of new token j of sequence i. REQUIRES: its block was
+// checked.
+int64_t SlotOf(const PagedKV& host, int32_t i, int64_t j) {
+  const int64_t pos = host.Seen(i) + j;
+  return int64_t{host.Blocks(i)[pos / host.block_size]} * host.block_size + pos % host.block_size;
+}
+
+// Positions (CSR) and slot_mapping (vLLM) say what the table says; padding slots are
+// kPaddingSlot. REQUIRES: the new tokens' blocks were checked.
+Status CheckTokenIndices(const PagedKV& host, const int32_t* positions, const int64_t* slots,
+                         int32_t slot_rows) {
+  for (int32_t i = 0; i < host.num_seqs; ++i) {
+    for (int32_t j = 0; j < host.Tokens(i); ++j) {
+      const int32_t row = host.Start(i) + j;
+      const int64_t pos = host.Seen(i) + j;
+      if (positions != nullptr && positions[row] != pos) {
+        return InvalidArgumentError(StrCat("positions[", row, "] = ", positions[row],
+                                           " but the table puts token ", j, " of sequence ", i,
+                                           " at position ", pos));
+      }
+      if (slots != nullptr && slots[row] != SlotOf(host, i, j)) {
+        return InvalidArgumentError(StrCat("slot_mapping[", row, "] = ", slots[row],
+                                           " but block_tables puts token ", j, " of sequence ", i,
+                                           " (position ", pos, ") in slot ", SlotOf(host, i, j)));
+      }
+    }
+  }
+  for (int32_t row = host.num_tokens; slots != nullptr && row < slot_rows; ++row) {
+    if (slots[row] != kPaddingSlot) {
+      return InvalidArgumentError(
+          StrCat("slot_mapping[", row, "] = ", slots[row], " is past the ", host.num_tokens,
+                 " tokens of query_start_loc: it must be kPaddingSlot (", kPaddingSlot, ")"));
+    }
+  }
+  return Status::Ok();
+}
+
+// No two of the step's tokens are written to one slot (blocks shared between sequences).
+Status CheckDistinctSlots(const PagedKV& host) {
+  std::vector<std::pair<int64_t, int32_t>> slots;  // (slot, row)
+  slots.reserve(static_cast<size_t>(host.num_tokens));
+  for (int32_t i = 0; i < host.num_seqs; ++i) {
+    for (int32_t j = 0; j < host.Tokens(i); ++j) {
+      slots.emplace_back(SlotOf(host, i, j), host.Start(i) + j);
+    }
+  }
+  std::sort(slots.begin(), slots.end());
+  for (size_t x = 1; x < slots.size(); ++x) {
+    if (slots[x].first == slots[x - 1].first) {
+      const int64_t slot = slots[x].first;
+      return InvalidArgumentError(StrCat("tokens ", slots[x - 1].second, " and ", slots[x].second,
+                                         " would both be written to slot ", slot, " (block ",
+                                         slot / host.block_size, ", offset ",
+                                         slot % host.block_size, ")"));
+    }
+  }
+  return Status::Ok();
+}
+
+// ---- the two kernels over any view -----------------------------------------------------------
+
+// Canonical strides of every tensor argument (q: the options' q, when given).
+struct Canonical {
+  TensorView cache, a, b, c;
+};
+
+// AppendKV over checked views of the table: the rest of the checks, then the backend.
+Status RunAppend(const TensorView& layer_cache, const TensorView& k, const TensorView& v,
+                 const AppendKVOptions& options, const PagedKV& host, const PagedKV& device,
+                 const Rows& rows) {
   const int64_t hkv = layer_cache.shape[3];
-  BLOCKKV_RETURN_IF_ERROR(CheckActivations("k", k, layer_cache, hkv, batch));
-  BLOCKKV_RETURN_IF_ERROR(CheckActivations("v", v, layer_cache, hkv, batch));
+  BLOCKKV_RETURN_IF_ERROR(CheckActivations("k", k, layer_cache, hkv, rows));
+  BLOCKKV_RETURN_IF_ERROR(CheckActivations("v", v, layer_cache, hkv, rows));
   if (v.dtype != k.dtype) {
     return InvalidArgumentError(
         StrCat("k dtype ", DTypeName(k.dtype), " and v dtype ", DTypeName(v.dtype), " differ"));
@@ -296,7 +531,7 @@ Status AppendKV(const TensorView& layer_cache, const TensorView& k, const Tensor
   if (rotate_q) {
     const TensorView& q = *options.q;
     BLOCKKV_RETURN_IF_ERROR(CheckGqa(q.ndim == 3 ? q.shape[1] : 0, hkv));
-    BLOCKKV_RETURN_IF_ERROR(CheckActivations("q", q, layer_cache, q.shape[1], batch));
+    BLOCKKV_RETURN_IF_ERROR(CheckActivations("q", q, layer_cache, q.shape[1], rows));
     if (q.dtype != k.dtype) {
       return InvalidArgumentError(
           StrCat("q dtype ", DTypeName(q.dtype), " and k dtype ", DTypeName(k.dtype), " differ"));
@@ -305,9 +540,7 @@ Status AppendKV(const TensorView& layer_cache, const TensorView& k, const Tensor
     BLOCKKV_RETURN_IF_ERROR(CheckDisjoint("q", q, "v", v));
   }
   for (int32_t i = 0; i < host.num_seqs; ++i) {
-    const int32_t* desc = host.descriptors + int64_t{i} * 4;
-    BLOCKKV_RETURN_IF_ERROR(
-        CheckBlocks(host, i, desc[2], int64_t{desc[2]} + desc[1], options.group));
+    BLOCKKV_RETURN_IF_ERROR(CheckBlocks(host, i, host.Seen(i), host.Length(i)));
   }
   if (host.num_tokens == 0) return Status::Ok();
   const internal::RotaryParams rotary{
@@ -320,27 +553,25 @@ Status AppendKV(const TensorView& layer_cache, const TensorView& k, const Tensor
   if (rotate_q) qa = ActivationsOf(*options.q);
 #if defined(BLOCKKV_HAVE_CUDA)
   if (layer_cache.device == DeviceKind::kCuda) {
-    BLOCKKV_ASSIGN_OR_RETURN(PagedKV device,
-                             MakePagedKV(layer_cache, batch, options.group, options.kv_scale));
     return internal::AppendKVCuda(device, ka, va, rotate_q ? &qa : nullptr, rotary,
                                   layer_cache.device_ordinal, options.stream);
   }
+#else
+  static_cast<void>(device);
 #endif
   internal::AppendKVCpu(host, ka, va, rotate_q ? &qa : nullptr, rotary,
                         ResolveThreads(options.num_threads));
   return Status::Ok();
 }
 
-Status PagedAttention(const TensorView& q, const TensorView& layer_cache, const RaggedBatch& batch,
-                      const TensorView& out, const AttentionOptions& options) {
-  PagedKV host;
-  BLOCKKV_RETURN_IF_ERROR(
-      CheckCommon(layer_cache, batch, options.group, options.kv_scale, options.num_threads, &host));
+Status RunAttention(const TensorView& q, const TensorView& layer_cache, const TensorView& out,
+                    const AttentionOptions& options, const PagedKV& host, const PagedKV& device,
+                    const Rows& rows) {
   const int64_t hkv = layer_cache.shape[3];
   const int64_t hq = q.ndim == 3 ? q.shape[1] : 0;
   BLOCKKV_RETURN_IF_ERROR(CheckGqa(hq, hkv));
-  BLOCKKV_RETURN_IF_ERROR(CheckActivations("q", q, layer_cache, hq, batch));
-  BLOCKKV_RETURN_IF_ERROR(CheckActivations("out", out, layer_cache, hq, batch));
+  BLOCKKV_RETURN_IF_ERROR(CheckActivations("q", q, layer_cache, hq, rows));
+  BLOCKKV_RETURN_IF_ERROR(CheckActivations("out", out, layer_cache, hq, rows));
   if (out.dtype != q.dtype) {
     return InvalidArgumentError(
         StrCat("q dtype ", DTypeName(q.dtype), " and out dtype ", DTypeName(out.dtype), " differ"));
@@ -353,13 +584,13 @@ Status PagedAttention(const TensorView& q, const TensorView& layer_cache, const 
   if (options.scale != 0.0f) BLOCKKV_RETURN_IF_ERROR(CheckScale("scale", options.scale));
   int64_t max_context = 0;  // the most keys any sequence holds, for the CUDA split
   for (int32_t i = 0; i < host.num_seqs; ++i) {
-    const int32_t* desc = host.descriptors + int64_t{i} * 4;
-    const int64_t end = int64_t{desc[2]} + desc[1];
+    const int64_t seen = host.Seen(i);
+    const int64_t end = host.Length(i);
     max_context = std::max(max_context, end);
     // The first query (position seen) sees keys from seen − W + 1 with a window.
     const int64_t first =
-        options.sliding_window > 0 ? std::max<int64_t>(0, desc[2] - options.sliding_window + 1) : 0;
-    BLOCKKV_RETURN_IF_ERROR(CheckBlocks(host, i, first, end, options.group));
+        options.sliding_window > 0 ? std::max<int64_t>(0, seen - options.sliding_window + 1) : 0;
+    BLOCKKV_RETURN_IF_ERROR(CheckBlocks(host, i, first, end));
   }
   if (host.num_tokens == 0) return Status::Ok();
   const internal::AttentionParams params{
@@ -371,14 +602,156 @@ Status PagedAttention(const TensorView& q, const TensorView& layer_cache, const 
       .num_threads = ResolveThreads(options.num_threads)};
 #if defined(BLOCKKV_HAVE_CUDA)
   if (layer_cache.device == DeviceKind::kCuda) {
-    BLOCKKV_ASSIGN_OR_RETURN(PagedKV device,
-                             MakePagedKV(layer_cache, batch, options.group, options.kv_scale));
     return internal::PagedAttentionCuda(device, ActivationsOf(q), ActivationsOf(out), params,
                                         max_context, layer_cache.device_ordinal, options.stream);
   }
+#else
+  static_cast<void>(device);
+  static_cast<void>(max_context);
 #endif
   internal::PagedAttentionCpu(host, ActivationsOf(q), ActivationsOf(out), params);
   return Status::Ok();
+}
+
+// The batch's host and device views, after the batch checks.
+Status BatchViews(const TensorView& cache, const RaggedBatch& batch, int group, float kv_scale,
+                  PagedKV* host, PagedKV* device) {
+  if (!batch.finalized()) {
+    return FailedPreconditionError("the batch is not finalized: call Finalize before the kernels");
+  }
+  BLOCKKV_ASSIGN_OR_RETURN(*host, BatchView(cache, batch, group, kv_scale, /*on_device=*/false));
+  BLOCKKV_RETURN_IF_ERROR(CheckOwnCache(cache, batch, group));
+  *device = *host;
+  if (cache.device == DeviceKind::kCuda) {
+    BLOCKKV_ASSIGN_OR_RETURN(*device, BatchView(cache, batch, group, kv_scale, /*on_device=*/true));
+  }
+  return Status::Ok();
+}
+
+Rows BatchRows(const RaggedBatch& batch) {
+  return Rows{.tokens = batch.current_tokens(), .padded = batch.padded_tokens()};
+}
+
+Rows TableRows(const PagedKV& host) { return Rows{.tokens = host.num_tokens, .padded = -1}; }
+
+// AppendKV's options with q's canonical strides (q_view holds them).
+AppendKVOptions CanonicalQ(const AppendKVOptions& options, TensorView* q_view) {
+  AppendKVOptions out = options;
+  if (options.q != nullptr) {
+    *q_view = CanonicalStrides(*options.q);
+    out.q = q_view;
+  }
+  return out;
+}
+
+// A table AppendKV: views, the table's own checks, then RunAppend.
+template <class Table>
+Status AppendOverTable(const TensorView& layer_cache_in, const TensorView& k, const TensorView& v,
+                       const Table& table, const AppendKVOptions& options_in) {
+  const TensorView layer_cache = CanonicalStrides(layer_cache_in);
+  TensorView q_view;
+  const AppendKVOptions options = CanonicalQ(options_in, &q_view);
+  BLOCKKV_RETURN_IF_ERROR(CheckCommon(layer_cache, options.kv_scale, options.num_threads));
+  HostArrays arrays(layer_cache, options.stream);
+  PagedKV host;
+  PagedKV device;
+  const int32_t* positions = nullptr;
+  const int64_t* slots = nullptr;
+  int32_t slot_rows = 0;
+  if constexpr (std::is_same_v<Table, CsrPageTable>) {
+    BLOCKKV_RETURN_IF_ERROR(
+        CsrViews(table, layer_cache, options.kv_scale, arrays, &host, &device, &positions));
+  } else {
+    BLOCKKV_RETURN_IF_ERROR(
+        SlotViews(table, layer_cache, options.kv_scale, arrays, &host, &device, &slots));
+    slot_rows = table.num_tokens;
+  }
+  for (int32_t i = 0; i < host.num_seqs; ++i) {
+    BLOCKKV_RETURN_IF_ERROR(CheckBlocks(host, i, host.Seen(i), host.Length(i)));
+  }
+  BLOCKKV_RETURN_IF_ERROR(CheckTokenIndices(host, positions, slots, slot_rows));
+  BLOCKKV_RETURN_IF_ERROR(CheckDistinctSlots(host));
+  return RunAppend(layer_cache, CanonicalStrides(k), CanonicalStrides(v), options, host, device,
+                   TableRows(host));
+}
+
+template <class Table>
+Status AttendOverTable(const TensorView& q, const TensorView& layer_cache_in, const Table& table,
+                       const TensorView& out, const AttentionOptions& options) {
+  const TensorView layer_cache = CanonicalStrides(layer_cache_in);
+  BLOCKKV_RETURN_IF_ERROR(CheckCommon(layer_cache, options.kv_scale, options.num_threads));
+  HostArrays arrays(layer_cache, options.stream);
+  PagedKV host;
+  PagedKV device;
+  const int32_t* positions = nullptr;
+  const int64_t* slots = nullptr;
+  int32_t slot_rows = 0;
+  if constexpr (std::is_same_v<Table, CsrPageTable>) {
+    BLOCKKV_RETURN_IF_ERROR(
+        CsrViews(table, layer_cache, options.kv_scale, arrays, &host, &device, &positions));
+  } else {
+    BLOCKKV_RETURN_IF_ERROR(
+        SlotViews(table, layer_cache, options.kv_scale, arrays, &host, &device, &slots));
+    slot_rows = table.num_tokens;
+  }
+  // The new tokens' blocks are read too (their keys were appended): their indices are checked
+  // before the positions and slots that name them.
+  for (int32_t i = 0; i < host.num_seqs; ++i) {
+    BLOCKKV_RETURN_IF_ERROR(CheckBlocks(host, i, host.Seen(i), host.Length(i)));
+  }
+  BLOCKKV_RETURN_IF_ERROR(CheckTokenIndices(host, positions, slots, slot_rows));
+  return RunAttention(CanonicalStrides(q), layer_cache, CanonicalStrides(out), options, host,
+                      device, TableRows(host));
+}
+
+}  // namespace
+
+Status AppendKV(const TensorView& layer_cache_in, const TensorView& k, const TensorView& v,
+                const RaggedBatch& batch, const AppendKVOptions& options_in) {
+  const TensorView layer_cache = CanonicalStrides(layer_cache_in);
+  TensorView q_view;
+  const AppendKVOptions options = CanonicalQ(options_in, &q_view);
+  BLOCKKV_RETURN_IF_ERROR(CheckCommon(layer_cache, options.kv_scale, options.num_threads));
+  PagedKV host;
+  PagedKV device;
+  BLOCKKV_RETURN_IF_ERROR(
+      BatchViews(layer_cache, batch, options.group, options.kv_scale, &host, &device));
+  return RunAppend(layer_cache, CanonicalStrides(k), CanonicalStrides(v), options, host, device,
+                   BatchRows(batch));
+}
+
+Status AppendKV(const TensorView& layer_cache, const TensorView& k, const TensorView& v,
+                const CsrPageTable& table, const AppendKVOptions& options) {
+  return AppendOverTable(layer_cache, k, v, table, options);
+}
+
+Status AppendKV(const TensorView& layer_cache, const TensorView& k, const TensorView& v,
+                const SlotMappingPageTable& table, const AppendKVOptions& options) {
+  return AppendOverTable(layer_cache, k, v, table, options);
+}
+
+Status PagedAttention(const TensorView& q, const TensorView& layer_cache_in,
+                      const RaggedBatch& batch, const TensorView& out,
+                      const AttentionOptions& options) {
+  const TensorView layer_cache = CanonicalStrides(layer_cache_in);
+  BLOCKKV_RETURN_IF_ERROR(CheckCommon(layer_cache, options.kv_scale, options.num_threads));
+  PagedKV host;
+  PagedKV device;
+  BLOCKKV_RETURN_IF_ERROR(
+      BatchViews(layer_cache, batch, options.group, options.kv_scale, &host, &device));
+  return RunAttention(CanonicalStrides(q), layer_cache, CanonicalStrides(out), options, host,
+                      device, BatchRows(batch));
+}
+
+Status PagedAttention(const TensorView& q, const TensorView& layer_cache, const CsrPageTable& table,
+                      const TensorView& out, const AttentionOptions& options) {
+  return AttendOverTable(q, layer_cache, table, out, options);
+}
+
+Status PagedAttention(const TensorView& q, const TensorView& layer_cache,
+                      const SlotMappingPageTable& table, const TensorView& out,
+                      const AttentionOptions& options) {
+  return AttendOverTable(q, layer_cache, table, out, options);
 }
 
 }  // namespace blockkv

@@ -70,7 +70,20 @@ inline bool CopiesRows(DType dtype, const WorkItem& item, int32_t g) {
          (dtype != DType::kFloat32 && (item.q_end - item.q_begin) * g > kMaxDirectRows);
 }
 
-// One thread's buffers, sized once per call.
+// The keys each row of one block of up to kRowBlock rows (of any KV head: the blocks of every
+// head see the same keys) sees in a tile: row r [j0[r], j1[r]), the block [lo, hi) (lo >= hi:
+// none).
+struct RowBlock {
+  int32_t rows = 0;
+  int32_t j0[kRowBlock];
+  int32_t j1[kRowBlock];
+  int32_t lo = 0;
+  int32_t hi = 0;
+};
+
+// One thread's buffers, sized once per call for the largest item: an item has rows = tokens × G
+// per KV head, and G = Hq / Hkv is the caller's (71 for Falcon-7B, up to kMaxHeads), so even a
+// one-token item can pass kMaxRows; nothing here has a fixed size.
 struct Scratch {
   std::vector<float> q;        // [rows, D] queries times the softmax scale, in load order
   std::vector<float> acc;      // [rows, D] unnormalized outputs, in load order
@@ -81,6 +94,7 @@ struct Scratch {
   std::vector<float> v;        // [heads, kTile, D] the same for V
   std::vector<int64_t> slots;  // [kTile] cache offsets of the tile's positions (plane 0, head 0)
   std::vector<int64_t> next_slots;  // [kTile] the same for the next tile
+  std::vector<RowBlock> blocks;     // [ceil(rows / kRowBlock)] one KV head's row blocks of a tile
 
   void Resize(int32_t rows, int32_t heads, int32_t d) {
     const auto rd = static_cast<size_t>(rows) * static_cast<size_t>(d);
@@ -94,6 +108,7 @@ struct Scratch {
     v.resize(td);
     slots.resize(kTile);
     next_slots.resize(kTile);
+    blocks.resize(static_cast<size_t>((rows + kRowBlock - 1) / kRowBlock));
   }
 };
 
@@ -137,7 +152,7 @@ void RowToFloat(const PagedKV& c, const void* src, float* dst) {
 
 // slots[j] = cache offset of key position k0 + j of sequence `seq` (plane 0, head 0).
 void TileSlots(const PagedKV& c, int32_t seq, int64_t k0, int32_t count, int64_t* slots) {
-  const int32_t* blocks = c.kv_indices + c.kv_indptr[seq];
+  const int32_t* blocks = c.Blocks(seq);
   int64_t block = k0 / c.block_size;
   int64_t offset = k0 % c.block_size;
   for (int32_t j = 0; j < count; ++j) {
@@ -462,17 +477,6 @@ struct ItemShape {
   int32_t rows_per_kv;  // the item's rows of each KV head: tokens × g
 };
 
-// The keys each row of one block of up to kRowBlock rows (of any KV head: the blocks of every
-// head see the same keys) sees in a tile: row r [j0[r], j1[r]), the block [lo, hi) (lo >= hi:
-// none).
-struct RowBlock {
-  int32_t rows;
-  int32_t j0[kRowBlock];
-  int32_t j1[kRowBlock];
-  int32_t lo;
-  int32_t hi;
-};
-
 // Calls fn(std::integral_constant<int, rb>()) for rb in [1, kRowBlock].
 template <class Fn>
 HWY_INLINE void WithRowBlock(int32_t rb, const Fn& fn) {
@@ -601,7 +605,7 @@ template <class Rows>
 void AttendTile(const AttentionParams& p, const ItemShape& x, int64_t k0, int32_t count,
                 const TileRows<Rows>& t, const TilePrefetch& ahead, Scratch& s) {
   const int32_t heads = ahead.heads;
-  RowBlock blocks[kMaxRows / kRowBlock];
+  RowBlock* blocks = s.blocks.data();  // one KV head's rows: up to max(kMaxRows, G)
   int32_t lo = 0;
   int32_t hi = 0;
   const int32_t n_blocks = TileRowBlocks(p, x, k0, count, blocks, &lo, &hi);
@@ -700,12 +704,11 @@ void StoreOutputs(const WorkItem& item, int32_t start, int32_t g, int32_t d, con
 template <class Rows>
 void AttendItemWith(const PagedKV& c, const Activations& q, const Activations& out,
                     const AttentionParams& p, const WorkItem& item, bool copied, Scratch& s) {
-  const int32_t* desc = c.descriptors + int64_t{item.seq} * 4;
-  const int32_t start = desc[0];
+  const int32_t start = c.Start(item.seq);
   const int32_t g = q.num_heads / c.num_kv_heads;
   const int32_t d = c.head_size;
-  const ItemShape shape{.seen = desc[2],
-                        .total = int64_t{desc[2]} + desc[1],
+  const ItemShape shape{.seen = c.Seen(item.seq),
+                        .total = c.Length(item.seq),
                         .q_begin = item.q_begin,
                         .g = g,
                         .d = d,
@@ -772,9 +775,10 @@ std::vector<WorkItem> MakeWorkItems(const PagedKV& c, int32_t g, int threads, in
   int64_t count = 0;
   *work = 0;
   for (int32_t i = 0; i < c.num_seqs; ++i) {
-    const int32_t n = c.descriptors[int64_t{i} * 4 + 1];
-    *work += int64_t{n} * (c.descriptors[int64_t{i} * 4 + 2] + n) * g * hkv * c.head_size;
-    const int32_t hpi = std::clamp(kMaxRows / std::max(1, g * n), 1, hkv);
+    const int32_t n = c.Tokens(i);
+    *work += int64_t{n} * c.Length(i) * g * hkv * c.head_size;
+    const auto hpi = static_cast<int32_t>(
+        std::clamp<int64_t>(kMaxRows / std::max<int64_t>(1, int64_t{g} * n), 1, hkv));
     heads_per_item[static_cast<size_t>(i)] = hpi;
     count += int64_t{(hkv + hpi - 1) / hpi} *
              ((n + std::max(1, kMaxRows / g) - 1) / std::max(1, kMaxRows / g));
@@ -786,7 +790,7 @@ std::vector<WorkItem> MakeWorkItems(const PagedKV& c, int32_t g, int threads, in
   std::vector<WorkItem> items;
   *max_rows = 1;
   for (int32_t i = 0; i < c.num_seqs; ++i) {
-    const int32_t n = c.descriptors[int64_t{i} * 4 + 1];
+    const int32_t n = c.Tokens(i);
     const int32_t hpi = heads_per_item[static_cast<size_t>(i)];
     const int32_t chunk = std::max(1, kMaxRows / (g * hpi));
     for (int32_t begin = 0; begin < n; begin += chunk) {

@@ -27,10 +27,9 @@ void Rotate(float* x, int32_t half, const float* cos, const float* sin) {
 // One token of AppendKV: K (rotated) and V to their slot, Q rotated in place.
 void AppendToken(const PagedKV& c, const Activations& k, const Activations& v, const Activations* q,
                  const RotaryParams& rotary, int32_t seq, int32_t j, std::vector<float>& row) {
-  const int32_t* desc = c.descriptors + int64_t{seq} * 4;
-  const int64_t token = desc[0] + j;
-  const int64_t pos = int64_t{desc[2]} + j;
-  const int64_t block = c.kv_indices[c.kv_indptr[seq] + pos / c.block_size];
+  const int64_t token = int64_t{c.Start(seq)} + j;
+  const int64_t pos = c.Seen(seq) + j;
+  const int64_t block = c.Blocks(seq)[pos / c.block_size];
   const int32_t d = c.head_size;
   const int32_t half = rotary.rotary_dim / 2;
   float* x = row.data();
@@ -77,7 +76,7 @@ void AppendKVCpu(const PagedKV& cache, const Activations& k, const Activations& 
   };
   std::vector<Chunk> chunks;
   for (int32_t i = 0; i < cache.num_seqs; ++i) {
-    const int32_t n = cache.descriptors[int64_t{i} * 4 + 1];
+    const int32_t n = cache.Tokens(i);
     for (int32_t b = 0; b < n; b += kChunk) chunks.push_back({i, b, std::min(n, b + kChunk)});
   }
   const int64_t heads = cache.num_kv_heads * 2 + (q != nullptr ? q->num_heads : 0);

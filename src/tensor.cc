@@ -20,6 +20,15 @@ bool TensorView::is_contiguous() const {
   return true;
 }
 
+TensorView CanonicalStrides(const TensorView& view) {
+  TensorView out = view;
+  for (int i = out.ndim - 1; i >= 0; --i) {
+    if (out.shape[i] != 1) continue;
+    out.strides[i] = i + 1 < out.ndim ? out.strides[i + 1] * out.shape[i + 1] : 1;
+  }
+  return out;
+}
+
 TensorView ContiguousView(void* data, DType dtype, DeviceKind device, int device_ordinal,
                           std::initializer_list<int64_t> shape) {
   BLOCKKV_CHECK(shape.size() <= kMaxTensorDims, "ContiguousView: too many dimensions");

@@ -13,6 +13,7 @@
 #include "blockkv/kv_cache.h"         // IWYU pragma: export
 #include "blockkv/log.h"              // IWYU pragma: export
 #include "blockkv/offload.h"          // IWYU pragma: export
+#include "blockkv/page_table.h"       // IWYU pragma: export
 #include "blockkv/ragged_batch.h"     // IWYU pragma: export
 #include "blockkv/state_manager.h"    // IWYU pragma: export
 #include "blockkv/status.h"           // IWYU pragma: export

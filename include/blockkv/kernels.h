@@ -6,6 +6,8 @@
 //   auto layer = manager->GetCache(/*cache_id=*/l);        // [N, block_size, 2, Hkv, D]
 //   Status s = AppendKV(*layer, k, v, *batch, {.rotary = {.enabled = true}, .q = &q});
 //   s = PagedAttention(q, *layer, *batch, out);            // causal, scale 1/sqrt(D)
+//   // or, with block tables of the engine's own (page_table.h):
+//   s = PagedAttention(q, *cache->GetCache(l), CsrPageTable{...}, out);
 //
 // Both run on the CPU (Highway SIMD, chosen at run time, and threads over (sequence, KV head,
 // query chunk) work items) or, in a CUDA build, on the GPU that holds the tensors; the batch's
@@ -19,20 +21,28 @@
 //   cache                       the activations' dtype, or fp8 e4m3 (stored = value / kv_scale,
 //                               saturating at ±448, rounded to nearest even)
 //   head size D                 64, 80, 96, 128, 256
-//   heads                       Hq % Hkv == 0 (grouped-query attention)
+//   heads                       Hq % Hkv == 0 (grouped-query attention, any group size),
+//                               Hq <= 65535
+//   strides                     in elements; those of extent-1 dimensions are ignored (torch
+//                               exports them as 1), the others as checked below
+// The batch comes as a RaggedBatch of the StateManager that owns the cache, or as a page table of
+// the caller's own (page_table.h: FlashInfer's CSR form or vLLM's slot mapping) over any cache
+// tensor in blockkv's layout.
 // Arithmetic is fp32 (rotary angles in fp64). Attention uses an online softmax over tiles of
 // keys, never a [T, context] matrix, and has no limit on blocks per sequence.
 #pragma once
 
 #include <cstdint>
 
-#include "blockkv/ragged_batch.h"
+#include "blockkv/page_table.h"
 #include "blockkv/status.h"
 #include "blockkv/tensor.h"
 
 struct CUstream_st;  // cudaStream_t is CUstream_st* (see cuda_device.h)
 
 namespace blockkv {
+
+class RaggedBatch;  // ragged_batch.h: include it to call the RaggedBatch overloads
 
 // Rotary position embedding, rotate-half form (GPT-NeoX, Hugging Face Llama): for i < r / 2,
 // with r = rotary_dim and angle = pos · theta^(−2i / r),
@@ -46,7 +56,7 @@ struct RotaryOptions {
 };
 
 struct AppendKVOptions {
-  int group = 0;                  // cache group: which of the batch's block tables
+  int group = 0;                  // cache group: which of the batch's block tables (RaggedBatch)
   RotaryOptions rotary;           // applied to K, and to *q when given
   const TensorView* q = nullptr;  // [T, Hq, D], rotated in place when rotary.enabled
   float kv_scale = 1.0f;          // fp8 e4m3 caches: stored = value / kv_scale (> 0)
@@ -64,11 +74,25 @@ struct AppendKVOptions {
 Status AppendKV(const TensorView& layer_cache, const TensorView& k, const TensorView& v,
                 const RaggedBatch& batch, const AppendKVOptions& options = {});
 
+// The same over a page table of the caller's: token j of sequence i (row start_i + j, position
+// L_i − n_i + j) goes to its table's block. `layer_cache` is any [num_blocks, block_size, 2, Hkv,
+// D] tensor; k, v: [rows, Hkv, D] with rows >= the table's tokens (rows past them untouched).
+// Checked before anything is written, each a kInvalidArgument naming the values: the table's
+// offsets (qo_indptr / query_start_loc from 0 and non-decreasing, kv_indptr likewise), lengths
+// that disagree (a sequence holding fewer tokens than its new ones, kv_last_page_len outside
+// [1, block_size], more blocks than max_blocks_per_seq, a position or slot_mapping entry that is
+// not the one its table gives, a padding slot that is not kPaddingSlot), every block id it writes
+// outside [0, num_blocks), and two tokens written to one slot (blocks shared between sequences).
+Status AppendKV(const TensorView& layer_cache, const TensorView& k, const TensorView& v,
+                const CsrPageTable& table, const AppendKVOptions& options = {});
+Status AppendKV(const TensorView& layer_cache, const TensorView& k, const TensorView& v,
+                const SlotMappingPageTable& table, const AppendKVOptions& options = {});
+
 struct AttentionOptions {
   float scale = 0.0f;          // softmax scale; 0: 1 / sqrt(head_size)
   bool causal = true;          // query at position p sees keys [0, p]; false: all seen + new keys
   int64_t sliding_window = 0;  // 0: none; W > 0: query at p sees keys (p − W, p] (causal only)
-  int group = 0;               // cache group
+  int group = 0;               // cache group (RaggedBatch)
   float kv_scale = 1.0f;       // fp8 caches: value = stored · kv_scale (> 0)
   int num_threads = 0;         // CPU: 0 = hardware concurrency; at most 256 are used
   CUstream_st* stream = nullptr;  // CUDA: stream to launch on; nullptr = legacy default stream
@@ -83,5 +107,14 @@ struct AttentionOptions {
 // (FreeLeadingBlocks outside the window); kUnavailable for CUDA tensors without CUDA.
 Status PagedAttention(const TensorView& q, const TensorView& layer_cache, const RaggedBatch& batch,
                       const TensorView& out, const AttentionOptions& options = {});
+
+// The same over a page table of the caller's (blocks may be shared between sequences, and one
+// table serves every layer). The table checks of AppendKV apply, block ids to those each query
+// reads; q, out: [rows, Hq, D] with rows >= the table's tokens.
+Status PagedAttention(const TensorView& q, const TensorView& layer_cache, const CsrPageTable& table,
+                      const TensorView& out, const AttentionOptions& options = {});
+Status PagedAttention(const TensorView& q, const TensorView& layer_cache,
+                      const SlotMappingPageTable& table, const TensorView& out,
+                      const AttentionOptions& options = {});
 
 }  // namespace blockkv

@@ -36,6 +36,13 @@ struct TensorView {
   int64_t stride(int dim) const { return strides[dim]; }
 };
 
+// The same view with the stride of every extent-1 dimension replaced by the one a row-major
+// layout gives it (stride[i + 1] · shape[i + 1], 1 for the last dimension). Such a stride is never
+// multiplied by anything but 0 and frameworks export any value there (torch: 1), so every check
+// that compares or bounds strides (the kernels', the cache-identity check, DLPack import) looks at
+// these instead.
+TensorView CanonicalStrides(const TensorView& view);
+
 // A contiguous row-major view of `shape` (at most kMaxTensorDims dims) over `data`.
 TensorView ContiguousView(void* data, DType dtype, DeviceKind device, int device_ordinal,
                           std::initializer_list<int64_t> shape);

@@ -106,6 +106,12 @@ for _cls in (AllCleared, AllocationMode, BlockedAllocator, BlockedKVCache, Block
     _cls.__module__ = __name__
 del _cls
 
+# The kernels' page tables of the caller's (include/blockkv/page_table.h, docs/kernels.md).
+from ._blockkv import CsrPageTable, SlotMappingPageTable  # noqa: E402
+
+CsrPageTable.__module__ = SlotMappingPageTable.__module__ = __name__
+__all__ += ["CsrPageTable", "SlotMappingPageTable"]
+
 # DeepSpeed's names for the same classes.
 DSStateManager = StateManager
 DSStateManagerConfig = StateManagerConfig

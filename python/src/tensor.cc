@@ -215,6 +215,9 @@ OwnedTensor ImportTensor(py::handle obj) {
     v.strides[d] = dl.strides != nullptr ? dl.strides[i] : stride;
     stride *= dl.shape[i];
   }
+  // torch exports extent-1 dimensions with stride 1: such strides mean nothing, and blockkv's
+  // checks compare canonical ones.
+  v = CanonicalStrides(v);
   return out;
 }
 

@@ -45,6 +45,8 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kMaxSplits = 64;
 constexpr int64_t kMinKeysPerSplit = 256;
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr int64_t kMaxGridYZ = 65535;  // CUDA's limit on a grid's y and z extents
+static_assert(kMaxHeads <= kMaxGridYZ, "grid.y spans the KV heads, the merge's grid.y the heads");
 
 using Fp8 = __nv_fp8_e4m3;
 
@@ -99,10 +101,9 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float cos_s[kMaxHeadSize / 2];
   __shared__ float sin_s[kMaxHeadSize / 2];
   const int token = blockIdx.x;
-  const int seq = c.tokens_to_seq[token];
-  const int32_t* desc = c.descriptors + int64_t{seq} * 4;
-  const int64_t pos = int64_t{desc[2]} + (token - desc[0]);
-  const int64_t block = c.kv_indices[c.kv_indptr[seq] + pos / c.block_size];
+  const int seq = c.SeqOf(token);
+  const int64_t pos = c.Seen(seq) + (token - c.Start(seq));
+  const int64_t block = c.Blocks(seq)[pos / c.block_size];
   const int64_t slot = c.Offset(block, pos % c.block_size, 0, 0);
   const int half = rotary.enabled ? rotary.rotary_dim / 2 : 0;
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
@@ -197,11 +198,10 @@ __global__ void __launch_bounds__(kThreads)
   const int head0 = kv * g + (blockIdx.z / part.splits) * R;  // first query head
   const int rows = min(R, kv * g + g - head0);
   const int split = blockIdx.z % part.splits;
-  const int seq = c.tokens_to_seq[token];
-  const int32_t* desc = c.descriptors + int64_t{seq} * 4;
-  const int64_t pos = int64_t{desc[2]} + (token - desc[0]);
+  const int seq = c.SeqOf(token);
+  const int64_t pos = c.Seen(seq) + (token - c.Start(seq));
   int64_t lo = 0;
-  int64_t hi = int64_t{desc[2]} + desc[1];
+  int64_t hi = c.Length(seq);
   if (p.causal) {
     hi = pos + 1;
     if (p.sliding_window > 0) lo = max(int64_t{0}, pos - p.sliding_window + 1);
@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  const int32_t* blocks = c.kv_indices + c.kv_indptr[seq];
+  const int32_t* blocks = c.Blocks(seq);
   const C* cache = static_cast<const C*>(c.data) + int64_t{kv} * c.head_stride;
   for (int64_t base = k_begin + int64_t{half} * kUnroll; base < k_end;
        base += int64_t{kHalves} * kUnroll) {
@@ -441,11 +441,10 @@ __global__ void __launch_bounds__(kThreads)
   const int head0 = kv * g + (blockIdx.z / part.splits) * kWarpRows;  // first query head
   const int rows = min(kWarpRows, kv * g + g - head0);
   const int split = blockIdx.z % part.splits;
-  const int seq = c.tokens_to_seq[token];
-  const int32_t* desc = c.descriptors + int64_t{seq} * 4;
-  const int64_t pos = int64_t{desc[2]} + (token - desc[0]);
+  const int seq = c.SeqOf(token);
+  const int64_t pos = c.Seen(seq) + (token - c.Start(seq));
   int64_t lo = 0;
-  int64_t hi = int64_t{desc[2]} + desc[1];
+  int64_t hi = c.Length(seq);
   if (p.causal) {
     hi = pos + 1;
     if (p.sliding_window > 0) lo = max(int64_t{0}, pos - p.sliding_window + 1);
@@ -472,7 +471,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-  const int32_t* blocks = c.kv_indices + c.kv_indptr[seq];
+  const int32_t* blocks = c.Blocks(seq);
   const C* cache = static_cast<const C*>(c.data);
   // Two keys per warp per step: both rows' loads are issued before either is used.
   for (int64_t key = k_begin + warp; key < k_end; key += 2 * kWarps) {
@@ -608,7 +607,11 @@ Status LaunchSplit(const PagedKV& c, const Activations& q, const Activations& ou
       (int64_t{blocks_per_sm} * MultiprocessorCount(device) + blocks - 1) / blocks;
   const int64_t by_length = std::max<int64_t>(1, max_context / kMinKeysPerSplit);
   Partials part;
-  part.splits = static_cast<int>(std::clamp<int64_t>(std::min(wanted, by_length), 1, kMaxSplits));
+  // The grid's z extent (head groups × splits) stays within CUDA's 65,535: head_groups is at most
+  // kMaxHeads (kernels.cc bounds the heads), so one split always fits.
+  const int64_t by_grid = std::max<int64_t>(1, kMaxGridYZ / head_groups);
+  part.splits =
+      static_cast<int>(std::clamp<int64_t>(std::min({wanted, by_length, by_grid}), 1, kMaxSplits));
   const dim3 grid(static_cast<unsigned>(c.num_tokens), static_cast<unsigned>(c.num_kv_heads),
                   static_cast<unsigned>(head_groups * part.splits));
   if (part.splits == 1) {
@@ -753,6 +756,21 @@ Status AppendKVCuda(const PagedKV& cache, const Activations& k, const Activation
       return InternalError(StrCat("AppendKVCuda: unchecked dtype ", DTypeName(k.dtype)));
   }
   return LaunchStatus("AppendKV kernel launch");
+}
+
+Status CopyToHostCuda(void* dst, const void* src, size_t bytes, int device, CUstream_st* stream) {
+  ScopedCudaDevice guard(device);
+  BLOCKKV_RETURN_IF_ERROR(guard.status());
+  if (cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream);
+      e != cudaSuccess) {
+    static_cast<void>(cudaGetLastError());
+    return CudaError(StrCat("copying a ", bytes, "-byte page-table array to the host"), e);
+  }
+  if (cudaError_t e = cudaStreamSynchronize(stream); e != cudaSuccess) {
+    static_cast<void>(cudaGetLastError());
+    return CudaError("waiting for a page-table array's copy to the host", e);
+  }
+  return Status::Ok();
 }
 
 Status PagedAttentionCuda(const PagedKV& cache, const Activations& q, const Activations& out,

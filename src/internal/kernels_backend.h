@@ -2,6 +2,8 @@
 // backends trust them.
 #pragma once
 
+#include <cstddef>
+
 #include "blockkv/status.h"
 #include "internal/paged_view.h"
 
@@ -30,6 +32,9 @@ enum class CudaAttentionKernel { kWarpPerKey, kHalfWarpPerKey };
 void SetCudaAttentionKernel(CudaAttentionKernel kernel);
 CudaAttentionKernel GetCudaAttentionKernel();
 
+// Copies `bytes` of CUDA device `device`'s memory at `src` to host memory at `dst`, ordered after
+// the work on `stream` and waited for (the page-table checks read a caller's device table).
+Status CopyToHostCuda(void* dst, const void* src, size_t bytes, int device, CUstream_st* stream);
 // max_context: the most keys (seen + new tokens) of any sequence in the batch.
 Status PagedAttentionCuda(const PagedKV& cache, const Activations& q, const Activations& out,
                           const AttentionParams& params, int64_t max_context, int device,

@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -55,7 +56,92 @@ struct GpuTensor {
   }
 };
 
-void RunKernelOnGpu(const AttentionCase& c) {
+// A device copy of a host array.
+template <class T>
+struct GpuArray {
+  DeviceBuffer buffer;
+  GpuArray(Device& gpu, const std::vector<T>& host) {
+    const auto bytes = static_cast<int64_t>(std::max<size_t>(1, host.size()) * sizeof(T));
+    buffer = *gpu.Allocate(bytes);
+    if (!host.empty()) {
+      EXPECT_TRUE(gpu.CopyFromHost(buffer.data(), host.data(), bytes).ok());
+    }
+  }
+  const T* data() const { return static_cast<const T*>(buffer.data()); }
+};
+
+// How RunOnGpu hands the kernels the batch: the RaggedBatch (device mirror), or page tables of
+// the same blocks in either form, their arrays on the GPU.
+enum class Form { kBatch, kCsr, kSlots };
+
+// Both page-table forms of a KernelBatch's sequences, in host arrays.
+struct HostTables {
+  std::vector<int32_t> qo_indptr{0}, kv_indptr{0}, kv_indices, last_page_len, positions;
+  std::vector<int32_t> block_tables, seq_lens;
+  std::vector<int64_t> slot_mapping;
+  int32_t max_blocks = 1;
+
+  explicit HostTables(const KernelBatch& kb) {
+    const int64_t bs = kb.setup().block_size;
+    for (size_t i = 0; i < kb.seqs().size(); ++i) {
+      max_blocks = std::max(max_blocks, static_cast<int32_t>(kb.Seq(i)->block_table().size()));
+    }
+    for (size_t i = 0; i < kb.seqs().size(); ++i) {
+      const auto table = kb.Seq(i)->block_table();
+      const int64_t n = kb.seqs()[i].n;
+      const int64_t length = kb.seqs()[i].history + n;
+      const auto used = static_cast<int32_t>((length + bs - 1) / bs);
+      qo_indptr.push_back(qo_indptr.back() + static_cast<int32_t>(n));
+      kv_indptr.push_back(kv_indptr.back() + used);
+      kv_indices.insert(kv_indices.end(), table.begin(), table.begin() + used);
+      last_page_len.push_back(static_cast<int32_t>((length - 1) % bs + 1));
+      seq_lens.push_back(static_cast<int32_t>(length));
+      std::vector<int32_t> row(static_cast<size_t>(max_blocks), 0);
+      std::copy(table.begin(), table.end(), row.begin());
+      block_tables.insert(block_tables.end(), row.begin(), row.end());
+      for (int64_t p = length - n; p < length; ++p) {
+        positions.push_back(static_cast<int32_t>(p));
+        slot_mapping.push_back(int64_t{table[static_cast<size_t>(p / bs)]} * bs + p % bs);
+      }
+    }
+  }
+};
+
+// The tables' arrays on the GPU and the views over them.
+struct GpuTables {
+  GpuArray<int32_t> qo_indptr, kv_indptr, kv_indices, last_page_len, positions, block_tables,
+      seq_lens;
+  GpuArray<int64_t> slot_mapping;
+  CsrPageTable csr;
+  SlotMappingPageTable slots;
+
+  GpuTables(Device& gpu, const HostTables& h)
+      : qo_indptr(gpu, h.qo_indptr),
+        kv_indptr(gpu, h.kv_indptr),
+        kv_indices(gpu, h.kv_indices),
+        last_page_len(gpu, h.last_page_len),
+        positions(gpu, h.positions),
+        block_tables(gpu, h.block_tables),
+        seq_lens(gpu, h.seq_lens),
+        slot_mapping(gpu, h.slot_mapping) {
+    const auto s = static_cast<int32_t>(h.seq_lens.size());
+    csr = {.qo_indptr = qo_indptr.data(),
+           .kv_indptr = kv_indptr.data(),
+           .kv_indices = kv_indices.data(),
+           .kv_last_page_len = last_page_len.data(),
+           .positions = positions.data(),
+           .num_seqs = s};
+    slots = {.slot_mapping = slot_mapping.data(),
+             .block_tables = block_tables.data(),
+             .seq_lens = seq_lens.data(),
+             .query_start_loc = qo_indptr.data(),
+             .num_seqs = s,
+             .num_tokens = static_cast<int32_t>(h.slot_mapping.size()),
+             .max_blocks_per_seq = h.max_blocks};
+  }
+};
+
+void RunKernelOnGpu(const AttentionCase& c, Form form) {
   Result<std::shared_ptr<Device>> gpu = CudaDevice(0);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
   const uint32_t seed = std::random_device{}();
@@ -78,8 +164,27 @@ void RunKernelOnGpu(const AttentionCase& c) {
   out.Poison();
   GpuTensor dq(**gpu, q), dk(**gpu, k), dv(**gpu, v), dout(**gpu, out);
   AppendKVOptions append{.rotary = c.rotary, .q = &dq.view, .kv_scale = c.options.kv_scale};
-  ASSERT_TRUE(AppendKV(kb.cache(), dk.view, dv.view, kb.batch(), append).ok());
-  const Status status = PagedAttention(dq.view, kb.cache(), kb.batch(), dout.view, c.options);
+  const HostTables host_tables(kb);
+  const GpuTables tables(**gpu, host_tables);
+  Status status;
+  switch (form) {
+    case Form::kBatch:
+      status = AppendKV(kb.cache(), dk.view, dv.view, kb.batch(), append);
+      if (status.ok())
+        status = PagedAttention(dq.view, kb.cache(), kb.batch(), dout.view, c.options);
+      break;
+    case Form::kCsr:
+      status = AppendKV(kb.cache(), dk.view, dv.view, tables.csr, append);
+      if (status.ok())
+        status = PagedAttention(dq.view, kb.cache(), tables.csr, dout.view, c.options);
+      break;
+    case Form::kSlots:
+      status = AppendKV(kb.cache(), dk.view, dv.view, tables.slots, append);
+      if (status.ok()) {
+        status = PagedAttention(dq.view, kb.cache(), tables.slots, dout.view, c.options);
+      }
+      break;
+  }
   ASSERT_TRUE(status.ok()) << status;
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   dq.CopyTo(**gpu, q);  // rotated on the GPU: the reference uses the rotated q
@@ -106,7 +211,7 @@ void RunKernelOnGpu(const AttentionCase& c) {
 
 // Each case with both CUDA attention kernels (internal/kernels_backend.h): the default one warp
 // per key, and a key per half-warp, which is to replace it once it has passed here.
-void RunOnGpu(const AttentionCase& c) {
+void RunOnGpu(const AttentionCase& c, Form form = Form::kBatch) {
   using internal::CudaAttentionKernel;
   const CudaAttentionKernel before = internal::GetCudaAttentionKernel();
   for (CudaAttentionKernel kernel :
@@ -114,7 +219,7 @@ void RunOnGpu(const AttentionCase& c) {
     SCOPED_TRACE(kernel == CudaAttentionKernel::kWarpPerKey ? "kernel: a warp per key"
                                                             : "kernel: a key per half-warp");
     internal::SetCudaAttentionKernel(kernel);
-    RunKernelOnGpu(c);
+    RunKernelOnGpu(c, form);
   }
   internal::SetCudaAttentionKernel(before);
 }
@@ -213,6 +318,60 @@ TEST(CudaKernels, SlidingWindowNonCausalRotaryPadding) {
             .q_heads = 4,
             .act = DType::kFloat32,
             .rotary = {.enabled = true, .rotary_dim = 64}});
+}
+
+// Issue 17: groups past 64 query heads per KV head (Falcon-7B: 71), and one token of one
+// sequence with one KV head in blocks of one token.
+TEST(CudaKernels, GqaGroupsPast64AndSingletonShapes) {
+  BLOCKKV_SKIP_WITHOUT_GPU();
+  for (int64_t g : {7, 64, 65}) {  // 71 and 128: LargeGroupsWideHeadsOddBlockSizes
+    RunOnGpu({.setup = {.block_size = 16, .num_kv_heads = 1, .head_size = 64},
+              .seqs = {{1, 300}, {5, 20}},
+              .q_heads = g});
+  }
+  RunOnGpu({.setup = {.block_size = 1, .num_kv_heads = 1, .head_size = 64},
+            .seqs = {{1, 9}},
+            .q_heads = 1,
+            .act = DType::kFloat32});
+}
+
+// Issue 18: the same numerics through page tables of the caller's, their arrays on the GPU (the
+// kernels copy them to the host to check them first).
+TEST(CudaKernels, PageTablesOnTheGpuEitherForm) {
+  BLOCKKV_SKIP_WITHOUT_GPU();
+  for (Form form : {Form::kCsr, Form::kSlots}) {
+    RunOnGpu({.setup = {.block_size = 16, .num_kv_heads = 2, .head_size = 128},
+              .seqs = {{128, 0}, {17, 40}, {1, 293}, {1, 0}},
+              .q_heads = 8,
+              .act = DType::kBFloat16},
+             form);
+    RunOnGpu({.setup = {.block_size = 8, .num_kv_heads = 2, .head_size = 64},
+              .seqs = {{1, 5000}, {2, 2100}},
+              .q_heads = 142,
+              .act = DType::kFloat32},
+             form);
+  }
+}
+
+TEST(CudaKernels, APageTableBlockOutsideTheCacheWritesNothing) {
+  BLOCKKV_SKIP_WITHOUT_GPU();
+  Result<std::shared_ptr<Device>> gpu = CudaDevice(0);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  KernelBatch kb({.block_size = 16, .num_kv_heads = 2, .head_size = 64}, {{3, 20}, {1, 5}}, 1,
+                 *gpu);
+  HostTables host_tables(kb);
+  host_tables.kv_indices.back() = 1000;
+  const GpuTables tables(**gpu, host_tables);
+  HostTensor k(DType::kFloat16, 4, 2, 64);
+  k.Fill(kb.rng());
+  GpuTensor dk(**gpu, k);
+  kb.SyncToHost();
+  const std::vector<uint8_t> before(static_cast<const uint8_t*>(kb.host_cache().data),
+                                    static_cast<const uint8_t*>(kb.host_cache().data) + kb.bytes());
+  const Status status = AppendKV(kb.cache(), dk.view, dk.view, tables.csr);
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status;
+  kb.SyncToHost();
+  EXPECT_EQ(std::memcmp(before.data(), kb.host_cache().data, before.size()), 0);
 }
 
 }  // namespace

@@ -40,8 +40,9 @@ std::vector<uint8_t> Snapshot(const TensorView& cache) {
 
 // Runs AppendKV and checks every slot against k / v (rotated by the reference when asked), q
 // against its rotation, and that no other byte of the cache changed.
+// torch_strides: k, v, q and the cache as torch exports them (stride 1 for extent-1 dimensions).
 void CheckAppend(const BatchSetup& setup, const std::vector<SeqSpec>& seqs, DType act,
-                 const AppendKVOptions& base, int64_t q_heads) {
+                 const AppendKVOptions& base, int64_t q_heads, bool torch_strides = false) {
   const uint32_t seed = FreshSeed();
   std::ostringstream trace;
   trace << "seed " << seed << " D " << setup.head_size << " act " << DTypeName(act) << " cache "
@@ -57,9 +58,17 @@ void CheckAppend(const BatchSetup& setup, const std::vector<SeqSpec>& seqs, DTyp
   q.Fill(kb.rng());
   const HostTensor q_before = q;
   std::vector<uint8_t> expected = Snapshot(kb.cache());
+  auto as_given = [&](TensorView t) {
+    for (int i = 0; torch_strides && i < t.ndim; ++i) {
+      if (t.shape[i] == 1) t.strides[i] = 1;
+    }
+    return t;
+  };
+  const TensorView qv = as_given(q.view);
   AppendKVOptions options = base;
-  options.q = &q.view;
-  ASSERT_OK(AppendKV(kb.cache(), k.view, v.view, kb.batch(), options));
+  options.q = &qv;
+  ASSERT_OK(
+      AppendKV(as_given(kb.cache()), as_given(k.view), as_given(v.view), kb.batch(), options));
 
   const double tol = blockkv_test::Tolerance(act, setup.cache_dtype);
   const int64_t rd = base.rotary.rotary_dim == 0 ? d : base.rotary.rotary_dim;
@@ -156,6 +165,18 @@ TEST(AppendKV, EveryDTypeFp8CacheAndPadding) {
                      .kv_scale = cache == DType::kFloat8E4M3 ? 0.25f : 1.0f},
                     8);
       }
+    }
+  }
+}
+
+// Issue 17: one token, one sequence, one KV head, blocks of one token, with torch's strides.
+TEST(AppendKV, TorchStridesOfExtentOneDimensionsAreAccepted) {
+  for (int32_t block_size : {1, 16}) {
+    for (const std::vector<SeqSpec>& seqs :
+         {std::vector<SeqSpec>{{1, 0}}, std::vector<SeqSpec>{{1, 9}},
+          std::vector<SeqSpec>{{2, 3}}}) {
+      CheckAppend({.block_size = block_size, .num_kv_heads = 1, .head_size = 64}, seqs,
+                  DType::kFloat16, {.rotary = {.enabled = true}}, 1, /*torch_strides=*/true);
     }
   }
 }

@@ -106,6 +106,12 @@ TEST_F(KernelErrors, GqaRatio) {
                  StatusCode::kInvalidArgument, "query heads 3");
 }
 
+TEST_F(KernelErrors, MoreQueryHeadsThanTheLimit) {
+  HostTensor q(DType::kFloat16, 4, 65536, 64);  // 32,768 per KV head: a multiple, past 65,535
+  ExpectRejected([&] { return Attend(q.view, kb_.cache()); }, StatusCode::kInvalidArgument,
+                 "query heads 65536 exceed the limit of 65535");
+}
+
 TEST_F(KernelErrors, Shapes) {
   HostTensor k(DType::kFloat16, 5, 2, 64);  // T is 4
   ExpectRejected([&] { return AppendKV(kb_.cache(), k.view, v_.view, kb_.batch()); },

@@ -42,9 +42,17 @@ std::string Describe(const std::vector<SeqSpec>& seqs) {
   return os.str();
 }
 
+// What torch's DLPack export gives a tensor: stride 1 for every dimension of extent 1.
+TensorView TorchStrides(TensorView t) {
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] == 1) t.strides[i] = 1;
+  }
+  return t;
+}
+
 // Appends random K/V for the batch's new tokens, runs attention into a poisoned out, and checks
-// it against the reference.
-void RunAttention(const AttentionCase& c) {
+// it against the reference. torch_strides: every tensor (cache included) as torch exports it.
+void RunAttention(const AttentionCase& c, bool torch_strides = false) {
   const uint32_t seed = FreshSeed();
   std::ostringstream trace;
   trace << "seed " << seed << " seqs " << Describe(c.seqs) << " D " << c.setup.head_size << " Hq "
@@ -63,9 +71,11 @@ void RunAttention(const AttentionCase& c) {
   k.Fill(kb.rng());
   v.Fill(kb.rng());
   out.Poison();
-  AppendKVOptions append{.rotary = c.rotary, .q = &q.view, .kv_scale = c.options.kv_scale};
-  ASSERT_OK(AppendKV(kb.cache(), k.view, v.view, kb.batch(), append));
-  ASSERT_OK(PagedAttention(q.view, kb.cache(), kb.batch(), out.view, c.options));
+  auto as_given = [&](const TensorView& t) { return torch_strides ? TorchStrides(t) : t; };
+  const TensorView qv = as_given(q.view);
+  AppendKVOptions append{.rotary = c.rotary, .q = &qv, .kv_scale = c.options.kv_scale};
+  ASSERT_OK(AppendKV(as_given(kb.cache()), as_given(k.view), as_given(v.view), kb.batch(), append));
+  ASSERT_OK(PagedAttention(qv, as_given(kb.cache()), kb.batch(), as_given(out.view), c.options));
   const std::vector<double> ref = blockkv_test::ReferenceAttention(kb, q, c.options);
   EXPECT_LE(blockkv_test::RelativeError(out, ref, kb.tokens()),
             blockkv_test::Tolerance(c.act, c.setup.cache_dtype));
@@ -102,6 +112,60 @@ TEST(PagedAttention, GroupedQueryAttentionRatios) {
     RunAttention({.setup = {.block_size = 16, .num_kv_heads = hkv, .head_size = 128},
                   .seqs = {{1, 100}, {9, 30}, {1, 7}},
                   .q_heads = hq});
+  }
+}
+
+// Issue 17: a KV head with more than 64 query heads (Falcon-7B: 71 query heads, 1 KV head) ran
+// past a fixed array of row blocks. Groups 1 to 128, decode and prefill, every dtype, 1 and 2
+// threads.
+TEST(PagedAttention, GqaGroupsUpTo128DecodeAndPrefill) {
+  for (int64_t g : {1, 2, 7, 64, 65, 71, 128}) {
+    for (DType act : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+      for (int threads : {1, 2}) {
+        AttentionCase c{.setup = {.block_size = 16, .num_kv_heads = 1, .head_size = 64},
+                        .seqs = {{1, 40}, {3, 20}, {1, 0}},
+                        .q_heads = g,
+                        .act = act};
+        c.options.num_threads = threads;
+        RunAttention(c);
+      }
+    }
+  }
+}
+
+TEST(PagedAttention, Falcon7BShapeEveryHeadSizeAndFp8AndTwoKVHeads) {
+  for (int64_t d : {64, 80, 96, 128, 256}) {
+    RunAttention({.setup = {.block_size = 16, .num_kv_heads = 1, .head_size = d},
+                  .seqs = {{1, 33}, {17, 0}},
+                  .q_heads = 71});
+  }
+  AttentionCase fp8{.setup = {.block_size = 16,
+                              .num_kv_heads = 1,
+                              .head_size = 64,
+                              .cache_dtype = DType::kFloat8E4M3},
+                    .seqs = {{1, 33}, {5, 2}},
+                    .q_heads = 71};
+  fp8.options.kv_scale = 0.01f;
+  RunAttention(fp8);
+  RunAttention({.setup = {.block_size = 16, .num_kv_heads = 2, .head_size = 64},
+                .seqs = {{1, 50}, {4, 9}},
+                .q_heads = 142});
+}
+
+// Issue 17: torch exports extent-1 dimensions with stride 1 ([1, 128, 1] for one token of one KV
+// head); such strides mean nothing. One token, one sequence, one KV head, blocks of one token.
+TEST(PagedAttention, TorchStridesOfExtentOneDimensionsAreAccepted) {
+  for (int32_t block_size : {1, 16}) {
+    for (int64_t hkv : {1, 2}) {
+      for (const std::vector<SeqSpec>& seqs :
+           {std::vector<SeqSpec>{{1, 0}}, std::vector<SeqSpec>{{1, 9}},
+            std::vector<SeqSpec>{{3, 2}}}) {
+        RunAttention({.setup = {.block_size = block_size, .num_kv_heads = hkv, .head_size = 64},
+                      .seqs = seqs,
+                      .q_heads = hkv},
+                     /*torch_strides=*/true);
+      }
+    }
   }
 }
 
