@@ -6,15 +6,18 @@
 #     its greedy tokens against the same model over a dense cache; it exits 1 if they differ.
 #     Extra arguments go to it (e.g. --requests 32 --blocks 64, --model model.bin; docs/tool.md).
 #  2. examples/quickstart (plan, create, write and free a Llama-3-8B cache on a 2 GiB budget) and
-#     examples/engine_loop (40 requests through the state manager, bookkeeping only): the API by
+#     examples/engine_loop (40 requests through the state manager, bookkeeping only) and
+#     examples/own_page_table (the kernels over the engine's own block tables): the API by
 #     example, a second each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
 cmake --preset default >/dev/null
-cmake --build --preset default --target blockkv_cli quickstart engine_loop
+cmake --build --preset default --target blockkv_cli quickstart engine_loop own_page_table
 build/default/tools/blockkv demo "$@"
 echo
 build/default/examples/quickstart
 echo
 build/default/examples/engine_loop
+echo
+build/default/examples/own_page_table
