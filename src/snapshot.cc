@@ -36,7 +36,7 @@ namespace blockkv {
 
 using internal::StrCat;
 
-Status StateManager::CheckSnapshotable() const {
+Status StateManager::Impl::CheckSnapshotable() const {
   for (int32_t slot = 0; slot < config_.max_tracked_sequences; ++slot) {
     if (!slots_.IsUsed(slot)) continue;
     const Sequence& seq = sequences_[slot];
@@ -151,7 +151,7 @@ Status ReadFile(const std::string& path, std::vector<std::byte>* out) {
 
 // ---- load -------------------------------------------------------------------------------------
 
-Status SnapshotCodec::Apply(StateManager& m, const snapshot::Staged& s) {
+Status SnapshotCodec::Apply(StateManager::Impl& m, const snapshot::Staged& s) {
   // Offload copies in flight read and write device blocks: let them finish before the blocks
   // are overwritten, and give back the blocks they hold.
   if (m.offload_ != nullptr) m.offload_->WaitAll();
@@ -209,7 +209,7 @@ Status SnapshotCodec::Apply(StateManager& m, const snapshot::Staged& s) {
   return Status::Ok();
 }
 
-Status SnapshotCodec::WriteBlocks(StateManager& m, const snapshot::Staged& s) {
+Status SnapshotCodec::WriteBlocks(StateManager::Impl& m, const snapshot::Staged& s) {
   Device& device = *m.cache_->device();
   const auto num_blocks = static_cast<size_t>(m.cache_->num_blocks());
   for (int g = 0; g < m.num_groups(); ++g) {
@@ -238,7 +238,7 @@ Status SnapshotCodec::WriteBlocks(StateManager& m, const snapshot::Staged& s) {
 
 // Each sequence into its own slot, with its tables (one reference per held entry) and keys; the
 // other slots go back to the slot allocator highest first, so the lowest is handed out next.
-void SnapshotCodec::PlaceSequences(StateManager& m, const snapshot::Staged& s) {
+void SnapshotCodec::PlaceSequences(StateManager::Impl& m, const snapshot::Staged& s) {
   const auto tracked = static_cast<size_t>(m.config_.max_tracked_sequences);
   std::vector<BlockId> slots(tracked);
   const Status allocated = m.slots_.Allocate(static_cast<int32_t>(tracked), slots);
@@ -266,7 +266,7 @@ void SnapshotCodec::PlaceSequences(StateManager& m, const snapshot::Staged& s) {
     }
     m.by_uid_->Insert(staged.uid, staged.slot);
     if (m.prefix_ != nullptr) {
-      StateManager::SequenceKeys& keys = m.keys_[staged.slot];
+      StateManager::Impl::SequenceKeys& keys = m.keys_[staged.slot];
       keys = staged.keys;
       keys.ns_id = m.prefix_->InternNamespace(keys.extras.ns);
     }
@@ -283,7 +283,7 @@ void SnapshotCodec::PlaceSequences(StateManager& m, const snapshot::Staged& s) {
 
 // ---- the public calls -------------------------------------------------------------------------
 
-Result<std::vector<std::byte>> StateManager::SaveSnapshot() const {
+Result<std::vector<std::byte>> StateManager::Impl::SaveSnapshot() const {
   using internal::SnapshotCodec;
   BLOCKKV_ASSIGN_OR_RETURN(SnapshotCodec::SavePlan plan, SnapshotCodec::Plan(*this));
   if (const int64_t available = internal::ReadHostMemory().available;
@@ -301,7 +301,7 @@ Result<std::vector<std::byte>> StateManager::SaveSnapshot() const {
   return bytes;
 }
 
-Status StateManager::SaveSnapshot(const std::string& path) const {
+Status StateManager::Impl::SaveSnapshot(const std::string& path) const {
   using internal::SnapshotCodec;
   const std::string tmp = path + ".tmp";
   ::unlink(tmp.c_str());  // a save killed part-way (kill -9) left it; none is in progress now
@@ -324,7 +324,7 @@ Status StateManager::SaveSnapshot(const std::string& path) const {
   return internal::SyncDirectory(path);
 }
 
-Status StateManager::LoadSnapshot(const std::string& path) {
+Status StateManager::Impl::LoadSnapshot(const std::string& path) {
   ::unlink((path + ".tmp").c_str());  // a stale one of a save killed part-way (as SaveSnapshot)
   std::vector<std::byte> bytes;
   BLOCKKV_RETURN_IF_ERROR(internal::ReadFile(path, &bytes));
@@ -333,7 +333,7 @@ Status StateManager::LoadSnapshot(const std::string& path) {
   return {s.code(), StrCat(path, ": ", s.message())};
 }
 
-Status StateManager::LoadSnapshot(std::span<const std::byte> bytes) {
+Status StateManager::Impl::LoadSnapshot(std::span<const std::byte> bytes) {
   using internal::SnapshotCodec;
   internal::snapshot::Staged staged;
   BLOCKKV_RETURN_IF_ERROR(SnapshotCodec::Parse(*this, bytes, &staged));

@@ -19,6 +19,7 @@
 #include "blockkv/state_manager.h"
 #include "internal/check.h"
 #include "internal/strings.h"
+#include "state_manager_impl.h"
 #include "state_manager_keys.h"
 
 #define XXH_INLINE_ALL
@@ -205,7 +206,7 @@ struct StagedSequence;
 // Reads a StateManager's private state into a snapshot and rebuilds it from one (a friend).
 class SnapshotCodec {
  public:
-  using Keys = StateManager::SequenceKeys;  // what a sequence's keys are staged as
+  using Keys = StateManager::Impl::SequenceKeys;  // what a sequence's keys are staged as
   using Sink = snapshot::Writer::Sink;
   // What a save writes besides block contents, built before its first byte is written.
   struct SavePlan {
@@ -218,37 +219,39 @@ class SnapshotCodec {
   };
 
   // Saving (snapshot.cc). Plan refuses what a snapshot cannot hold.
-  static Result<SavePlan> Plan(const StateManager& m);
-  static Status Write(const StateManager& m, const SavePlan& plan, const Sink& sink);
+  static Result<SavePlan> Plan(const StateManager::Impl& m);
+  static Status Write(const StateManager::Impl& m, const SavePlan& plan, const Sink& sink);
 
   // Loading: Parse checks everything (snapshot_load.cc); Apply then replaces the
   // manager's state and can fail only on a device error (snapshot.cc).
-  static Status Parse(const StateManager& m, snapshot::Bytes bytes, snapshot::Staged* out);
-  static Status Apply(StateManager& m, const snapshot::Staged& s);
+  static Status Parse(const StateManager::Impl& m, snapshot::Bytes bytes, snapshot::Staged* out);
+  static Status Apply(StateManager::Impl& m, const snapshot::Staged& s);
 
   // Bytes of one block of group `g` in one layer, and in all of its layers.
   static int64_t LayerBlockBytes(const KVCacheConfig& c);
-  static uint64_t BlockBytes(const StateManager& m, int g);
+  static uint64_t BlockBytes(const StateManager::Impl& m, int g);
 
  private:
-  static std::vector<std::byte> EncodeConfig(const StateManager& m);
-  static std::vector<uint64_t> ChainIds(const StateManager& m);
-  static std::vector<std::byte> EncodeSequences(const StateManager& m,
+  static std::vector<std::byte> EncodeConfig(const StateManager::Impl& m);
+  static std::vector<uint64_t> ChainIds(const StateManager::Impl& m);
+  static std::vector<std::byte> EncodeSequences(const StateManager::Impl& m,
                                                 const std::vector<uint64_t>& chain_ids);
-  static std::vector<std::byte> EncodePrefix(const StateManager& m,
+  static std::vector<std::byte> EncodePrefix(const StateManager::Impl& m,
                                              const std::vector<uint64_t>& chain_ids);
-  static Status WriteContents(const StateManager& m, int g, std::span<const BlockId> used,
+  static Status WriteContents(const StateManager::Impl& m, int g, std::span<const BlockId> used,
                               snapshot::Writer& w);
 
-  static Status ParseConfig(const StateManager& m, snapshot::Decoder& d);
-  static Status ParseBlocks(const StateManager& m, snapshot::Decoder& d, snapshot::Staged* s);
-  static Status ParseSequences(const StateManager& m, snapshot::Decoder& d, snapshot::Staged* s);
-  static Status ParseKeys(const StateManager& m, snapshot::Decoder& d, snapshot::StagedSequence* q);
-  static Status ParsePrefix(const StateManager& m, snapshot::Decoder& d, snapshot::Staged* s);
-  static Status CheckKeysAgainstCache(const StateManager& m, const snapshot::Staged& s);
+  static Status ParseConfig(const StateManager::Impl& m, snapshot::Decoder& d);
+  static Status ParseBlocks(const StateManager::Impl& m, snapshot::Decoder& d, snapshot::Staged* s);
+  static Status ParseSequences(const StateManager::Impl& m, snapshot::Decoder& d,
+                               snapshot::Staged* s);
+  static Status ParseKeys(const StateManager::Impl& m, snapshot::Decoder& d,
+                          snapshot::StagedSequence* q);
+  static Status ParsePrefix(const StateManager::Impl& m, snapshot::Decoder& d, snapshot::Staged* s);
+  static Status CheckKeysAgainstCache(const StateManager::Impl& m, const snapshot::Staged& s);
 
-  static Status WriteBlocks(StateManager& m, const snapshot::Staged& s);
-  static void PlaceSequences(StateManager& m, const snapshot::Staged& s);
+  static Status WriteBlocks(StateManager::Impl& m, const snapshot::Staged& s);
+  static void PlaceSequences(StateManager::Impl& m, const snapshot::Staged& s);
 };
 
 namespace snapshot {

@@ -157,7 +157,7 @@ std::string DTypeLabel(int32_t dtype) {
 
 }  // namespace
 
-Status SnapshotCodec::Parse(const StateManager& m, Bytes bytes, Staged* s) {
+Status SnapshotCodec::Parse(const StateManager::Impl& m, Bytes bytes, Staged* s) {
   std::array<Bytes, snapshot::kNumSections> payloads;
   std::array<size_t, snapshot::kNumSections> offsets{};
   BLOCKKV_RETURN_IF_ERROR(snapshot::CheckFraming(bytes, &payloads, &offsets));
@@ -186,7 +186,7 @@ Status SnapshotCodec::Parse(const StateManager& m, Bytes bytes, Staged* s) {
   return CheckKeysAgainstCache(m, *s);
 }
 
-Status SnapshotCodec::ParseConfig(const StateManager& m, Decoder& d) {
+Status SnapshotCodec::ParseConfig(const StateManager::Impl& m, Decoder& d) {
   BLOCKKV_RETURN_IF_ERROR(Expect<uint32_t>(d, "the number of cache groups", m.num_groups()));
   for (int g = 0; g < m.num_groups(); ++g) {
     const KVCacheConfig& c = m.cache_->config(g);
@@ -247,7 +247,7 @@ Status SnapshotCodec::ParseConfig(const StateManager& m, Decoder& d) {
 }
 
 // Per group: bytes per block, the held block ids (ascending), their contents.
-Status SnapshotCodec::ParseBlocks(const StateManager& m, Decoder& d, Staged* s) {
+Status SnapshotCodec::ParseBlocks(const StateManager::Impl& m, Decoder& d, Staged* s) {
   const auto groups = static_cast<size_t>(m.num_groups());
   const int32_t num_blocks = m.cache_->num_blocks();
   s->blocks.resize(groups);
@@ -282,7 +282,7 @@ Status SnapshotCodec::ParseBlocks(const StateManager& m, Decoder& d, Staged* s) 
   return d.Finish();
 }
 
-Status SnapshotCodec::ParseSequences(const StateManager& m, Decoder& d, Staged* s) {
+Status SnapshotCodec::ParseSequences(const StateManager::Impl& m, Decoder& d, Staged* s) {
   const auto groups = static_cast<size_t>(m.num_groups());
   const int32_t tracked = m.config_.max_tracked_sequences;
   uint64_t count = 0;
@@ -358,7 +358,7 @@ Status SnapshotCodec::ParseSequences(const StateManager& m, Decoder& d, Staged* 
 }
 
 // A sequence's SequenceKeys: what it registered and how far it has published.
-Status SnapshotCodec::ParseKeys(const StateManager& m, Decoder& d, StagedSequence* q) {
+Status SnapshotCodec::ParseKeys(const StateManager::Impl& m, Decoder& d, StagedSequence* q) {
   Keys& k = q->keys;
   BLOCKKV_RETURN_IF_ERROR(d.GetBool(&k.registered, "registered"));
   BLOCKKV_RETURN_IF_ERROR(d.GetBool(&k.looked_up, "looked up"));
@@ -401,7 +401,7 @@ Status SnapshotCodec::ParseKeys(const StateManager& m, Decoder& d, StagedSequenc
 }
 
 // Per group: the cached blocks, then the eviction order. Empty without prefix caching.
-Status SnapshotCodec::ParsePrefix(const StateManager& m, Decoder& d, Staged* s) {
+Status SnapshotCodec::ParsePrefix(const StateManager::Impl& m, Decoder& d, Staged* s) {
   const auto groups = static_cast<size_t>(m.num_groups());
   s->cached.resize(groups);
   s->evictable.resize(groups);
@@ -496,7 +496,7 @@ Status SnapshotCodec::ParsePrefix(const StateManager& m, Decoder& d, Staged* s) 
 
 // Each sequence's published blocks are cached, and the last one it published, when it still
 // holds it, is cached as the sequence remembers it (what its next publish chains from).
-Status SnapshotCodec::CheckKeysAgainstCache(const StateManager& m, const Staged& s) {
+Status SnapshotCodec::CheckKeysAgainstCache(const StateManager::Impl& m, const Staged& s) {
   if (m.prefix_ == nullptr) return Status::Ok();
   for (const StagedSequence& q : s.sequences) {
     for (size_t g = 0; g < q.rows.size(); ++g) {

@@ -88,7 +88,7 @@ uint64_t SavedChainId(const std::vector<uint64_t>& ids, uint64_t id) {
 
 }  // namespace
 
-std::vector<std::byte> SnapshotCodec::EncodeConfig(const StateManager& m) {
+std::vector<std::byte> SnapshotCodec::EncodeConfig(const StateManager::Impl& m) {
   snapshot::Encoder e;
   e.Put<uint32_t>(static_cast<uint32_t>(m.num_groups()));
   for (int g = 0; g < m.num_groups(); ++g) {
@@ -111,7 +111,7 @@ std::vector<std::byte> SnapshotCodec::EncodeConfig(const StateManager& m) {
   return e.Take();
 }
 
-std::vector<uint64_t> SnapshotCodec::ChainIds(const StateManager& m) {
+std::vector<uint64_t> SnapshotCodec::ChainIds(const StateManager::Impl& m) {
   std::vector<uint64_t> ids;
   if (m.prefix_ == nullptr) return ids;
   for (int g = 0; g < m.num_groups(); ++g) {
@@ -133,7 +133,7 @@ std::vector<uint64_t> SnapshotCodec::ChainIds(const StateManager& m) {
 
 // Every tracked sequence in slot order: uid, slot, seen and cached-prefix tokens, per group its
 // table entries [0, allocated) (released ones kNoBlock), and with prefix caching its keys.
-std::vector<std::byte> SnapshotCodec::EncodeSequences(const StateManager& m,
+std::vector<std::byte> SnapshotCodec::EncodeSequences(const StateManager::Impl& m,
                                                       const std::vector<uint64_t>& chain_ids) {
   snapshot::Encoder e;
   e.Put<uint64_t>(static_cast<uint64_t>(m.n_tracked_sequences()));
@@ -171,7 +171,7 @@ std::vector<std::byte> SnapshotCodec::EncodeSequences(const StateManager& m,
 
 // Per group every cached block in PrefixCache::CachedBlocks' order (restoring in it rebuilds the
 // index as it is), then the evictable blocks in eviction order. Empty without prefix caching.
-std::vector<std::byte> SnapshotCodec::EncodePrefix(const StateManager& m,
+std::vector<std::byte> SnapshotCodec::EncodePrefix(const StateManager::Impl& m,
                                                    const std::vector<uint64_t>& chain_ids) {
   snapshot::Encoder e;
   if (m.prefix_ == nullptr) return e.Take();
@@ -199,7 +199,7 @@ std::vector<std::byte> SnapshotCodec::EncodePrefix(const StateManager& m,
   return e.Take();
 }
 
-Result<SnapshotCodec::SavePlan> SnapshotCodec::Plan(const StateManager& m) {
+Result<SnapshotCodec::SavePlan> SnapshotCodec::Plan(const StateManager::Impl& m) {
   BLOCKKV_RETURN_IF_ERROR(m.CheckSnapshotable());
   if (m.prefix_ != nullptr && m.config_.prefix_cache.hash_function != nullptr &&
       m.config_.prefix_cache.hash_function != Xxh3BlockHash) {
@@ -227,7 +227,7 @@ Result<SnapshotCodec::SavePlan> SnapshotCodec::Plan(const StateManager& m) {
   return plan;
 }
 
-uint64_t SnapshotCodec::BlockBytes(const StateManager& m, int g) {
+uint64_t SnapshotCodec::BlockBytes(const StateManager::Impl& m, int g) {
   const KVCacheConfig& c = m.cache_->config(g);
   return static_cast<uint64_t>(c.num_caches() * LayerBlockBytes(c));
 }
@@ -236,7 +236,7 @@ int64_t SnapshotCodec::LayerBlockBytes(const KVCacheConfig& c) {
   return c.elements_per_layer_block() * static_cast<int64_t>(ElementSize(c.cache_dtype));
 }
 
-Status SnapshotCodec::Write(const StateManager& m, const SavePlan& plan, const Sink& sink) {
+Status SnapshotCodec::Write(const StateManager::Impl& m, const SavePlan& plan, const Sink& sink) {
   snapshot::Writer w(sink);
   BLOCKKV_RETURN_IF_ERROR(w.Header());
   BLOCKKV_RETURN_IF_ERROR(w.Section(snapshot::kConfig, plan.config));
@@ -260,8 +260,8 @@ Status SnapshotCodec::Write(const StateManager& m, const SavePlan& plan, const S
 
 // Block contents, layer-major: [num_caches][used blocks][one layer's block], copied to the host
 // in runs of consecutive ids through a buffer of at most kCopyChunkBytes (or one layer block).
-Status SnapshotCodec::WriteContents(const StateManager& m, int g, std::span<const BlockId> used,
-                                    snapshot::Writer& w) {
+Status SnapshotCodec::WriteContents(const StateManager::Impl& m, int g,
+                                    std::span<const BlockId> used, snapshot::Writer& w) {
   if (used.empty()) return Status::Ok();
   const KVCacheConfig& c = m.cache_->config(g);
   const auto layer_block = static_cast<size_t>(LayerBlockBytes(c));

@@ -18,6 +18,7 @@
 #include "internal/validate.h"
 #include "prefix_host_tier.h"
 #include "ragged_batch_impl.h"
+#include "state_manager_impl.h"
 #include "state_manager_keys.h"
 #include "state_manager_offload.h"
 
@@ -72,8 +73,9 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 }  // namespace
 
 KVRequirement ComputeKVRequirement(int64_t seen_tokens, int32_t allocated_blocks,
-                                   int64_t max_new_tokens, int32_t max_new_blocks,
-                                   int32_t block_size) {
+                                   const KVBudget& budget, int32_t block_size) {
+  const int64_t max_new_tokens = budget.max_new_tokens;
+  const int32_t max_new_blocks = budget.max_new_blocks;
   const int64_t required = CeilDiv(seen_tokens + max_new_tokens, block_size) - allocated_blocks;
   if (required <= max_new_blocks) return {max_new_tokens, static_cast<int32_t>(required)};
   return {(int64_t{max_new_blocks} + allocated_blocks) * block_size - seen_tokens, max_new_blocks};
@@ -159,14 +161,91 @@ Result<std::unique_ptr<StateManager>> StateManager::Create(StateManagerConfig co
   BLOCKKV_ASSIGN_OR_RETURN(
       std::unique_ptr<BlockedKVCache> cache,
       BlockedKVCache::Create(std::move(kv_configs), config.memory_config, std::move(device), comm));
-  std::unique_ptr<StateManager> manager(
-      new StateManager(std::move(config), std::move(cache), std::move(slots)));
-  if (manager->config_.offload) BLOCKKV_RETURN_IF_ERROR(manager->EnableOffload());
+  std::unique_ptr<StateManager> manager(new StateManager(
+      std::make_unique<Impl>(std::move(config), std::move(cache), std::move(slots))));
+  Impl& impl = *manager->impl_;
+  impl.owner_ = manager.get();
+  if (impl.config_.offload) BLOCKKV_RETURN_IF_ERROR(impl.EnableOffload());
   return manager;
 }
 
-StateManager::StateManager(StateManagerConfig config, std::unique_ptr<BlockedKVCache> cache,
-                           BlockedAllocator slots)
+StateManager::StateManager(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+StateManager::~StateManager() = default;
+
+// ---- the API: each call is the Impl's (state_manager_impl.h) ----------------------------------
+
+Result<Sequence*> StateManager::GetOrCreateSequence(SeqId uid) {
+  return impl_->GetOrCreateSequence(uid);
+}
+Result<Sequence*> StateManager::AddSequence(SeqId uid, std::span<const TokenId> prompt,
+                                            const SequenceOptions& options) {
+  return impl_->AddSequence(uid, prompt, options);
+}
+Status StateManager::AppendTokens(SeqId uid, std::span<const TokenId> tokens) {
+  return impl_->AppendTokens(uid, tokens);
+}
+const Sequence* StateManager::GetSequence(SeqId uid) const { return impl_->GetSequence(uid); }
+bool StateManager::Owns(const Sequence& seq) const { return impl_->Owns(seq); }
+Status StateManager::FlushSequence(SeqId uid) { return impl_->FlushSequence(uid); }
+Result<KVRequirement> StateManager::Query(SeqId uid, const KVBudget& budget, int group) const {
+  return impl_->Query(uid, budget, group);
+}
+Result<SchedulingResult> StateManager::CanSchedule(const ScheduleRequest& request) {
+  return impl_->CanSchedule(request);
+}
+Status StateManager::Schedule(const ScheduleRequest& request, SchedulingResult* result) {
+  return impl_->Schedule(request, result);
+}
+Status StateManager::ScheduleBatch(const ScheduleRequest& request, std::span<const TokenId> tokens,
+                                   RaggedBatch& batch, bool padding, SchedulingResult* result) {
+  return impl_->ScheduleBatch(request, tokens, batch, padding, result);
+}
+Status StateManager::PostForward(std::span<const SeqId> uids) { return impl_->PostForward(uids); }
+Status StateManager::PostForward(const RaggedBatch& batch) { return impl_->PostForward(batch); }
+Status StateManager::FreeLeadingBlocks(SeqId uid, int32_t num_blocks, int group) {
+  return impl_->FreeLeadingBlocks(uid, num_blocks, group);
+}
+Status StateManager::Fork(SeqId parent, SeqId child) { return impl_->Fork(parent, child); }
+int64_t StateManager::RemainingBlockCapacity(SeqId uid, int group) const {
+  return impl_->RemainingBlockCapacity(uid, group);
+}
+const PrefixCache* StateManager::prefix_cache() const { return impl_->prefix_cache(); }
+CacheEventBatch StateManager::DrainCacheEvents() { return impl_->DrainCacheEvents(); }
+int64_t StateManager::ResetPrefixCache() { return impl_->ResetPrefixCache(); }
+Status StateManager::SaveSnapshot(const std::string& path) const {
+  return impl_->SaveSnapshot(path);
+}
+Result<std::vector<std::byte>> StateManager::SaveSnapshot() const { return impl_->SaveSnapshot(); }
+Status StateManager::LoadSnapshot(const std::string& path) { return impl_->LoadSnapshot(path); }
+Status StateManager::LoadSnapshot(std::span<const std::byte> bytes) {
+  return impl_->LoadSnapshot(bytes);
+}
+Result<OffloadTicket> StateManager::PreemptSequence(SeqId uid) {
+  return impl_->PreemptSequence(uid);
+}
+Result<OffloadTicket> StateManager::ResumeSequence(SeqId uid) { return impl_->ResumeSequence(uid); }
+const OffloadStore* StateManager::offload_store() const { return impl_->offload_store(); }
+StateManager::HostPrefixStats StateManager::host_prefix_stats() const {
+  return impl_->host_prefix_stats();
+}
+Result<TensorView> StateManager::GetCache(int64_t cache_id, int group) const {
+  return impl_->GetCache(cache_id, group);
+}
+const BlockedKVCache& StateManager::kv_cache() const { return impl_->kv_cache(); }
+const BlockPool& StateManager::pool(int group) const { return impl_->pool(group); }
+const BlockId* StateManager::block_tables(int group) const { return impl_->block_tables(group); }
+const StateManagerConfig& StateManager::config() const { return impl_->config(); }
+int StateManager::num_groups() const { return impl_->num_groups(); }
+int32_t StateManager::n_tracked_sequences() const { return impl_->n_tracked_sequences(); }
+std::vector<int32_t> StateManager::free_blocks() const { return impl_->free_blocks(); }
+int32_t StateManager::kv_block_size(int group) const { return impl_->kv_block_size(group); }
+int32_t StateManager::max_blocks_per_sequence(int group) const {
+  return impl_->max_blocks_per_sequence(group);
+}
+Status StateManager::CheckInvariants() const { return impl_->CheckInvariants(); }
+
+StateManager::Impl::Impl(StateManagerConfig config, std::unique_ptr<BlockedKVCache> cache,
+                         BlockedAllocator slots)
     : config_(std::move(config)),
       cache_(std::move(cache)),
       slots_(std::move(slots)),
@@ -198,41 +277,43 @@ StateManager::StateManager(StateManagerConfig config, std::unique_ptr<BlockedKVC
   if (config_.prefix_cache.enabled) EnablePrefixCache();
 }
 
-StateManager::~StateManager() = default;
+StateManager::Impl::~Impl() = default;
 
 // ---- lookups ----------------------------------------------------------------------------------
 
-Sequence* StateManager::Find(SeqId uid) {
+Sequence* StateManager::Impl::Find(SeqId uid) {
   const int32_t slot = by_uid_->Find(uid);
   return slot == internal::UidMap::kAbsent ? nullptr : &sequences_[slot];
 }
 
-const Sequence* StateManager::Find(SeqId uid) const {
+const Sequence* StateManager::Impl::Find(SeqId uid) const {
   const int32_t slot = by_uid_->Find(uid);
   return slot == internal::UidMap::kAbsent ? nullptr : &sequences_[slot];
 }
 
-int32_t StateManager::n_tracked_sequences() const { return by_uid_->size(); }
+int32_t StateManager::Impl::n_tracked_sequences() const { return by_uid_->size(); }
 
-const Sequence* StateManager::GetSequence(SeqId uid) const { return Find(uid); }
+const Sequence* StateManager::Impl::GetSequence(SeqId uid) const { return Find(uid); }
 
-int32_t StateManager::kv_block_size(int group) const { return cache_->config(group).block_size; }
+int32_t StateManager::Impl::kv_block_size(int group) const {
+  return cache_->config(group).block_size;
+}
 
-int32_t StateManager::max_blocks_per_sequence(int group) const {
+int32_t StateManager::Impl::max_blocks_per_sequence(int group) const {
   return cache_->config(group).max_blocks_per_allocation_group;
 }
 
-std::vector<int32_t> StateManager::free_blocks() const {
+std::vector<int32_t> StateManager::Impl::free_blocks() const {
   std::vector<int32_t> free;
   for (const BlockPool& pool : pools_) free.push_back(pool.free_blocks());
   return free;
 }
 
-Result<TensorView> StateManager::GetCache(int64_t cache_id, int group) const {
+Result<TensorView> StateManager::Impl::GetCache(int64_t cache_id, int group) const {
   return cache_->GetCache(cache_id, group);
 }
 
-Status StateManager::CheckGroupArg(int group) const {
+Status StateManager::Impl::CheckGroupArg(int group) const {
   if (group < 0 || group >= num_groups()) {
     return OutOfRangeError(
         StrCat("cache group ", group, " does not exist: there are ", num_groups()));
@@ -240,7 +321,7 @@ Status StateManager::CheckGroupArg(int group) const {
   return Status::Ok();
 }
 
-int64_t StateManager::RemainingBlockCapacity(SeqId uid, int group) const {
+int64_t StateManager::Impl::RemainingBlockCapacity(SeqId uid, int group) const {
   const Sequence* seq = Find(uid);
   if (seq == nullptr || group < 0 || group >= num_groups()) return 0;
   return block_sizes_[group].Offset(seq->seen_tokens());
@@ -248,7 +329,7 @@ int64_t StateManager::RemainingBlockCapacity(SeqId uid, int group) const {
 
 // ---- sequences --------------------------------------------------------------------------------
 
-Sequence* StateManager::CreateInSlot(SeqId uid) {
+Sequence* StateManager::Impl::CreateInSlot(SeqId uid) {
   BlockId slot = kNoBlock;
   const Status taken = slots_.Allocate(1, std::span<BlockId>(&slot, 1));
   BLOCKKV_CHECK(taken.ok(), "CreateInSlot without a free slot");
@@ -265,7 +346,7 @@ Sequence* StateManager::CreateInSlot(SeqId uid) {
   return &seq;
 }
 
-Result<Sequence*> StateManager::GetOrCreateSequence(SeqId uid) {
+Result<Sequence*> StateManager::Impl::GetOrCreateSequence(SeqId uid) {
   if (Sequence* seq = Find(uid)) return seq;
   if (slots_.free_blocks() == 0) {
     return ResourceExhaustedError(StrCat("unable to create a tracking slot for sequence ", uid,
@@ -275,7 +356,7 @@ Result<Sequence*> StateManager::GetOrCreateSequence(SeqId uid) {
   return CreateInSlot(uid);
 }
 
-void StateManager::ReleaseSequenceBlocks(Sequence& seq) {
+void StateManager::Impl::ReleaseSequenceBlocks(Sequence& seq) {
   for (int g = 0; g < num_groups(); ++g) {
     Sequence::GroupState& state = seq.groups_[g];
     std::span<const BlockId> held = state.held();
@@ -292,7 +373,7 @@ void StateManager::ReleaseSequenceBlocks(Sequence& seq) {
   }
 }
 
-Status StateManager::FlushSequence(SeqId uid) {
+Status StateManager::Impl::FlushSequence(SeqId uid) {
   Sequence* seq = Find(uid);
   if (seq == nullptr) {
     return NotFoundError(StrCat("cannot flush sequence ", uid, ": it is not tracked"));
@@ -309,7 +390,7 @@ Status StateManager::FlushSequence(SeqId uid) {
   return Status::Ok();
 }
 
-Status StateManager::PostForward(std::span<const SeqId> uids) {
+Status StateManager::Impl::PostForward(std::span<const SeqId> uids) {
   slot_scratch_.resize(uids.size());
   for (size_t i = 0; i < uids.size(); ++i) {
     slot_scratch_[i] = by_uid_->Find(uids[i]);
@@ -321,14 +402,14 @@ Status StateManager::PostForward(std::span<const SeqId> uids) {
   return Status::Ok();
 }
 
-inline void StateManager::Advance(Sequence& seq) {
+inline void StateManager::Impl::Advance(Sequence& seq) {
   seq.seen_tokens_ += seq.in_flight_tokens_;
   seq.in_flight_tokens_ = 0;
   // A resumed sequence's blocks are published once their copy is known to be good.
   if (prefix_ != nullptr && (resuming_ == 0 || RestoreDone(seq))) PublishFullBlocks(seq);
 }
 
-Status StateManager::PostForward(const RaggedBatch& batch) {
+Status StateManager::Impl::PostForward(const RaggedBatch& batch) {
   // The batch's entries, read directly (StateManager is a friend of RaggedBatch): a decode step
   // does this for every sequence.
   const std::span<const RaggedBatch::Impl::Entry> entries = batch.impl_->entries();
@@ -358,7 +439,7 @@ Status StateManager::PostForward(const RaggedBatch& batch) {
   return Status::Ok();
 }
 
-Status StateManager::FreeLeadingBlocks(SeqId uid, int32_t num_blocks, int group) {
+Status StateManager::Impl::FreeLeadingBlocks(SeqId uid, int32_t num_blocks, int group) {
   BLOCKKV_RETURN_IF_ERROR(CheckGroupArg(group));
   if (num_blocks < 0) {
     return InvalidArgumentError(StrCat("cannot free a negative number of blocks: ", num_blocks));
@@ -389,8 +470,10 @@ Status StateManager::FreeLeadingBlocks(SeqId uid, int32_t num_blocks, int group)
 
 // ---- scheduling -------------------------------------------------------------------------------
 
-Result<KVRequirement> StateManager::Query(SeqId uid, int64_t max_new_tokens, int32_t max_new_blocks,
-                                          int group) const {
+Result<KVRequirement> StateManager::Impl::Query(SeqId uid, const KVBudget& budget,
+                                                int group) const {
+  const int64_t max_new_tokens = budget.max_new_tokens;
+  const int32_t max_new_blocks = budget.max_new_blocks;
   BLOCKKV_RETURN_IF_ERROR(CheckGroupArg(group));
   if (max_new_tokens < 0 || max_new_blocks < 0) {
     return InvalidArgumentError(StrCat("Query: max_new_tokens (", max_new_tokens,
@@ -401,14 +484,16 @@ Result<KVRequirement> StateManager::Query(SeqId uid, int64_t max_new_tokens, int
   const int64_t seen = seq ? seq->seen_tokens_ : 0;
   const int32_t allocated = seq ? seq->groups_[group].allocated : 0;
   const int64_t tokens = std::min(max_new_tokens, TokenCapacity(seen));
-  return ComputeKVRequirement(seen, allocated, tokens, max_new_blocks, kv_block_size(group));
+  return ComputeKVRequirement(seen, allocated,
+                              {.max_new_tokens = tokens, .max_new_blocks = max_new_blocks},
+                              kv_block_size(group));
 }
 
 // One pass over the uids: a step's sequences are each looked up once, and what the verdict
 // counts is left for Schedule. An argument error anywhere wins over the verdict (every uid's
 // arguments are checked, also after the verdict is known).
-Result<SchedulingResult> StateManager::Check(const ScheduleRequest& request,
-                                             std::string* why) const {
+Result<SchedulingResult> StateManager::Impl::Check(const ScheduleRequest& request,
+                                                   std::string* why) {
   const std::span<const SeqId> uids = request.uids;
   const std::span<const int64_t> lengths = request.lengths;
   if (uids.size() != lengths.size()) {
@@ -493,8 +578,8 @@ Result<SchedulingResult> StateManager::Check(const ScheduleRequest& request,
 // Check's pass over the uids. kSimple (one cache group, no prefix caching) is compiled on its
 // own: its loop is free of the hits and the group loop.
 template <bool kSimple>
-Status StateManager::CheckEach(const ScheduleRequest& request, std::string* why,
-                               CheckTotals& totals) const {
+Status StateManager::Impl::CheckEach(const ScheduleRequest& request, std::string* why,
+                                     CheckTotals& totals) {
   const std::span<const SeqId> uids = request.uids;
   const std::span<const int64_t> lengths = request.lengths;
   // The loop reads everything through locals: its stores through int32 / int64 pointers could
@@ -579,26 +664,27 @@ Status StateManager::CheckEach(const ScheduleRequest& request, std::string* why,
   return Status::Ok();
 }
 
-Result<SchedulingResult> StateManager::CanSchedule(const ScheduleRequest& request) const {
+Result<SchedulingResult> StateManager::Impl::CanSchedule(const ScheduleRequest& request) {
   std::string why;
   return Check(request, &why);
 }
 
-Status StateManager::Schedule(const ScheduleRequest& request, SchedulingResult* result) {
+Status StateManager::Impl::Schedule(const ScheduleRequest& request, SchedulingResult* result) {
   return ScheduleInto(request, result, nullptr);
 }
 
-Status StateManager::ScheduleBatch(const ScheduleRequest& request, std::span<const TokenId> tokens,
-                                   RaggedBatch& batch, bool padding, SchedulingResult* result) {
-  if (&batch.manager() != this) {
+Status StateManager::Impl::ScheduleBatch(const ScheduleRequest& request,
+                                         std::span<const TokenId> tokens, RaggedBatch& batch,
+                                         bool padding, SchedulingResult* result) {
+  if (&batch.manager() != owner_) {
     return InvalidArgumentError("ScheduleBatch: the batch was created for another state manager");
   }
   const BatchOut out{.tokens = tokens, .batch = &batch, .padding = padding};
   return ScheduleInto(request, result, &out);
 }
 
-Status StateManager::ScheduleInto(const ScheduleRequest& request, SchedulingResult* result,
-                                  const BatchOut* out) {
+Status StateManager::Impl::ScheduleInto(const ScheduleRequest& request, SchedulingResult* result,
+                                        const BatchOut* out) {
   const std::span<const SeqId> uids = request.uids;
   const std::span<const int64_t> lengths = request.lengths;
   BLOCKKV_RETURN_IF_ERROR(SettleRestores(uids));
@@ -677,7 +763,7 @@ Status StateManager::ScheduleInto(const ScheduleRequest& request, SchedulingResu
 // the hits and the group loop, which would otherwise keep more values live than there are
 // registers.
 template <bool kBatch, bool kSimple>
-void StateManager::Commit(const ScheduleRequest& request, const BatchOut* out) {
+void StateManager::Impl::Commit(const ScheduleRequest& request, const BatchOut* out) {
   const std::span<const SeqId> uids = request.uids;
   const std::span<const int64_t> lengths = request.lengths;
   const size_t groups = kSimple ? 1 : static_cast<size_t>(num_groups());
@@ -733,7 +819,7 @@ void StateManager::Commit(const ScheduleRequest& request, const BatchOut* out) {
 
 // ---- fork -------------------------------------------------------------------------------------
 
-Status StateManager::Fork(SeqId parent, SeqId child) {
+Status StateManager::Impl::Fork(SeqId parent, SeqId child) {
   Sequence* const parent_seq = Find(parent);
   if (parent_seq == nullptr) {
     return NotFoundError(StrCat("Fork: parent ", parent, " is not tracked"));

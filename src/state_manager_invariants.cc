@@ -7,13 +7,14 @@
 #include "internal/strings.h"
 #include "internal/uid_map.h"
 #include "prefix_host_tier.h"
+#include "state_manager_impl.h"
 
 namespace blockkv {
 
 using internal::StrCat;
 
-Status StateManager::CheckSequence(const Sequence& seq, std::vector<int32_t>* owners,
-                                   int group) const {
+Status StateManager::Impl::CheckSequence(const Sequence& seq, std::vector<int32_t>* owners,
+                                         int group) const {
   const Sequence::GroupState& state = seq.groups_[group];
   const int32_t capacity = max_blocks_per_sequence(group);
   if (state.released < 0 || state.released > state.allocated || state.allocated > capacity) {
@@ -45,7 +46,7 @@ Status StateManager::CheckSequence(const Sequence& seq, std::vector<int32_t>* ow
   return CheckParked(seq, group);
 }
 
-Status StateManager::CheckInvariants() const {
+Status StateManager::Impl::CheckInvariants() const {
   if (slots_.used_blocks() != n_tracked_sequences()) {
     return InternalError(StrCat(slots_.used_blocks(), " slots used for ", n_tracked_sequences(),
                                 " tracked sequences"));

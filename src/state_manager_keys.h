@@ -6,11 +6,12 @@
 #include <vector>
 
 #include "blockkv/state_manager.h"
+#include "state_manager_impl.h"
 
 namespace blockkv {
 
 // What the manager knows of a sequence's tokens, by tracking slot.
-struct StateManager::SequenceKeys {
+struct StateManager::Impl::SequenceKeys {
   using Published = PrefixCache::Published;
   struct Group {
     int32_t published = 0;  // leading blocks cached (hit or published by this sequence)

@@ -8,6 +8,7 @@
 #include "internal/strings.h"
 #include "internal/uid_map.h"
 #include "prefix_host_tier.h"
+#include "state_manager_impl.h"
 #include "state_manager_keys.h"
 #include "state_manager_offload.h"
 
@@ -15,13 +16,13 @@ namespace blockkv {
 
 using internal::StrCat;
 
-void StateManager::PoolOwner::Release(int group, std::span<const BlockId> blocks) {
+void StateManager::Impl::PoolOwner::Release(int group, std::span<const BlockId> blocks) {
   const Status released = (*pools_)[group].Release(blocks);
   BLOCKKV_CHECK(released.ok(), "the offload store gave back a block it held no reference to");
 }
 
-Status StateManager::PoolOwner::Adopt(int group, std::span<const BlockId> blocks,
-                                      std::span<const int32_t> store_holds) {
+Status StateManager::Impl::PoolOwner::Adopt(int group, std::span<const BlockId> blocks,
+                                            std::span<const int32_t> store_holds) {
   const BlockPool& pool = (*pools_)[group];
   for (const BlockId b : blocks) {
     if (pool.ref_count(b) <= store_holds[b]) {
@@ -32,7 +33,7 @@ Status StateManager::PoolOwner::Adopt(int group, std::span<const BlockId> blocks
   return Status::Ok();
 }
 
-Status StateManager::EnableOffload() {
+Status StateManager::Impl::EnableOffload() {
   pool_owner_ = std::make_unique<PoolOwner>(&pools_);
   Result<std::unique_ptr<OffloadStore>> store =
       OffloadStore::Create(cache_.get(), config_.offload_config, pool_owner_.get());
@@ -50,7 +51,7 @@ Status StateManager::EnableOffload() {
   return Status::Ok();
 }
 
-StateManager::HostPrefixStats StateManager::host_prefix_stats() const {
+StateManager::HostPrefixStats StateManager::Impl::host_prefix_stats() const {
   if (host_prefix_ == nullptr) return {};
   const internal::PrefixHostTier::Stats& s = host_prefix_->stats();
   return {.entries = host_prefix_->size(),
@@ -59,7 +60,7 @@ StateManager::HostPrefixStats StateManager::host_prefix_stats() const {
           .dropped = s.dropped};
 }
 
-Result<OffloadTicket> StateManager::PreemptSequence(SeqId uid) {
+Result<OffloadTicket> StateManager::Impl::PreemptSequence(SeqId uid) {
   if (offload_ == nullptr) {
     return FailedPreconditionError(
         StrCat("PreemptSequence(", uid, "): offload is off (StateManagerConfig.offload)"));
@@ -128,7 +129,7 @@ Result<OffloadTicket> StateManager::PreemptSequence(SeqId uid) {
   return ticket;
 }
 
-Result<OffloadTicket> StateManager::ResumeSequence(SeqId uid) {
+Result<OffloadTicket> StateManager::Impl::ResumeSequence(SeqId uid) {
   if (offload_ == nullptr) {
     return FailedPreconditionError(
         StrCat("ResumeSequence(", uid, "): offload is off (StateManagerConfig.offload)"));
@@ -175,7 +176,7 @@ Result<OffloadTicket> StateManager::ResumeSequence(SeqId uid) {
   return *copied;
 }
 
-Status StateManager::SettleRestore(Sequence& seq) {
+Status StateManager::Impl::SettleRestore(Sequence& seq) {
   if (parked_ == nullptr) return Status::Ok();
   Parked& parked = parked_[seq.slot_];
   if (!parked.resuming) return Status::Ok();
@@ -200,7 +201,7 @@ Status StateManager::SettleRestore(Sequence& seq) {
                                 " could not be resumed, it stays preempted: ", copied.message())};
 }
 
-Status StateManager::RequireResident(Sequence& seq, std::string_view who) {
+Status StateManager::Impl::RequireResident(Sequence& seq, std::string_view who) {
   BLOCKKV_RETURN_IF_ERROR(SettleRestore(seq));
   if (seq.preempted_) {
     return FailedPreconditionError(StrCat(who, " is preempted; resume it first"));
@@ -208,14 +209,14 @@ Status StateManager::RequireResident(Sequence& seq, std::string_view who) {
   return Status::Ok();
 }
 
-bool StateManager::RestoreDone(Sequence& seq) {
+bool StateManager::Impl::RestoreDone(Sequence& seq) {
   if (parked_ == nullptr || !parked_[seq.slot_].resuming) return true;
   OffloadTicket& restore = parked_[seq.slot_].restore;
   if (!restore.Poll() || !restore.Wait().ok()) return false;
   return SettleRestore(seq).ok();
 }
 
-Status StateManager::SettleRestores(std::span<const SeqId> uids) {
+Status StateManager::Impl::SettleRestores(std::span<const SeqId> uids) {
   if (resuming_ == 0) return Status::Ok();
   for (const SeqId uid : uids) {
     if (Sequence* seq = Find(uid)) BLOCKKV_RETURN_IF_ERROR(SettleRestore(*seq));
@@ -223,7 +224,7 @@ Status StateManager::SettleRestores(std::span<const SeqId> uids) {
   return Status::Ok();
 }
 
-void StateManager::DropParked(Sequence& seq) {
+void StateManager::Impl::DropParked(Sequence& seq) {
   if (parked_ == nullptr) return;
   SettleRestore(seq).IgnoreError();  // a failed resume parks it again: dropped below
   Parked& parked = parked_[seq.slot_];
@@ -237,7 +238,7 @@ void StateManager::DropParked(Sequence& seq) {
   seq.preempted_ = false;
 }
 
-Status StateManager::CheckParked(const Sequence& seq, int group) const {
+Status StateManager::Impl::CheckParked(const Sequence& seq, int group) const {
   const Parked* parked = parked_ == nullptr ? nullptr : &parked_[seq.slot_];
   const bool has_handles = parked != nullptr && !parked->handles.empty();
   if (!seq.preempted_) {

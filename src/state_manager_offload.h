@@ -7,12 +7,13 @@
 
 #include "blockkv/offload.h"
 #include "blockkv/state_manager.h"
+#include "state_manager_impl.h"
 
 namespace blockkv {
 
 // Device blocks for the offload store come from, and go back to, the manager's pools: a block
 // being offloaded keeps the sequence's reference until its copy is done.
-class StateManager::PoolOwner final : public OffloadStore::BlockOwner {
+class StateManager::Impl::PoolOwner final : public OffloadStore::BlockOwner {
  public:
   explicit PoolOwner(std::vector<BlockPool>* pools) : pools_(pools) {}
   Status Take(int group, std::span<BlockId> out) override {
@@ -29,7 +30,7 @@ class StateManager::PoolOwner final : public OffloadStore::BlockOwner {
 };
 
 // A preempted sequence's handles (or a resuming one's, until its copy settles), by slot.
-struct StateManager::Parked {
+struct StateManager::Impl::Parked {
   std::vector<OffloadHandle> handles;  // group after group, table order within a group
   std::vector<int32_t> counts;         // [num_groups]: handles of each group
   OffloadTicket restore;               // the resume copy, while `resuming`

@@ -10,6 +10,7 @@
 #include "internal/check.h"
 #include "internal/strings.h"
 #include "prefix_host_tier.h"
+#include "state_manager_impl.h"
 #include "state_manager_keys.h"
 
 namespace blockkv {
@@ -28,7 +29,7 @@ Status CheckTokenIds(SeqId uid, std::span<const TokenId> tokens) {
 
 }  // namespace
 
-void StateManager::EnablePrefixCache() {
+void StateManager::Impl::EnablePrefixCache() {
   std::vector<int32_t> block_sizes;
   block_sizes.reserve(static_cast<size_t>(num_groups()));
   for (int g = 0; g < num_groups(); ++g) block_sizes.push_back(kv_block_size(g));
@@ -45,8 +46,8 @@ void StateManager::EnablePrefixCache() {
   match_blocks_.resize(static_cast<size_t>(num_groups()));
 }
 
-Result<Sequence*> StateManager::AddSequence(SeqId uid, std::span<const TokenId> prompt,
-                                            const SequenceOptions& options) {
+Result<Sequence*> StateManager::Impl::AddSequence(SeqId uid, std::span<const TokenId> prompt,
+                                                  const SequenceOptions& options) {
   if (Find(uid) != nullptr) {
     return AlreadyExistsError(StrCat("AddSequence: sequence ", uid, " is already tracked"));
   }
@@ -71,7 +72,7 @@ Result<Sequence*> StateManager::AddSequence(SeqId uid, std::span<const TokenId> 
   return seq;
 }
 
-Status StateManager::AppendTokens(SeqId uid, std::span<const TokenId> tokens) {
+Status StateManager::Impl::AppendTokens(SeqId uid, std::span<const TokenId> tokens) {
   const Sequence* seq = Find(uid);
   if (seq == nullptr) {
     return NotFoundError(StrCat("AppendTokens: sequence ", uid, " is not tracked"));
@@ -88,8 +89,8 @@ Status StateManager::AppendTokens(SeqId uid, std::span<const TokenId> tokens) {
   return Status::Ok();
 }
 
-Status StateManager::CheckRecordableTokens(const Sequence& seq, int64_t seen_tokens,
-                                           std::span<const int64_t> tokens) const {
+Status StateManager::Impl::CheckRecordableTokens(const Sequence& seq, int64_t seen_tokens,
+                                                 std::span<const int64_t> tokens) const {
   const SequenceKeys& keys = keys_[seq.slot_];
   const auto known = static_cast<int64_t>(keys.tokens.size());
   if (!keys.registered || known < seen_tokens) return Status::Ok();  // nothing to record
@@ -103,7 +104,7 @@ Status StateManager::CheckRecordableTokens(const Sequence& seq, int64_t seen_tok
   return Status::Ok();
 }
 
-void StateManager::RecordTokens(const Sequence& seq, std::span<const int64_t> tokens) {
+void StateManager::Impl::RecordTokens(const Sequence& seq, std::span<const int64_t> tokens) {
   SequenceKeys& keys = keys_[seq.slot_];
   const auto known = static_cast<int64_t>(keys.tokens.size());
   // Tokens the engine gave before some unknown ones cannot be placed: leave the gap unknown.
@@ -114,7 +115,7 @@ void StateManager::RecordTokens(const Sequence& seq, std::span<const int64_t> to
   }
 }
 
-void StateManager::ResetKeys(int32_t slot) {
+void StateManager::Impl::ResetKeys(int32_t slot) {
   if (prefix_ == nullptr) return;
   SequenceKeys& keys = keys_[slot];
   keys.registered = keys.looked_up = false;
@@ -123,7 +124,7 @@ void StateManager::ResetKeys(int32_t slot) {
   for (SequenceKeys::Group& g : keys.groups) g = {};
 }
 
-void StateManager::ForkKeys(const Sequence& from, const Sequence& to) {
+void StateManager::Impl::ForkKeys(const Sequence& from, const Sequence& to) {
   if (prefix_ == nullptr) return;
   SequenceKeys& child = keys_[to.slot_];
   child = keys_[from.slot_];
@@ -132,20 +133,20 @@ void StateManager::ForkKeys(const Sequence& from, const Sequence& to) {
 
 // ---- scheduling -------------------------------------------------------------------------------
 
-int64_t StateManager::SlidingWindow(int group) const {
+int64_t StateManager::Impl::SlidingWindow(int group) const {
   const std::vector<int64_t>& windows = config_.prefix_cache.sliding_windows;
   return static_cast<size_t>(group) < windows.size() ? windows[static_cast<size_t>(group)] : 0;
 }
 
-int32_t StateManager::WindowStart(int group, int32_t blocks) const {
+int32_t StateManager::Impl::WindowStart(int group, int32_t blocks) const {
   const int64_t window = SlidingWindow(group);
   const int64_t end = int64_t{blocks} * kv_block_size(group);
   if (window <= 0 || end <= window) return 0;
   return static_cast<int32_t>((end - window) / kv_block_size(group));
 }
 
-const StateManager::PrefixHit* StateManager::LookupPrefix(size_t i, const Sequence* seq,
-                                                          int64_t length) const {
+const StateManager::Impl::PrefixHit* StateManager::Impl::LookupPrefix(size_t i, const Sequence* seq,
+                                                                      int64_t length) {
   if (seq == nullptr || seq->seen_tokens_ != 0) return nullptr;
   const SequenceKeys& keys = keys_[seq->slot_];
   if (!keys.registered || keys.looked_up) return nullptr;
@@ -244,7 +245,7 @@ const StateManager::PrefixHit* StateManager::LookupPrefix(size_t i, const Sequen
   return &hits_.back();
 }
 
-void StateManager::TakePrefix(size_t i, Sequence& seq) {
+void StateManager::Impl::TakePrefix(size_t i, Sequence& seq) {
   SequenceKeys& keys = keys_[seq.slot_];
   keys.looked_up = true;
   const auto index = static_cast<size_t>(hit_index_[i]);
@@ -269,7 +270,7 @@ void StateManager::TakePrefix(size_t i, Sequence& seq) {
   prefix_->RecordLookup(keys.ns_id, static_cast<int64_t>(keys.tokens.size()), hit.tokens);
 }
 
-void StateManager::ShareHitBlocks(bool share) {
+void StateManager::Impl::ShareHitBlocks(bool share) {
   for (size_t h = 0; h < hits_.size(); ++h) {
     size_t at = hits_[h].first;
     for (int g = 0; g < num_groups(); ++g) {
@@ -285,7 +286,7 @@ void StateManager::ShareHitBlocks(bool share) {
   }
 }
 
-Status StateManager::PromoteHits(std::span<const BlockId> blocks) {
+Status StateManager::Impl::PromoteHits(std::span<const BlockId> blocks) {
   size_t next = 0;
   for (size_t i = 0; i < hit_index_.size(); ++i) {
     if (hit_index_[i] < 0) continue;
@@ -305,7 +306,7 @@ Status StateManager::PromoteHits(std::span<const BlockId> blocks) {
   return Status::Ok();
 }
 
-void StateManager::PublishFullBlocks(Sequence& seq) {
+void StateManager::Impl::PublishFullBlocks(Sequence& seq) {
   SequenceKeys& keys = keys_[seq.slot_];
   if (!keys.registered) return;
   const int64_t known =
@@ -335,16 +336,16 @@ void StateManager::PublishFullBlocks(Sequence& seq) {
   }
 }
 
-CacheEventBatch StateManager::DrainCacheEvents() {
+CacheEventBatch StateManager::Impl::DrainCacheEvents() {
   return prefix_ != nullptr ? prefix_->DrainEvents() : CacheEventBatch{};
 }
 
-int64_t StateManager::ResetPrefixCache() {
+int64_t StateManager::Impl::ResetPrefixCache() {
   if (prefix_ == nullptr) return 0;
   return prefix_->Reset() + (host_prefix_ != nullptr ? host_prefix_->Clear() : 0);
 }
 
-void StateManager::UndoSchedule() {
+void StateManager::Impl::UndoSchedule() {
   for (size_t g = 0; g < scratch_.size(); ++g) {
     const Status released = pools_[g].Release(scratch_[g]);
     BLOCKKV_CHECK(released.ok(), "Schedule: giving back blocks it took");
@@ -352,7 +353,7 @@ void StateManager::UndoSchedule() {
   ShareHitBlocks(/*share=*/false);
 }
 
-Status StateManager::CheckKeys(const Sequence& seq) const {
+Status StateManager::Impl::CheckKeys(const Sequence& seq) const {
   if (prefix_ == nullptr) return Status::Ok();
   const SequenceKeys& keys = keys_[seq.slot_];
   for (int g = 0; g < num_groups(); ++g) {

@@ -28,9 +28,9 @@ using SeqId = int64_t;  // the engine's id for a sequence (DeepSpeed's uid)
 using TokenId = int32_t;
 
 // One tracked sequence (DeepSpeed's DSSequenceDescriptor). Read-only to the engine: the manager
-// changes it through Schedule, PostForward, FreeLeadingBlocks and Fork. Aligned to a cache line:
-// what a step reads and writes of it (with one cache group, that group's table state included)
-// is its first 64 bytes.
+// changes it through Schedule, PostForward, FreeLeadingBlocks and Fork. Not thread-safe: read it
+// only while no call of its manager runs. (Its layout, one cache line for what a decode step
+// touches, is in docs/design.md.)
 class alignas(64) Sequence {
  public:
   // Not copyable: a Sequence is known by its address (RaggedBatch checks that what it is given
@@ -78,7 +78,7 @@ class alignas(64) Sequence {
     // Appends the `k` blocks at `cursor` to the table and moves the cursor past them.
     void Take(const BlockId*& cursor, int32_t k) {
       BlockId* const to = row + allocated;
-      if (k == 1) {  // a decode step crossing into a new block: no vectorized loop's setup
+      if (k == 1) {
         to[0] = *cursor;
       } else if (k > 1) {
         std::copy_n(cursor, k, to);
@@ -88,16 +88,14 @@ class alignas(64) Sequence {
     }
   };
 
-  // The first cache line: everything a decode step touches (Schedule's checks and commit, the
-  // batch's entry, PostForward).
   SeqId uid_ = 0;
   int32_t slot_ = -1;
   bool preempted_ = false;
   int64_t seen_tokens_ = 0;
   int64_t in_flight_tokens_ = 0;
   uint64_t table_version_ = 0;
-  // [num_groups]: with one cache group (almost every model), &one_group_, in this line; with
-  // more, this slot's row of the manager's flat group_states_ (one_group_ unused).
+  // [num_groups]: with one cache group, &one_group_; with more, this slot's row of the
+  // manager's flat group_states_ (one_group_ unused).
   GroupState* groups_ = nullptr;
   GroupState one_group_;
   // The second line.

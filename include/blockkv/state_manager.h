@@ -14,7 +14,11 @@
 // Ownership: the manager creates and owns its BlockedKVCache and a BlockPool per cache group;
 // only it reserves and frees blocks, so an engine cannot mix the cache's own Reserve/Free with
 // the manager's bookkeeping (kv_cache() is const). Sequences live in tracking slots: a
-// Sequence's address is stable until it is flushed. Not thread-safe: one thread schedules.
+// Sequence's address is stable until it is flushed.
+//
+// Thread safety: a StateManager is not thread-safe; callers serialize every call, const ones
+// included, but config(), num_groups(), kv_block_size() and max_blocks_per_sequence() (fixed at
+// Create). docs/design.md, "Thread safety". CanSchedule is not const: it reuses per-call scratch.
 //
 // Block tables: for each cache group, a host int32 array
 //   [max_tracked_sequences, max_blocks_per_allocation_group]
@@ -49,10 +53,7 @@
 namespace blockkv {
 class RaggedBatch;
 namespace internal {
-class BlockSize;
-class PrefixHostTier;
 class SnapshotCodec;
-class UidMap;
 }  // namespace internal
 
 struct StateManagerConfig {
@@ -99,6 +100,13 @@ struct ScheduleRequest {
 // "Success", "EngineSequenceLimitExceeded", ... as DeepSpeed names them.
 std::string_view SchedulingResultName(SchedulingResult result);
 
+// What a sequence asks to run next (Query, ComputeKVRequirement). Named fields, so that the two
+// limits cannot be swapped silently: mgr->Query(uid, {.max_new_tokens = 8, .max_new_blocks = 2}).
+struct KVBudget {
+  int64_t max_new_tokens = 0;  // >= 0
+  int32_t max_new_blocks = 0;  // >= 0
+};
+
 // What a sequence may run next: DeepSpeed's get_kv_requirements.
 struct KVRequirement {
   int64_t tokens = 0;  // tokens that can be scheduled
@@ -111,8 +119,7 @@ struct KVRequirement {
 // ((max_new_blocks + allocated)·block_size − seen, max_new_blocks).
 // REQUIRES: block_size > 0, and every argument >= 0 (Query checks them for its callers).
 KVRequirement ComputeKVRequirement(int64_t seen_tokens, int32_t allocated_blocks,
-                                   int64_t max_new_tokens, int32_t max_new_blocks,
-                                   int32_t block_size);
+                                   const KVBudget& budget, int32_t block_size);
 
 class StateManager {
  public:
@@ -148,29 +155,23 @@ class StateManager {
   const Sequence* GetSequence(SeqId uid) const;
   // True when `seq` is one of this manager's tracked sequences (not a sequence of another
   // manager, nor a flushed one: flushing sets its slot to -1).
-  bool Owns(const Sequence& seq) const {
-    const int32_t slot = seq.slot_;
-    // One unsigned comparison for 0 <= slot < max_tracked_sequences.
-    return static_cast<uint32_t>(slot) < static_cast<uint32_t>(config_.max_tracked_sequences) &&
-           &sequences_[slot] == &seq;
-  }
+  bool Owns(const Sequence& seq) const;
   // Drops the sequence's references to its blocks (blocks nobody else holds are freed) and its
   // slot. kNotFound for an unknown uid (DeepSpeed only warns).
   Status FlushSequence(SeqId uid);
 
-  // What `uid` may run next, at most `max_new_tokens` tokens and `max_new_blocks` new blocks of
-  // `group` (DeepSpeed's query / get_kv_requirements), also capped by max_context and the block
-  // table capacity. An unknown uid is evaluated as a new sequence; (0, 0) when it is unknown and
-  // every tracking slot is taken. kInvalidArgument for negative arguments, kOutOfRange for a bad
-  // group.
-  Result<KVRequirement> Query(SeqId uid, int64_t max_new_tokens, int32_t max_new_blocks,
-                              int group = 0) const;
+  // What `uid` may run next, at most budget.max_new_tokens tokens and budget.max_new_blocks new
+  // blocks of `group` (DeepSpeed's query / get_kv_requirements), also capped by max_context and the
+  // block table capacity. An unknown uid is evaluated as a new sequence; (0, 0) when it is unknown
+  // and every tracking slot is taken. kInvalidArgument for negative arguments, kOutOfRange for a
+  // bad group.
+  Result<KVRequirement> Query(SeqId uid, const KVBudget& budget, int group = 0) const;
 
   // Whether `lengths[i]` new tokens for each `uids[i]` fit in one forward, checked in DeepSpeed's
   // order (batch sequence count; per sequence, context/table capacity then KV blocks of every
   // cache group against the free counts; tracked sequences; batch tokens). kInvalidArgument (a
   // Status, not a result) for mismatched spans, a negative length or a duplicate uid.
-  Result<SchedulingResult> CanSchedule(const ScheduleRequest& request) const;
+  Result<SchedulingResult> CanSchedule(const ScheduleRequest& request);
 
   // Schedules one forward, all or nothing: creates unknown sequences, reserves the blocks each
   // needs to hold seen + length tokens in every cache group, and sets in_flight = length. When
@@ -182,10 +183,9 @@ class StateManager {
   // blocks reserved for them stay in its table and serve the new tokens.
   Status Schedule(const ScheduleRequest& request, SchedulingResult* result = nullptr);
 
-  // Schedule, and the RaggedBatch of that forward built in the same pass over the sequences: a
-  // step's one uid lookup per sequence and no second round of checks, where Schedule +
-  // GetSequence + InsertSequence + Finalize look each sequence up twice and check it twice.
-  // `tokens` holds each uid's lengths[i] new tokens, one uid after another. A first schedule
+  // Schedule, and the RaggedBatch of that forward built in the same pass over the sequences (what
+  // Schedule + InsertSequence of each + Finalize would build; docs/design.md says why it is one
+  // call). `tokens` holds each uid's lengths[i] new tokens, one uid after another. A first schedule
   // that hits the prefix cache runs the prompt from the end of the cached prefix, whatever chunk
   // of it was passed: its batch entry gets the prompt's tokens at those positions (as given to
   // AddSequence). `batch` is cleared, then filled and
@@ -226,7 +226,7 @@ class StateManager {
   int64_t RemainingBlockCapacity(SeqId uid, int group = 0) const;
 
   // Prefix cache (nullptr / empty / 0 when StateManagerConfig.prefix_cache.enabled is false).
-  const PrefixCache* prefix_cache() const { return prefix_.get(); }
+  const PrefixCache* prefix_cache() const;
   // Events queued since the last drain, for cache-aware routers.
   CacheEventBatch DrainCacheEvents();
   // Drops every cached block no sequence references; returns how many.
@@ -285,7 +285,7 @@ class StateManager {
   // off, not preempted), kNotFound, kResourceExhausted (too few free blocks: nothing changed).
   Result<OffloadTicket> ResumeSequence(SeqId uid);
   // nullptr when offload is off.
-  const OffloadStore* offload_store() const { return offload_.get(); }
+  const OffloadStore* offload_store() const;
   // With offload and prefix caching both on (one cache group without a sliding window), cached
   // blocks evicted from the device are demoted to the host tier (write-back) and promoted back
   // on a hit. Zeros without that level.
@@ -299,14 +299,14 @@ class StateManager {
 
   // One layer's cache, as BlockedKVCache::GetCache.
   Result<TensorView> GetCache(int64_t cache_id, int group = 0) const;
-  const BlockedKVCache& kv_cache() const { return *cache_; }
+  const BlockedKVCache& kv_cache() const;
   // By cache group; REQUIRES: 0 <= group < num_groups().
-  const BlockPool& pool(int group = 0) const { return pools_[group]; }
+  const BlockPool& pool(int group = 0) const;
   // The block table array of `group`: [max_tracked_sequences, max_blocks_per_allocation_group].
-  const BlockId* block_tables(int group = 0) const { return tables_[group].data(); }
+  const BlockId* block_tables(int group = 0) const;
 
-  const StateManagerConfig& config() const { return config_; }
-  int num_groups() const { return static_cast<int>(pools_.size()); }
+  const StateManagerConfig& config() const;
+  int num_groups() const;
   int32_t n_tracked_sequences() const;
   // Per cache group: blocks a Schedule can take (free + evictable cached blocks).
   std::vector<int32_t> free_blocks() const;
@@ -318,176 +318,10 @@ class StateManager {
   Status CheckInvariants() const;
 
  private:
-  StateManager(StateManagerConfig config, std::unique_ptr<BlockedKVCache> cache,
-               BlockedAllocator slots);
-
-  // The largest number of new tokens a sequence at `seen` may add: max_context and every
-  // group's table capacity (token_limit_; the static form for loops that keep it in a register).
-  int64_t TokenCapacity(int64_t seen) const { return TokenCapacity(token_limit_, seen); }
-  static int64_t TokenCapacity(int64_t token_limit, int64_t seen) {
-    return token_limit > seen ? token_limit - seen : 0;
-  }
-  Status CheckGroupArg(int group) const;
-  // The tracked sequence of the i-th uid of the call being checked, or nullptr.
-  const Sequence* Scheduled(size_t i) const {
-    return slot_scratch_[i] < 0 ? nullptr : &sequences_[slot_scratch_[i]];
-  }
-  // The arguments — mismatched spans, a negative length, a duplicate uid (kInvalidArgument), a
-  // preempted one (kFailedPrecondition) — then CanSchedule's verdict. Leaves each uid's slot (-1
-  // when new) in slot_scratch_, and what the verdict counted for Schedule; `why` names the limit
-  // and the values when the verdict is not kSuccess.
-  Result<SchedulingResult> Check(const ScheduleRequest& request, std::string* why) const;
-  // What Check's pass over the uids counted.
-  struct CheckTotals {
-    SchedulingResult verdict = SchedulingResult::kSuccess;  // the first limit exceeded
-    int64_t tracked = 0;                                    // sequences tracked after the call
-    int64_t tokens = 0;                                     // tokens the call schedules
-  };
-  // Check's pass over the uids: their arguments and lookups (an argument error is returned), and
-  // the verdict's per-sequence limits. kSimple: one cache group, no prefix caching.
-  template <bool kSimple>
-  Status CheckEach(const ScheduleRequest& request, std::string* why, CheckTotals& totals) const;
-  // ScheduleBatch's batch: the tokens it takes, where they go, and the padding.
-  struct BatchOut {
-    std::span<const TokenId> tokens;
-    RaggedBatch* batch = nullptr;
-    bool padding = false;
-  };
-  // Schedule, and with `out`, ScheduleBatch.
-  Status ScheduleInto(const ScheduleRequest& request, SchedulingResult* result,
-                      const BatchOut* out);
-  // ScheduleInto's pass after the blocks are taken: each sequence's blocks and tokens in flight,
-  // and with kBatch, its entry in out's batch. kSimple: one cache group, no prefix caching.
-  template <bool kBatch, bool kSimple>
-  void Commit(const ScheduleRequest& request, const BatchOut* out);
-  Status CheckSequence(const Sequence& seq, std::vector<int32_t>* owners, int group) const;
-  Sequence* Find(SeqId uid);
-  const Sequence* Find(SeqId uid) const;
-  Sequence* CreateInSlot(SeqId uid);  // REQUIRES: a free slot
-  // After a forward: seen_tokens += in_flight_tokens, in_flight = 0, full blocks published.
-  void Advance(Sequence& seq);
-  void ReleaseSequenceBlocks(Sequence& seq);
-
-  // ---- offload (state_manager_offload.cc) ----
-  class PoolOwner;         // OffloadStore::BlockOwner over pools_
-  struct Parked;           // a preempted or resuming sequence's handles, by slot
-  Status EnableOffload();  // from Create
-  // Waits for a resume of `seq` in flight; when its copy failed, parks the sequence again and
-  // returns the error. OK when nothing is in flight.
-  Status SettleRestore(Sequence& seq);
-  // SettleRestore, then kFailedPrecondition when `seq` is preempted; `who` names it in the
-  // message ("Fork: parent 7").
-  Status RequireResident(Sequence& seq, std::string_view who);
-  // Without waiting: true when no resume of `seq` is in flight, or it is done and succeeded
-  // (then it is settled); false while it runs, or when it failed (left for the next call that
-  // settles it to report).
-  bool RestoreDone(Sequence& seq);
-  // Waits for every resume in flight among `uids` (Schedule, before it checks anything).
-  Status SettleRestores(std::span<const SeqId> uids);
-  // FlushSequence's part: a preempted sequence's handles are dropped.
-  void DropParked(Sequence& seq);
-  Status CheckParked(const Sequence& seq, int group) const;
-
-  // ---- prefix caching (state_manager_prefix.cc) ----
-  struct SequenceKeys;  // a sequence's known tokens and key state, by slot
-  // The prefix a first Schedule of the i-th uid takes, decided by Check.
-  struct PrefixHit {
-    int64_t tokens = 0;     // cached tokens taken (new seen_tokens)
-    int64_t in_flight = 0;  // tokens then scheduled
-    size_t first = 0;       // its blocks in hit_blocks_, group after group; group g's are
-                            // table entries [hit_starts_[hit·groups + g], tokens / bs(g))
-    // The last `promoted` of group 0's blocks come from the host level: kNoBlock in
-    // hit_blocks_ until Schedule promotes them; their entries at promote_entries_[promote_first].
-    int32_t promoted = 0;
-    size_t promote_first = 0;
-  };
-  int64_t SlidingWindow(int group) const;  // 0: full attention
-  // The first block a windowed group needs for a hit of `blocks` blocks (0 without a window).
-  int32_t WindowStart(int group, int32_t blocks) const;
-  // When the i-th uid of the call is a sequence's first schedule with a prompt to look up, its
-  // hit (valid until the next lookup), with the evictable blocks it revives marked and taken
-  // off free_scratch_; else nullptr.
-  const PrefixHit* LookupPrefix(size_t i, const Sequence* seq, int64_t length) const;
-  // The hit Check found for the i-th uid of the call, or nullptr.
-  const PrefixHit* HitOf(size_t i) const {
-    return prefix_ != nullptr && hit_index_[i] >= 0 ? &hits_[static_cast<size_t>(hit_index_[i])]
-                                                    : nullptr;
-  }
-  void EnablePrefixCache();  // from the constructor
-  // One reference to every block of this call's hits, before Schedule takes new blocks (which
-  // may evict evictable ones); or, with share = false, drops them again (UndoSchedule).
-  void ShareHitBlocks(bool share);
-  // Gives back what Schedule took (scratch_) and shared: a failed promotion.
-  void UndoSchedule();
-  // Copies this call's host-level hits into `blocks` (fresh, taken by Schedule) and indexes
-  // them; on a device error nothing is indexed and the error is returned.
-  Status PromoteHits(std::span<const BlockId> blocks);
-  // Puts the hit of the i-th uid (shared already) in the sequence's tables and moves it to the
-  // hit's end.
-  void TakePrefix(size_t i, Sequence& seq);
-  // Publishes the blocks of `seq` that are full of known, computed tokens.
-  void PublishFullBlocks(Sequence& seq);
-  // PostForward(batch): the tokens of a batch entry that would extend the sequence's known
-  // tokens are valid ids; then appends them.
-  Status CheckRecordableTokens(const Sequence& seq, int64_t seen_tokens,
-                               std::span<const int64_t> tokens) const;
-  void RecordTokens(const Sequence& seq, std::span<const int64_t> tokens);
-  void ResetKeys(int32_t slot);
-  void ForkKeys(const Sequence& from, const Sequence& to);
-  Status CheckKeys(const Sequence& seq) const;
-
-  // ---- snapshots (snapshot.cc) ----
-  friend class internal::SnapshotCodec;  // reads this state into a snapshot and rebuilds it
-  // kFailedPrecondition naming the first sequence (by slot) whose state a snapshot cannot hold —
-  // tokens in flight (their forward is not recorded), preempted or resuming (its blocks are in
-  // the offload tiers, which a snapshot does not hold) — or the offload copies in flight.
-  Status CheckSnapshotable() const;
-
-  StateManagerConfig config_;
-  std::unique_ptr<BlockedKVCache> cache_;
-  std::vector<BlockPool> pools_;              // one per cache group
-  std::vector<std::vector<BlockId>> tables_;  // per group [max_tracked, max_blocks]
-  BlockedAllocator slots_;                    // tracking slots
-  std::unique_ptr<Sequence[]> sequences_;     // [max_tracked_sequences], indexed by slot
-  // [max_tracked_sequences, num_groups] with several cache groups; empty with one (each
-  // Sequence holds its own).
-  std::vector<Sequence::GroupState> group_states_;
-  std::unique_ptr<internal::UidMap> by_uid_;      // uid -> slot
-  std::vector<internal::BlockSize> block_sizes_;  // per group
-  int64_t token_limit_ = 0;                       // min(max_context, every table's token capacity)
-  int64_t hit_step_ = 1;                  // a prefix hit is a multiple of every group's block size
-  std::unique_ptr<PrefixCache> prefix_;   // when enabled
-  std::unique_ptr<SequenceKeys[]> keys_;  // [max_tracked_sequences] when prefix_ is set
-  // Declared after pools_ and prefix_: destroyed first, it gives back the blocks it holds.
-  std::unique_ptr<PoolOwner> pool_owner_;  // when offload is on
-  std::unique_ptr<OffloadStore> offload_;  // when offload is on
-  std::unique_ptr<Parked[]> parked_;       // [max_tracked_sequences] when offload is on
-  int32_t resuming_ = 0;                   // sequences whose resume copy is not yet settled
-  // The prefix cache's host level (prefix_host_tier.h): with offload and prefix caching, one
-  // cache group, no window. Destroyed before the store.
-  std::unique_ptr<internal::PrefixHostTier> host_prefix_;
-  mutable std::vector<int32_t> promote_entries_;  // this call's host-level hits
-  mutable int32_t promoted_ = 0;                  // blocks of group 0 they need (Check counts them)
-
-  // Scratch reused across calls so a step allocates nothing once warm.
-  std::vector<std::vector<BlockId>> scratch_;  // per group: blocks taken in one Schedule
-  std::vector<const BlockId*> next_scratch_;
-  std::vector<BlockId> tail_scratch_;
-  mutable std::vector<int64_t> free_scratch_;  // per group: free blocks Check left uncounted
-  mutable int64_t lengths_sum_ = 0;            // of the lengths Check was given; -1 past int64
-  mutable std::vector<SeqId> uid_scratch_;
-  mutable std::vector<int32_t> slot_scratch_;  // per uid of the call: its slot, or -1 when new
-  mutable std::vector<int32_t> need_scratch_;  // [uids, groups]: new blocks Check counted
-  mutable std::vector<uint32_t> slot_marks_;   // [max_tracked]: == mark_epoch_ when seen
-  mutable uint32_t mark_epoch_ = 0;
-  mutable std::vector<int32_t> hit_index_;  // per uid of the call: index in hits_, or -1
-  mutable std::vector<PrefixHit> hits_;
-  mutable std::vector<BlockId> hit_blocks_;
-  mutable std::vector<int32_t> hit_starts_;                 // [hits, groups]
-  mutable std::vector<std::vector<BlockId>> match_blocks_;  // per group: one lookup's matches
-  mutable std::vector<BlockHash> match_keys_;
-  mutable std::vector<std::vector<uint32_t>> block_marks_;  // per group [num_blocks]: epoch
-  uint64_t last_table_version_ = 0;
+  class Impl;                            // src/state_manager_impl.h
+  friend class internal::SnapshotCodec;  // saves and rebuilds the Impl
+  explicit StateManager(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace blockkv

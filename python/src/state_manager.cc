@@ -299,7 +299,9 @@ void BindManager(py::module_& m) {
           [](const Manager& self, UidArg uid, Int<int64_t, "max_request_tokens"> max_request_tokens,
              Int<int32_t, "max_request_blocks"> max_request_blocks, GroupArg cache_group) {
             const KVRequirement r = ValueOrThrow(Locked(self->lock, [&] {
-              return self->manager->Query(uid, max_request_tokens, max_request_blocks, cache_group);
+              return self->manager->Query(
+                  uid, {.max_new_tokens = max_request_tokens, .max_new_blocks = max_request_blocks},
+                  cache_group);
             }));
             return py::make_tuple(r.tokens, r.blocks);
           },

@@ -948,7 +948,8 @@ class ModelDriver {
     const auto max_new_blocks = Chance(3)   ? -1
                                 : Chance(2) ? std::numeric_limits<int32_t>::max()
                                             : static_cast<int32_t>(Uniform(0, setup_.num_blocks));
-    const Result<KVRequirement> q = mgr_->Query(uid, max_tokens, max_new_blocks, g);
+    const Result<KVRequirement> q =
+        mgr_->Query(uid, {.max_new_tokens = max_tokens, .max_new_blocks = max_new_blocks}, g);
     std::set<StatusCode> errors;
     if (g < 0 || g >= num_groups_) errors.insert(StatusCode::kOutOfRange);
     if (max_tokens < 0 || max_new_blocks < 0) errors.insert(StatusCode::kInvalidArgument);
@@ -971,8 +972,9 @@ class ModelDriver {
     const int64_t tokens = std::min(max_tokens, std::max<int64_t>(capacity_ - seen, 0));
     const KVRequirement want =
         ModelRequirement(seen, allocated, tokens, max_new_blocks, block_size(g));
-    const KVRequirement formula =
-        ComputeKVRequirement(seen, allocated, tokens, max_new_blocks, block_size(g));
+    const KVRequirement formula = ComputeKVRequirement(
+        seen, allocated, {.max_new_tokens = tokens, .max_new_blocks = max_new_blocks},
+        block_size(g));
     MODEL_CHECK(formula.tokens == want.tokens && formula.blocks == want.blocks)
         << "ComputeKVRequirement(" << seen << ", " << allocated << ", " << tokens << ", "
         << max_new_blocks << ", " << block_size(g) << ") = (" << formula.tokens << ", "
@@ -993,7 +995,8 @@ class ModelDriver {
     const int64_t want_tokens = Uniform(1, capacity_);
     int64_t tokens = want_tokens;
     for (int g = 0; g < num_groups_; ++g) {
-      const Result<KVRequirement> q = mgr_->Query(uid, want_tokens, FreeBlocks(g), g);
+      const Result<KVRequirement> q =
+          mgr_->Query(uid, {.max_new_tokens = want_tokens, .max_new_blocks = FreeBlocks(g)}, g);
       MODEL_CHECK(q.ok()) << q.status();
       tokens = std::min(tokens, q->tokens);
     }

@@ -140,45 +140,47 @@ TEST(StateManager, FlushReturnsEveryBlock) {
 // ---- scheduling arithmetic --------------------------------------------------------------------
 
 TEST(KVRequirement, MatchesDeepSpeedGoldenValues) {
-  auto r = ComputeKVRequirement(0, 0, 100, 10, 64);
+  auto r = ComputeKVRequirement(0, 0, {.max_new_tokens = 100, .max_new_blocks = 10}, 64);
   EXPECT_EQ(r.tokens, 100);
   EXPECT_EQ(r.blocks, 2);
-  r = ComputeKVRequirement(0, 0, 100, 1, 64);
+  r = ComputeKVRequirement(0, 0, {.max_new_tokens = 100, .max_new_blocks = 1}, 64);
   EXPECT_EQ(r.tokens, 64);
   EXPECT_EQ(r.blocks, 1);
-  r = ComputeKVRequirement(60, 1, 10, 0, 64);
+  r = ComputeKVRequirement(60, 1, {.max_new_tokens = 10, .max_new_blocks = 0}, 64);
   EXPECT_EQ(r.tokens, 4);
   EXPECT_EQ(r.blocks, 0);
-  r = ComputeKVRequirement(10, 1, 5, 0, 64);
+  r = ComputeKVRequirement(10, 1, {.max_new_tokens = 5, .max_new_blocks = 0}, 64);
   EXPECT_EQ(r.tokens, 5);
   EXPECT_EQ(r.blocks, 0);
 }
 
 TEST(StateManagerQuery, AnswersWithDeepSpeedArithmetic) {
   auto m = Make(Config(16));
-  auto q = m->Query(1, 100, 10);
+  auto q = m->Query(1, {.max_new_tokens = 100, .max_new_blocks = 10});
   ASSERT_TRUE(q.ok());
   EXPECT_EQ(q->tokens, 100);
   EXPECT_EQ(q->blocks, 2);
-  q = m->Query(1, 100, 1);
+  q = m->Query(1, {.max_new_tokens = 100, .max_new_blocks = 1});
   EXPECT_EQ(q->tokens, 64);
   EXPECT_EQ(q->blocks, 1);
   RunStep(*m, 1, 60);
-  q = m->Query(1, 10, 0);
+  q = m->Query(1, {.max_new_tokens = 10, .max_new_blocks = 0});
   EXPECT_EQ(q->tokens, 4);
   EXPECT_EQ(q->blocks, 0);
   RunStep(*m, 2, 10);
-  q = m->Query(2, 5, 0);
+  q = m->Query(2, {.max_new_tokens = 5, .max_new_blocks = 0});
   EXPECT_EQ(q->tokens, 5);
   EXPECT_EQ(q->blocks, 0);
-  EXPECT_EQ(m->Query(1, -1, 0).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(m->Query(1, 1, 1, /*group=*/3).status().code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(m->Query(1, {.max_new_tokens = -1, .max_new_blocks = 0}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(m->Query(1, {.max_new_tokens = 1, .max_new_blocks = 1}, /*group=*/3).status().code(),
+            StatusCode::kOutOfRange);
 }
 
 TEST(StateManagerQuery, UnknownUidWithEveryslotTakenGetsNothing) {
   auto m = Make(Config(16, /*tracked=*/1, 768, 1));
   ASSERT_TRUE(m->GetOrCreateSequence(1).ok());
-  auto q = m->Query(2, 100, 10);
+  auto q = m->Query(2, {.max_new_tokens = 100, .max_new_blocks = 10});
   ASSERT_TRUE(q.ok());
   EXPECT_EQ(q->tokens, 0);
   EXPECT_EQ(q->blocks, 0);
@@ -188,7 +190,7 @@ TEST(StateManagerQuery, IsCappedByMaxContext) {
   StateManagerConfig c = Config(64);
   c.max_context = 100;
   auto m = Make(c);
-  auto q = m->Query(1, 1000, 64);
+  auto q = m->Query(1, {.max_new_tokens = 1000, .max_new_blocks = 64});
   EXPECT_EQ(q->tokens, 100);
   EXPECT_EQ(q->blocks, 2);
 }

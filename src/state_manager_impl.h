@@ -1,0 +1,258 @@
+// StateManager::Impl: the state manager's state and the code that works on it, behind the
+// public StateManager (include/blockkv/state_manager.h), which forwards each call here. Its
+// definitions are spread over state_manager.cc (sequences, scheduling, fork),
+// state_manager_prefix.cc (prefix caching), state_manager_offload.cc (preemption),
+// state_manager_invariants.cc and snapshot*.cc (SnapshotCodec reads and rebuilds it).
+//
+// Everything is public to the implementation files; nothing here is part of the API. Not
+// thread-safe, as StateManager: no method, const or not, may run while another runs. Methods that
+// reuse the per-call scratch below (Check, and so CanSchedule) are not const.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "blockkv/block_pool.h"
+#include "blockkv/offload.h"
+#include "blockkv/prefix_cache.h"
+#include "blockkv/ragged_batch.h"
+#include "blockkv/state_manager.h"
+
+namespace blockkv {
+namespace internal {
+class BlockSize;
+class PrefixHostTier;
+class UidMap;
+}  // namespace internal
+
+class StateManager::Impl {
+ public:
+  Impl(StateManagerConfig config, std::unique_ptr<BlockedKVCache> cache, BlockedAllocator slots);
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+  ~Impl();
+
+  // ---- the API, as StateManager forwards it (contracts in state_manager.h) ----
+  Result<Sequence*> GetOrCreateSequence(SeqId uid);
+  Result<Sequence*> AddSequence(SeqId uid, std::span<const TokenId> prompt,
+                                const SequenceOptions& options);
+  Status AppendTokens(SeqId uid, std::span<const TokenId> tokens);
+  const Sequence* GetSequence(SeqId uid) const;
+  bool Owns(const Sequence& seq) const {
+    const int32_t slot = seq.slot_;
+    // One unsigned comparison for 0 <= slot < max_tracked_sequences.
+    return static_cast<uint32_t>(slot) < static_cast<uint32_t>(config_.max_tracked_sequences) &&
+           &sequences_[slot] == &seq;
+  }
+  Status FlushSequence(SeqId uid);
+  Result<KVRequirement> Query(SeqId uid, const KVBudget& budget, int group) const;
+  Result<SchedulingResult> CanSchedule(const ScheduleRequest& request);
+  Status Schedule(const ScheduleRequest& request, SchedulingResult* result);
+  Status ScheduleBatch(const ScheduleRequest& request, std::span<const TokenId> tokens,
+                       RaggedBatch& batch, bool padding, SchedulingResult* result);
+  Status PostForward(std::span<const SeqId> uids);
+  Status PostForward(const RaggedBatch& batch);
+  Status FreeLeadingBlocks(SeqId uid, int32_t num_blocks, int group);
+  Status Fork(SeqId parent, SeqId child);
+  int64_t RemainingBlockCapacity(SeqId uid, int group) const;
+  const PrefixCache* prefix_cache() const { return prefix_.get(); }
+  CacheEventBatch DrainCacheEvents();
+  int64_t ResetPrefixCache();
+  Status SaveSnapshot(const std::string& path) const;
+  Result<std::vector<std::byte>> SaveSnapshot() const;
+  Status LoadSnapshot(const std::string& path);
+  Status LoadSnapshot(std::span<const std::byte> bytes);
+  Result<OffloadTicket> PreemptSequence(SeqId uid);
+  Result<OffloadTicket> ResumeSequence(SeqId uid);
+  const OffloadStore* offload_store() const { return offload_.get(); }
+  HostPrefixStats host_prefix_stats() const;
+  Result<TensorView> GetCache(int64_t cache_id, int group) const;
+  const BlockedKVCache& kv_cache() const { return *cache_; }
+  const BlockPool& pool(int group) const { return pools_[group]; }
+  const BlockId* block_tables(int group) const { return tables_[group].data(); }
+  const StateManagerConfig& config() const { return config_; }
+  int num_groups() const { return static_cast<int>(pools_.size()); }
+  int32_t n_tracked_sequences() const;
+  std::vector<int32_t> free_blocks() const;
+  int32_t kv_block_size(int group) const;
+  int32_t max_blocks_per_sequence(int group) const;
+  Status CheckInvariants() const;
+
+  // ---- internals ----
+  // The manager this is the state of (ScheduleBatch compares it with a batch's).
+  const StateManager* owner_ = nullptr;
+
+  // The largest number of new tokens a sequence at `seen` may add: max_context and every
+  // group's table capacity (token_limit_; the static form for loops that keep it in a register).
+  int64_t TokenCapacity(int64_t seen) const { return TokenCapacity(token_limit_, seen); }
+  static int64_t TokenCapacity(int64_t token_limit, int64_t seen) {
+    return token_limit > seen ? token_limit - seen : 0;
+  }
+  Status CheckGroupArg(int group) const;
+  // The tracked sequence of the i-th uid of the call being checked, or nullptr.
+  const Sequence* Scheduled(size_t i) const {
+    return slot_scratch_[i] < 0 ? nullptr : &sequences_[slot_scratch_[i]];
+  }
+  // The arguments — mismatched spans, a negative length, a duplicate uid (kInvalidArgument), a
+  // preempted one (kFailedPrecondition) — then CanSchedule's verdict. Leaves each uid's slot (-1
+  // when new) in slot_scratch_, and what the verdict counted for Schedule; `why` names the limit
+  // and the values when the verdict is not kSuccess.
+  Result<SchedulingResult> Check(const ScheduleRequest& request, std::string* why);
+  // What Check's pass over the uids counted.
+  struct CheckTotals {
+    SchedulingResult verdict = SchedulingResult::kSuccess;  // the first limit exceeded
+    int64_t tracked = 0;                                    // sequences tracked after the call
+    int64_t tokens = 0;                                     // tokens the call schedules
+  };
+  // Check's pass over the uids: their arguments and lookups (an argument error is returned), and
+  // the verdict's per-sequence limits. kSimple: one cache group, no prefix caching.
+  template <bool kSimple>
+  Status CheckEach(const ScheduleRequest& request, std::string* why, CheckTotals& totals);
+  // ScheduleBatch's batch: the tokens it takes, where they go, and the padding.
+  struct BatchOut {
+    std::span<const TokenId> tokens;
+    RaggedBatch* batch = nullptr;
+    bool padding = false;
+  };
+  // Schedule, and with `out`, ScheduleBatch.
+  Status ScheduleInto(const ScheduleRequest& request, SchedulingResult* result,
+                      const BatchOut* out);
+  // ScheduleInto's pass after the blocks are taken: each sequence's blocks and tokens in flight,
+  // and with kBatch, its entry in out's batch. kSimple: one cache group, no prefix caching.
+  template <bool kBatch, bool kSimple>
+  void Commit(const ScheduleRequest& request, const BatchOut* out);
+  Status CheckSequence(const Sequence& seq, std::vector<int32_t>* owners, int group) const;
+  Sequence* Find(SeqId uid);
+  const Sequence* Find(SeqId uid) const;
+  Sequence* CreateInSlot(SeqId uid);  // REQUIRES: a free slot
+  // After a forward: seen_tokens += in_flight_tokens, in_flight = 0, full blocks published.
+  void Advance(Sequence& seq);
+  void ReleaseSequenceBlocks(Sequence& seq);
+
+  // ---- offload (state_manager_offload.cc) ----
+  class PoolOwner;         // OffloadStore::BlockOwner over pools_
+  struct Parked;           // a preempted or resuming sequence's handles, by slot
+  Status EnableOffload();  // from Create
+  // Waits for a resume of `seq` in flight; when its copy failed, parks the sequence again and
+  // returns the error. OK when nothing is in flight.
+  Status SettleRestore(Sequence& seq);
+  // SettleRestore, then kFailedPrecondition when `seq` is preempted; `who` names it in the
+  // message ("Fork: parent 7").
+  Status RequireResident(Sequence& seq, std::string_view who);
+  // Without waiting: true when no resume of `seq` is in flight, or it is done and succeeded
+  // (then it is settled); false while it runs, or when it failed (left for the next call that
+  // settles it to report).
+  bool RestoreDone(Sequence& seq);
+  // Waits for every resume in flight among `uids` (Schedule, before it checks anything).
+  Status SettleRestores(std::span<const SeqId> uids);
+  // FlushSequence's part: a preempted sequence's handles are dropped.
+  void DropParked(Sequence& seq);
+  Status CheckParked(const Sequence& seq, int group) const;
+
+  // ---- prefix caching (state_manager_prefix.cc) ----
+  struct SequenceKeys;  // a sequence's known tokens and key state, by slot
+  // The prefix a first Schedule of the i-th uid takes, decided by Check.
+  struct PrefixHit {
+    int64_t tokens = 0;     // cached tokens taken (new seen_tokens)
+    int64_t in_flight = 0;  // tokens then scheduled
+    size_t first = 0;       // its blocks in hit_blocks_, group after group; group g's are
+                            // table entries [hit_starts_[hit·groups + g], tokens / bs(g))
+    // The last `promoted` of group 0's blocks come from the host level: kNoBlock in
+    // hit_blocks_ until Schedule promotes them; their entries at promote_entries_[promote_first].
+    int32_t promoted = 0;
+    size_t promote_first = 0;
+  };
+  int64_t SlidingWindow(int group) const;  // 0: full attention
+  // The first block a windowed group needs for a hit of `blocks` blocks (0 without a window).
+  int32_t WindowStart(int group, int32_t blocks) const;
+  // When the i-th uid of the call is a sequence's first schedule with a prompt to look up, its
+  // hit (valid until the next lookup), with the evictable blocks it revives marked and taken
+  // off free_scratch_; else nullptr.
+  const PrefixHit* LookupPrefix(size_t i, const Sequence* seq, int64_t length);
+  // The hit Check found for the i-th uid of the call, or nullptr.
+  const PrefixHit* HitOf(size_t i) const {
+    return prefix_ != nullptr && hit_index_[i] >= 0 ? &hits_[static_cast<size_t>(hit_index_[i])]
+                                                    : nullptr;
+  }
+  void EnablePrefixCache();  // from the constructor
+  // One reference to every block of this call's hits, before Schedule takes new blocks (which
+  // may evict evictable ones); or, with share = false, drops them again (UndoSchedule).
+  void ShareHitBlocks(bool share);
+  // Gives back what Schedule took (scratch_) and shared: a failed promotion.
+  void UndoSchedule();
+  // Copies this call's host-level hits into `blocks` (fresh, taken by Schedule) and indexes
+  // them; on a device error nothing is indexed and the error is returned.
+  Status PromoteHits(std::span<const BlockId> blocks);
+  // Puts the hit of the i-th uid (shared already) in the sequence's tables and moves it to the
+  // hit's end.
+  void TakePrefix(size_t i, Sequence& seq);
+  // Publishes the blocks of `seq` that are full of known, computed tokens.
+  void PublishFullBlocks(Sequence& seq);
+  // PostForward(batch): the tokens of a batch entry that would extend the sequence's known
+  // tokens are valid ids; then appends them.
+  Status CheckRecordableTokens(const Sequence& seq, int64_t seen_tokens,
+                               std::span<const int64_t> tokens) const;
+  void RecordTokens(const Sequence& seq, std::span<const int64_t> tokens);
+  void ResetKeys(int32_t slot);
+  void ForkKeys(const Sequence& from, const Sequence& to);
+  Status CheckKeys(const Sequence& seq) const;
+
+  // ---- snapshots (snapshot.cc) ----
+  // kFailedPrecondition naming the first sequence (by slot) whose state a snapshot cannot hold —
+  // tokens in flight (their forward is not recorded), preempted or resuming (its blocks are in
+  // the offload tiers, which a snapshot does not hold) — or the offload copies in flight.
+  Status CheckSnapshotable() const;
+
+  StateManagerConfig config_;
+  std::unique_ptr<BlockedKVCache> cache_;
+  std::vector<BlockPool> pools_;              // one per cache group
+  std::vector<std::vector<BlockId>> tables_;  // per group [max_tracked, max_blocks]
+  BlockedAllocator slots_;                    // tracking slots
+  std::unique_ptr<Sequence[]> sequences_;     // [max_tracked_sequences], indexed by slot
+  // [max_tracked_sequences, num_groups] with several cache groups; empty with one (each
+  // Sequence holds its own).
+  std::vector<Sequence::GroupState> group_states_;
+  std::unique_ptr<internal::UidMap> by_uid_;      // uid -> slot
+  std::vector<internal::BlockSize> block_sizes_;  // per group
+  int64_t token_limit_ = 0;                       // min(max_context, every table's token capacity)
+  int64_t hit_step_ = 1;                  // a prefix hit is a multiple of every group's block size
+  std::unique_ptr<PrefixCache> prefix_;   // when enabled
+  std::unique_ptr<SequenceKeys[]> keys_;  // [max_tracked_sequences] when prefix_ is set
+  // Declared after pools_ and prefix_: destroyed first, it gives back the blocks it holds.
+  std::unique_ptr<PoolOwner> pool_owner_;  // when offload is on
+  std::unique_ptr<OffloadStore> offload_;  // when offload is on
+  std::unique_ptr<Parked[]> parked_;       // [max_tracked_sequences] when offload is on
+  int32_t resuming_ = 0;                   // sequences whose resume copy is not yet settled
+  // The prefix cache's host level (prefix_host_tier.h): with offload and prefix caching, one
+  // cache group, no window. Destroyed before the store.
+  std::unique_ptr<internal::PrefixHostTier> host_prefix_;
+  std::vector<int32_t> promote_entries_;  // this call's host-level hits
+  int32_t promoted_ = 0;                  // blocks of group 0 they need (Check counts them)
+
+  // Scratch reused across calls so a step allocates nothing once warm.
+  std::vector<std::vector<BlockId>> scratch_;  // per group: blocks taken in one Schedule
+  std::vector<const BlockId*> next_scratch_;
+  std::vector<BlockId> tail_scratch_;
+  std::vector<int64_t> free_scratch_;  // per group: free blocks Check left uncounted
+  int64_t lengths_sum_ = 0;            // of the lengths Check was given; -1 past int64
+  std::vector<SeqId> uid_scratch_;
+  std::vector<int32_t> slot_scratch_;  // per uid of the call: its slot, or -1 when new
+  std::vector<int32_t> need_scratch_;  // [uids, groups]: new blocks Check counted
+  std::vector<uint32_t> slot_marks_;   // [max_tracked]: == mark_epoch_ when seen
+  uint32_t mark_epoch_ = 0;
+  std::vector<int32_t> hit_index_;  // per uid of the call: index in hits_, or -1
+  std::vector<PrefixHit> hits_;
+  std::vector<BlockId> hit_blocks_;
+  std::vector<int32_t> hit_starts_;                 // [hits, groups]
+  std::vector<std::vector<BlockId>> match_blocks_;  // per group: one lookup's matches
+  std::vector<BlockHash> match_keys_;
+  std::vector<std::vector<uint32_t>> block_marks_;  // per group [num_blocks]: epoch
+  uint64_t last_table_version_ = 0;
+};
+
+}  // namespace blockkv
