@@ -7,7 +7,7 @@
 //   Status s = AppendKV(*layer, k, v, *batch, {.rotary = {.enabled = true}, .q = &q});
 //   s = PagedAttention(q, *layer, *batch, out);            // causal, scale 1/sqrt(D)
 //   // or, with block tables of the engine's own (page_table.h):
-//   s = PagedAttention(q, *cache->GetCache(l), CsrPageTable{...}, out);
+//   s = PagedAttention(q, *cache->GetCache(l), csr_table, out);  // a CsrPageTable
 //
 // Both run on the CPU (Highway SIMD, chosen at run time, and threads over (sequence, KV head,
 // query chunk) work items) or, in a CUDA build, on the GPU that holds the tensors; the batch's
