@@ -3,13 +3,20 @@
 # machine. Does nothing (and needs no network) when everything is there already.
 #   scripts/deps.sh            what building and testing needs
 #   scripts/deps.sh --lint     also clang-format and clang-tidy
+#   scripts/deps.sh --fuzz     also clang (libFuzzer; scripts/fuzz.sh)
 set -euo pipefail
 
 packages=(cmake ninja-build g++ pkg-config libgtest-dev libgmock-dev libbenchmark-dev
           libopenmpi-dev openmpi-bin
           pybind11-dev python3-dev python3-numpy python3-pytest python3-torch libdlpack-dev
-          libhwy-dev libxxhash-dev)
-if [[ "${1:-}" == "--lint" ]]; then packages+=(clang-format clang-tidy); fi
+          libhwy-dev libxxhash-dev nlohmann-json3-dev)
+for arg in "$@"; do
+  case $arg in
+    --lint) packages+=(clang-format clang-tidy) ;;
+    --fuzz) packages+=(clang) ;;
+    *) echo "deps.sh: unknown option $arg" >&2; exit 2 ;;
+  esac
+done
 
 missing=()
 for p in "${packages[@]}"; do

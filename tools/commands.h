@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <random>
 #include <span>
 #include <string>
 #include <string_view>
@@ -14,6 +15,7 @@
 #include "blockkv/dtype.h"
 #include "blockkv/status.h"
 #include "engine.h"
+#include "json.h"
 
 namespace blockkv::tool {
 
@@ -93,14 +95,70 @@ struct WorkloadOptions {
   double rate = 0.5;             // mean arrivals per step (Poisson)
   uint64_t seed = 1;
 };
+// The most requests `simulate` generates: a run of this many takes minutes (the generator
+// itself holds one request at a time).
+inline constexpr int64_t kMaxGeneratedRequests = 10'000'000;
+inline constexpr int64_t kMaxPrefixGroups = 1'000'000;
+
 // ShareGPT-like: system prompts of 128-1024 tokens; user turns and outputs log-normal (medians
-// 150 and 200 tokens, clipped to [4, 2048] and [1, 1024]).
+// 150 and 200 tokens, clipped to [4, 2048] and [1, 1024]). One request at a time.
+class WorkloadGenerator : public RequestSource {
+ public:
+  explicit WorkloadGenerator(const WorkloadOptions& options);
+  Result<bool> Next(EngineRequest* out) override;
+  int64_t total() const override { return options_.requests; }
+
+ private:
+  WorkloadOptions options_;
+  std::mt19937_64 rng_;
+  std::vector<int64_t> system_len_;  // per prefix group
+  std::lognormal_distribution<double> user_;
+  std::lognormal_distribution<double> output_;
+  std::exponential_distribution<double> gap_;
+  std::bernoulli_distribution shared_;
+  double t_ = 0;  // the next arrival
+  int64_t next_ = 0;
+};
+// All of a generator's requests (tests; the tool streams them).
 std::vector<EngineRequest> GenerateWorkload(const WorkloadOptions& options);
 
-// One request a line: {"arrival": 3, "prompt": [1, 2, 3], "output_len": 16} or
+// One line of a JSONL trace, as written: {"arrival": 3, "prompt": [1, 2, 3], "output_len": 16} or
 // {"arrival": 3, "prompt_len": 700, "prefix_group": 2, "prefix_len": 512, "output_len": 128}.
-// kNotFound for a missing file; kInvalidArgument "path:line: ..." naming the bad field.
-Result<std::vector<EngineRequest>> ReadTrace(const std::string& path);
+struct TraceLine {
+  int64_t arrival = 0;
+  std::vector<TokenId> prompt;  // empty: prompt_len made-up tokens
+  int64_t prompt_len = 0;
+  std::string prefix_group;  // a string, or an integer's decimal digits
+  bool group_is_string = false;
+  int64_t prefix_len = 0;
+  int64_t output_len = 0;
+};
+// Parses one line (nlohmann-json's SAX parser: strict JSON, exact integers, valid UTF-8).
+// kInvalidArgument names the field, the value and the limit; a prompt longer than max_tokens
+// (the context limit) stops the parse rather than growing.
+Result<TraceLine> ParseTraceLine(std::string_view text, int64_t max_tokens);
+
+// The requests of a JSONL trace, read one line at a time as the engine replays them. Made-up
+// token ids of a length-only request: the first prefix_len from its prefix group (so requests of
+// a group share them), the rest from its line.
+class TraceReader : public RequestSource {
+ public:
+  // OpenInputFile's errors (json.h).
+  Status Open(const std::string& path, int64_t max_tokens);
+  // Reads from an open `file` (fmemopen in fuzzers), named `path` in messages.
+  void Attach(std::FILE* file, const std::string& path, int64_t max_tokens);
+  // kInvalidArgument "path:line: ..." naming the bad field, and "path: no requests in the trace"
+  // for a file without any.
+  Result<bool> Next(EngineRequest* out) override;
+
+ private:
+  JsonlReader reader_;
+  int64_t max_tokens_ = 0;
+  int64_t requests_ = 0;
+};
+// Every request of a trace (tests; the tool streams them).
+Result<std::vector<EngineRequest>> ReadTrace(const std::string& path,
+                                             int64_t max_tokens = EngineOptions{}.max_context);
 
 struct SimulateOptions {
   EngineOptions engine;
@@ -117,15 +175,19 @@ struct SimulateReport {
   EngineStats stats;
   double seconds = 0;
   double cpu_seconds = 0;  // of the process, every thread: steadier than wall time under load
+  // Every step's, up to kMaxSamples; a longer run keeps every 2nd, 4th, ... step's.
+  static constexpr int64_t kMaxSamples = 1 << 16;
   std::vector<StepSample> samples;
 };
-Result<SimulateReport> Simulate(std::vector<EngineRequest> requests,
+// Runs the requests of `source` (which Simulate reads as it replays them).
+Result<SimulateReport> Simulate(RequestSource& source, const SimulateOptions& options);
+Result<SimulateReport> Simulate(std::span<const EngineRequest> requests,
                                 const SimulateOptions& options);
 std::string FormatSimulate(const SimulateReport& report, const EngineOptions& engine, bool json);
 
 // Two polylines, occupancy and hit rate against the step, in a standalone SVG document.
 std::string PlotSvg(std::span<const StepSample> samples, std::string_view title);
-// Writes `text` to `path`; kInternal names the path and the reason.
+// Writes `text` to `path`; FileError's codes (json.h) name the path and the reason.
 Status WriteFile(const std::string& path, std::string_view text);
 // Whether the progress bar can be drawn.
 bool StderrIsTerminal();
@@ -146,6 +208,11 @@ struct DemoOptions {
       .block_size = 16, .num_blocks = 0, .token_budget = 128, .max_seqs = 16, .host_blocks = -1};
   bool check = true;  // compare with the dense-cache run
 };
+// Bounds on what `demo` may be asked to hold (main.cc checks the flags against them; Demo checks
+// what depends on the model).
+inline constexpr int64_t kMaxDemoRequests = 16384;
+inline constexpr int64_t kMaxDemoLogitBytes = int64_t{1} << 30;
+
 struct DemoReport {
   EngineStats stats;
   std::string model;             // what ran

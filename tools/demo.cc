@@ -3,6 +3,7 @@
 // requests are preempted), RaggedBatch, AppendKV and PagedAttention on an fp32 cache — and the
 // greedy tokens are checked against the same model run one request at a time over a plain
 // dense cache.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -26,12 +27,39 @@ double CpuSeconds(std::clock_t since) {  // the process's, every thread
   return static_cast<double>(std::clock() - since) / CLOCKS_PER_SEC;
 }
 
+double Margin(std::span<const float> logits) {  // top-1 − top-2
+  float first = -INFINITY, second = -INFINITY;
+  for (const float x : logits) {
+    if (x > first) {
+      second = first;
+      first = x;
+    } else if (x > second) {
+      second = x;
+    }
+  }
+  return static_cast<double>(first) - second;
+}
+
+// A NaN or an infinity in the logits (a checkpoint of non-finite or overflowing weights) makes
+// greedy sampling meaningless and the comparison vacuous (NaN != NaN, inf - inf): a failure.
+Status CheckFinite(std::span<const float> logits, const char* run, size_t request, int64_t token) {
+  const auto bad =
+      std::find_if(logits.begin(), logits.end(), [](float x) { return !std::isfinite(x); });
+  if (bad == logits.end()) return Status::Ok();
+  return DataLossError(std::string("the ") + run + " run's logits are not finite (" +
+                       std::to_string(*bad) + " for token id " +
+                       std::to_string(bad - logits.begin()) + " at request " +
+                       std::to_string(request) + ", token " + std::to_string(token) +
+                       "): the model's weights or activations overflow");
+}
+
 // The engine's StepRunner for the demo: the model's forward over the batch, greedy sampling,
 // and every sampled position's logits kept per request for the comparison.
 class ModelRunner : public StepRunner {
  public:
-  ModelRunner(const Model& model, const Engine& engine, size_t requests)
-      : model_(model), engine_(engine), logits_(requests) {}
+  // keep_logits: keep every sampled position's logits for the dense comparison.
+  ModelRunner(const Model& model, const Engine& engine, size_t requests, bool keep_logits)
+      : model_(model), engine_(engine), keep_logits_(keep_logits), logits_(requests) {}
 
   Status Run(const RaggedBatch& batch, std::span<const size_t> requests,
              std::span<const uint8_t> sample, std::span<TokenId> next) override {
@@ -50,19 +78,30 @@ class ModelRunner : public StepRunner {
     for (size_t i = 0; i < requests.size(); ++i) {
       if (sample[i] == 0) continue;
       const std::span<const float> logits(out_.data() + row * vocab, static_cast<size_t>(vocab));
+      const size_t r = requests[i];
+      BLOCKKV_RETURN_IF_ERROR(CheckFinite(logits, "paged", r, std::ssize(logits_[r])));
       next[i] = ArgMax(logits);
-      logits_[requests[i]].emplace_back(logits.begin(), logits.end());
+      min_margin_ = std::min(min_margin_, Margin(logits));
+      if (keep_logits_) {
+        logits_[r].emplace_back(logits.begin(), logits.end());
+      } else {
+        logits_[r].emplace_back();  // counts the request's tokens
+      }
       ++row;
     }
     return Status::Ok();
   }
 
-  // Per request, per generated token, the logits it was sampled from.
+  // Per request, per generated token, the logits it was sampled from (empty without keep_logits).
   const std::vector<std::vector<std::vector<float>>>& logits() const { return logits_; }
+  // The smallest top-1 − top-2 gap over every sampled position.
+  double min_margin() const { return min_margin_; }
 
  private:
   const Model& model_;
   const Engine& engine_;
+  bool keep_logits_;
+  double min_margin_ = INFINITY;
   std::vector<std::vector<std::vector<float>>> logits_;
   std::vector<int32_t> tokens_;
   std::vector<int64_t> rows_;
@@ -74,7 +113,9 @@ class ModelRunner : public StepRunner {
 std::vector<EngineRequest> MakeRequests(const DemoOptions& options, int32_t vocab) {
   std::mt19937_64 rng(options.seed);
   std::uniform_int_distribution<int32_t> token(0, vocab - 1);
-  std::vector<std::vector<TokenId>> systems(static_cast<size_t>(options.prompt_groups));
+  // Groups no request would use are not made.
+  std::vector<std::vector<TokenId>> systems(
+      static_cast<size_t>(std::min(options.prompt_groups, options.requests)));
   for (auto& s : systems) {
     s.resize(static_cast<size_t>(options.system_len));
     for (TokenId& t : s) t = token(rng);
@@ -92,8 +133,8 @@ std::vector<EngineRequest> MakeRequests(const DemoOptions& options, int32_t voca
 
 // The dense-cache reference for one request: prefill the prompt in one forward, then one token
 // at a time; the logits of each sampled position into `logits`.
-Status GenerateDense(const Model& model, const EngineRequest& request, std::vector<TokenId>* tokens,
-                     std::vector<std::vector<float>>* logits) {
+Status GenerateDense(const Model& model, const EngineRequest& request, size_t index,
+                     std::vector<TokenId>* tokens, std::vector<std::vector<float>>* logits) {
   const int64_t vocab = model.config().vocab_size;
   DenseAttentionBackend dense(model.config(), std::ssize(request.prompt) + request.output_len);
   std::vector<int32_t> input(request.prompt.begin(), request.prompt.end());
@@ -102,6 +143,7 @@ Status GenerateDense(const Model& model, const EngineRequest& request, std::vect
     const std::array<int64_t, 1> row = {std::ssize(input) - 1};
     BLOCKKV_RETURN_IF_ERROR(model.Forward(input, dense, row, out));
     dense.Advance(std::ssize(input));
+    BLOCKKV_RETURN_IF_ERROR(CheckFinite(out, "dense", index, i));
     const int32_t next = ArgMax(out);
     tokens->push_back(next);
     logits->push_back(out);
@@ -110,17 +152,32 @@ Status GenerateDense(const Model& model, const EngineRequest& request, std::vect
   return Status::Ok();
 }
 
-double Margin(std::span<const float> logits) {  // top-1 − top-2
-  float first = -INFINITY, second = -INFINITY;
-  for (const float x : logits) {
-    if (x > first) {
-      second = first;
-      first = x;
-    } else if (x > second) {
-      second = x;
+// What the options make the demo hold, against the model's context and a memory bound, before
+// anything is allocated. REQUIRES: the counts are in main.cc's ranges (each < 2^31), so the
+// products below fit 64 bits.
+Status CheckDemoSizes(const DemoOptions& options, const ModelConfig& config) {
+  const int64_t user = std::max<int64_t>(8, options.system_len / 2);
+  const int64_t longest = options.system_len + user + options.output_len - 1;
+  if (longest > config.seq_len) {
+    return InvalidArgumentError(
+        "a request holds up to " + std::to_string(longest) + " tokens (--system-len " +
+        std::to_string(options.system_len) + ", a user turn of up to " + std::to_string(user) +
+        ", --output-len " + std::to_string(options.output_len) +
+        " - 1), more than the model's context of " + std::to_string(config.seq_len));
+  }
+  if (options.check) {
+    // The comparison keeps the logits of every sampled position of both runs.
+    const int64_t bytes = 2 * options.requests * options.output_len * config.vocab_size * 4;
+    if (bytes > kMaxDemoLogitBytes) {
+      return InvalidArgumentError(
+          "the dense comparison keeps " + FormatBytes(bytes) + " of logits (2 runs x --requests " +
+          std::to_string(options.requests) + " x --output-len " +
+          std::to_string(options.output_len) + " x vocabulary " +
+          std::to_string(config.vocab_size) + " x 4 bytes), more than the limit of " +
+          FormatBytes(kMaxDemoLogitBytes) + ": give fewer, or --no-check");
     }
   }
-  return static_cast<double>(first) - second;
+  return Status::Ok();
 }
 
 }  // namespace
@@ -139,6 +196,7 @@ Result<DemoReport> Demo(const DemoOptions& options) {
   BLOCKKV_RETURN_IF_ERROR(loaded.status());
   const Model& model = *loaded;
   const ModelConfig& config = model.config();
+  BLOCKKV_RETURN_IF_ERROR(CheckDemoSizes(options, config));
   report.model = (options.model_path.empty() ? "random (seed " + std::to_string(options.seed) + ")"
                                              : options.model_path) +
                  ": " + model.Describe();
@@ -162,10 +220,11 @@ Result<DemoReport> Demo(const DemoOptions& options) {
   if (engine_options.host_blocks < 0) engine_options.host_blocks = engine_options.num_blocks;
   report.host_blocks = engine_options.host_blocks;
   BLOCKKV_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(engine_options));
-  ModelRunner runner(model, *engine, requests.size());
+  ModelRunner runner(model, *engine, requests.size(), options.check);
   const Clock::time_point paged_start = Clock::now();
   const std::clock_t paged_cpu = std::clock();
-  BLOCKKV_RETURN_IF_ERROR(engine->Run(requests, runner));
+  SpanSource source(requests);
+  BLOCKKV_RETURN_IF_ERROR(engine->Run(source, runner));
   report.paged_seconds = Seconds(paged_start);
   report.paged_cpu_seconds = CpuSeconds(paged_cpu);
   report.stats = engine->stats();
@@ -173,11 +232,7 @@ Result<DemoReport> Demo(const DemoOptions& options) {
   report.generated = report.stats.generated;
   BLOCKKV_RETURN_IF_ERROR(engine->manager().CheckInvariants());
 
-  report.min_margin = INFINITY;
-  for (const auto& per_request : runner.logits()) {
-    for (const auto& logits : per_request)
-      report.min_margin = std::min(report.min_margin, Margin(logits));
-  }
+  report.min_margin = runner.min_margin();
   if (!options.check) return report;
 
   report.checked = true;
@@ -187,7 +242,8 @@ Result<DemoReport> Demo(const DemoOptions& options) {
   std::vector<std::vector<TokenId>> dense_tokens(requests.size());
   std::vector<std::vector<std::vector<float>>> dense_logits(requests.size());
   for (size_t r = 0; r < requests.size(); ++r) {
-    BLOCKKV_RETURN_IF_ERROR(GenerateDense(model, requests[r], &dense_tokens[r], &dense_logits[r]));
+    BLOCKKV_RETURN_IF_ERROR(
+        GenerateDense(model, requests[r], r, &dense_tokens[r], &dense_logits[r]));
     report.dense_tokens += std::ssize(requests[r].prompt) + requests[r].output_len - 1;
   }
   report.dense_seconds = Seconds(dense_start);

@@ -10,7 +10,7 @@
 namespace blockkv::tool {
 namespace {
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t CeilDiv(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }  // a >= 0, b > 0
 
 std::string Where(const EngineRequest& request, size_t index) {
   return request.line > 0 ? "line " + std::to_string(request.line)
@@ -57,6 +57,12 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   // Running requests need max_seqs slots; preempted ones keep theirs until resumed (nothing is
   // admitted while any waits), so twice that is enough.
   config.max_ragged_sequence_count = std::min(options.max_seqs, options.token_budget);
+  if (config.max_ragged_sequence_count > kMaxSequences) {
+    return InvalidArgumentError("--max-seqs " + std::to_string(options.max_seqs) +
+                                " (and --token-budget " + std::to_string(options.token_budget) +
+                                ") is more than " + std::to_string(kMaxSequences) +
+                                " sequences per step");
+  }
   config.max_tracked_sequences = 2 * config.max_ragged_sequence_count;
   config.max_ragged_batch_size = options.token_budget;
   config.max_context = options.max_context;
@@ -105,32 +111,59 @@ Status Engine::CheckRequest(const EngineRequest& request, size_t index) const {
   return Status::Ok();
 }
 
-Status Engine::Run(std::span<const EngineRequest> requests, StepRunner& runner,
-                   const std::function<void(const Engine&)>& after_step) {
-  requests_ = requests;
-  outputs_.assign(requests.size(), {});
-  stats_.requests = std::ssize(requests);
-  for (size_t i = 0; i < requests.size(); ++i) {
-    BLOCKKV_RETURN_IF_ERROR(CheckRequest(requests[i], i));
-  }
-  std::vector<size_t> order(requests.size());
-  std::iota(order.begin(), order.end(), size_t{0});
-  std::stable_sort(order.begin(), order.end(),
-                   [&](size_t a, size_t b) { return requests[a].arrival < requests[b].arrival; });
-  size_t arrived = 0;
-  std::vector<Entry> entries;
-  while (stats_.finished < stats_.requests) {
-    for (; arrived < order.size() && requests[order[arrived]].arrival <= stats_.clock; ++arrived) {
-      auto live = std::make_unique<Live>();
-      live->index = order[arrived];
-      live->rank = arrived;
-      live->uid = static_cast<SeqId>(order[arrived]);
-      live->tokens = requests[order[arrived]].prompt;
-      live->prompt_len = std::ssize(live->tokens);
-      waiting_.push_back(std::move(live));
+Result<bool> SpanSource::Next(EngineRequest* out) {
+  if (next_ == requests_.size()) return false;
+  *out = requests_[next_++];
+  return true;
+}
+
+Status Engine::Arrive(RequestSource& source) {
+  while (waiting_.size() < kMaxWaiting) {
+    if (!has_pending_) {
+      if (source_done_) return Status::Ok();
+      BLOCKKV_ASSIGN_OR_RETURN(const bool more, source.Next(&pending_));
+      if (!more) {
+        source_done_ = true;
+        return Status::Ok();
+      }
+      const auto index = static_cast<size_t>(stats_.requests);
+      if (pending_.arrival < last_arrival_) {
+        return InvalidArgumentError(
+            Where(pending_, index) + ": arrival " + std::to_string(pending_.arrival) +
+            " is before the previous request's " + std::to_string(last_arrival_) +
+            " (requests are replayed in the order given, which must be arrival order)");
+      }
+      BLOCKKV_RETURN_IF_ERROR(CheckRequest(pending_, index));
+      last_arrival_ = pending_.arrival;
+      has_pending_ = true;
+      ++stats_.requests;
     }
-    if (running_.empty() && waiting_.empty() && preempted_.empty()) {  // idle until an arrival
-      stats_.clock = requests[order[arrived]].arrival;
+    if (pending_.arrival > stats_.clock) return Status::Ok();
+    auto live = std::make_unique<Live>();
+    live->index = static_cast<size_t>(stats_.requests - 1);
+    live->uid = static_cast<SeqId>(live->index);
+    live->tokens = std::move(pending_.prompt);
+    live->prompt_len = std::ssize(live->tokens);
+    live->output_len = pending_.output_len;
+    if (options_.keep_outputs) outputs_.emplace_back();
+    waiting_.push_back(std::move(live));
+    has_pending_ = false;
+  }
+  return Status::Ok();
+}
+
+Status Engine::Run(RequestSource& source, StepRunner& runner,
+                   const std::function<void(const Engine&)>& after_step) {
+  outputs_.clear();
+  stats_.requests = 0;
+  has_pending_ = source_done_ = false;
+  last_arrival_ = 0;
+  std::vector<Entry> entries;
+  while (true) {
+    BLOCKKV_RETURN_IF_ERROR(Arrive(source));
+    if (running_.empty() && waiting_.empty() && preempted_.empty()) {
+      if (!has_pending_) break;         // every request finished
+      stats_.clock = pending_.arrival;  // idle until the next arrival
       continue;
     }
     BLOCKKV_RETURN_IF_ERROR(PlanStep(&entries));
@@ -268,9 +301,9 @@ Status Engine::Preempt(Live* victim) {
 }
 
 void Engine::InsertByArrival(std::vector<std::unique_ptr<Live>>& list, std::unique_ptr<Live> live) {
-  const auto at =
-      std::upper_bound(list.begin(), list.end(), live->rank,
-                       [](size_t rank, const std::unique_ptr<Live>& l) { return rank < l->rank; });
+  const auto at = std::upper_bound(
+      list.begin(), list.end(), live->index,
+      [](size_t index, const std::unique_ptr<Live>& l) { return index < l->index; });
   list.insert(at, std::move(live));
 }
 
@@ -325,9 +358,9 @@ Status Engine::RunStep(std::vector<Entry>& entries, StepRunner& runner) {
     live.computed = end;
     if (sample_[i] == 0) continue;
     live.tokens.push_back(next_[i]);
-    outputs_[live.index].push_back(next_[i]);
+    if (options_.keep_outputs) outputs_[live.index].push_back(next_[i]);
     ++stats_.generated;
-    if (std::ssize(outputs_[live.index]) == requests_[live.index].output_len) {
+    if (++live.generated == live.output_len) {
       BLOCKKV_RETURN_IF_ERROR(manager_->FlushSequence(live.uid));
       ++stats_.finished;
       live.computed = -1;  // marks it for removal below

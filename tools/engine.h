@@ -6,9 +6,14 @@
 // nothing but made-up tokens for `simulate`, the tiny Llama for `demo`.
 //
 //   auto engine = *Engine::Create(options);
+//   SpanSource requests(list);               // or a trace read as it is replayed
 //   NullRunner runner;                       // or demo's model
 //   Status s = engine->Run(requests, runner, [](const Engine& e) { ... after each step ... });
 //   engine->stats().steps, engine->outputs()[i]
+//
+// Requests are pulled from their source as they arrive, and a finished request is dropped: what
+// the engine holds is bounded by the requests alive at once (at most max_seqs running, as many
+// preempted, and kMaxWaiting pulled while waiting), not by the length of the trace.
 //
 // Running requests are kept in arrival order: the oldest get the token budget first and the
 // newest is preempted first (vLLM's first-come-first-served policy), so a request, once resumed,
@@ -43,6 +48,28 @@ struct EngineRequest {
   int64_t line = 0;        // its trace line, for messages (0: not from a file)
 };
 
+// Requests in arrival order, one at a time, so that a trace is read while it is replayed.
+class RequestSource {
+ public:
+  virtual ~RequestSource() = default;
+  // The next request into *out: true, or false after the last. Errors name the input's line.
+  virtual Result<bool> Next(EngineRequest* out) = 0;
+  // How many requests there are in all, or -1 when that is known only at the end (a trace).
+  virtual int64_t total() const { return -1; }
+};
+
+// The requests of a list, in its order (which must be arrival order).
+class SpanSource : public RequestSource {
+ public:
+  explicit SpanSource(std::span<const EngineRequest> requests) : requests_(requests) {}
+  Result<bool> Next(EngineRequest* out) override;
+  int64_t total() const override { return std::ssize(requests_); }
+
+ private:
+  std::span<const EngineRequest> requests_;
+  size_t next_ = 0;
+};
+
 struct EngineOptions {
   int32_t block_size = 16;
   int32_t num_blocks = 2048;
@@ -56,6 +83,8 @@ struct EngineOptions {
   // `simulate` needs one tiny layer; `demo` gives its model's.
   std::array<int64_t, 3> cache_shape = {1, 1, 8};
   DType cache_dtype = DType::kFloat16;
+  // Keep every request's generated tokens for outputs() (demo); simulate keeps none.
+  bool keep_outputs = true;
 };
 
 struct EngineStats {
@@ -115,13 +144,22 @@ class NullRunner : public StepRunner {
 
 class Engine {
  public:
+  // Sequences per step at most: preempted ones double it, and it must stay an int32.
+  static constexpr int32_t kMaxSequences = 1 << 20;
+
   // The state manager (ALLOCATE mode, options.num_blocks blocks on the host) and its batch.
   static Result<std::unique_ptr<Engine>> Create(const EngineOptions& options);
 
-  // Runs every request to completion. kInvalidArgument (naming the request's trace line) for a
-  // request that could never fit (longer than max_context or the whole cache); any blockkv
-  // error is returned as it is.
-  Status Run(std::span<const EngineRequest> requests, StepRunner& runner,
+  // Waiting requests pulled from the source ahead of admission. Admission takes at most
+  // max_seqs a step from the front of the queue, so pulling more would change nothing but memory.
+  static constexpr size_t kMaxWaiting = 4096;
+
+  // Runs every request of `source` to completion; requests are numbered in the order the source
+  // gives them (StepRunner's `requests`, outputs()). kInvalidArgument (naming the request's
+  // trace line) for a request that could never fit (longer than max_context or the whole cache)
+  // or that arrives before the one given before it; the source's errors and any blockkv error
+  // are returned as they are.
+  Status Run(RequestSource& source, StepRunner& runner,
              const std::function<void(const Engine&)>& after_step = {});
 
   const EngineStats& stats() const { return stats_; }
@@ -129,17 +167,19 @@ class Engine {
   const EngineOptions& options() const { return options_; }
   // Blocks held by sequences now (the rest are free or cached and evictable).
   int32_t used_blocks() const;
-  // Per request, the tokens it generated.
+  // Per request, the tokens it generated (empty unless EngineOptions::keep_outputs).
   const std::vector<std::vector<TokenId>>& outputs() const { return outputs_; }
 
  private:
   // A request between admission and completion.
   struct Live {
-    size_t index = 0;  // into the requests
-    size_t rank = 0;   // in arrival order: running requests are kept sorted by it
+    size_t index = 0;  // its number, in the order the source gave it: running requests are
+                       // kept sorted by it (arrival order)
     SeqId uid = 0;
     std::vector<TokenId> tokens;  // prompt, then the generated tokens
     int64_t prompt_len = 0;
+    int64_t output_len = 0;
+    int64_t generated = 0;
     int64_t computed = 0;  // tokens whose keys and values are in the cache
   };
   struct Entry {
@@ -151,6 +191,8 @@ class Engine {
   Engine(EngineOptions options, std::unique_ptr<StateManager> manager,
          std::unique_ptr<RaggedBatch> batch);
   Status CheckRequest(const EngineRequest& request, size_t index) const;
+  // Pulls the requests that have arrived by now into waiting_ (at most kMaxWaiting there).
+  Status Arrive(RequestSource& source);
   // This step's decodes and prefill chunks of running requests, then admissions.
   Status PlanStep(std::vector<Entry>* entries);
   // Schedules `entries` and builds the step's batch from them (StateManager::ScheduleBatch),
@@ -169,7 +211,11 @@ class Engine {
   EngineOptions options_;
   std::unique_ptr<StateManager> manager_;
   std::unique_ptr<RaggedBatch> batch_;
-  std::span<const EngineRequest> requests_;
+  // The next request from the source, not yet arrived (valid while has_pending_).
+  EngineRequest pending_;
+  bool has_pending_ = false;
+  bool source_done_ = false;
+  int64_t last_arrival_ = 0;
   std::deque<std::unique_ptr<Live>> waiting_;     // arrived, not running (front first)
   std::vector<std::unique_ptr<Live>> running_;    // in arrival order: the newest is preempted first
   std::vector<std::unique_ptr<Live>> preempted_;  // on the host tier, in arrival order

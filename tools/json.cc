@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <sys/stat.h>
+
 namespace blockkv::tool {
 
 // ---- writer ----
@@ -138,259 +140,94 @@ std::string JsonEscape(std::string_view text) {
 
 // ---- reader ----
 
-const JsonValue* JsonValue::Find(std::string_view key) const {
-  for (const auto& [name, value] : object) {
-    if (name == key) return &value;
+Status FileError(std::string_view what, const std::string& path, int error) {
+  std::string message = std::string(what) + " " + path + ": " + std::strerror(error);
+  switch (error) {
+    case ENOENT:
+    case ENOTDIR:
+      return NotFoundError(std::move(message));
+    case EACCES:
+    case EPERM:
+    case EROFS:
+      return FailedPreconditionError(std::move(message));
+    case EISDIR:
+      return InvalidArgumentError(std::move(message));
+    case ENOSPC:
+    case EDQUOT:
+    case EFBIG:
+      return ResourceExhaustedError(std::move(message));
+    default:
+      return UnavailableError(std::move(message));
   }
-  return nullptr;
 }
 
-std::string_view JsonValue::TypeName() const {
-  switch (type) {
-    case Type::kNull:
-      return "null";
-    case Type::kBool:
-      return "boolean";
-    case Type::kNumber:
-      return "number";
-    case Type::kString:
-      return "string";
-    case Type::kArray:
-      return "array";
-    case Type::kObject:
-      return "object";
+Result<std::FILE*> OpenInputFile(const std::string& path) {
+  if (path.empty()) return InvalidArgumentError("an empty file name");
+  struct stat info {};
+  if (::stat(path.c_str(), &info) != 0) return FileError("cannot open", path, errno);
+  if (S_ISDIR(info.st_mode)) return FileError("cannot open", path, EISDIR);
+  if (!S_ISREG(info.st_mode) && !S_ISFIFO(info.st_mode) && !S_ISCHR(info.st_mode)) {
+    return InvalidArgumentError("cannot open " + path + ": not a regular file");
   }
-  return "?";
+  std::FILE* file = std::fopen(path.c_str(), "rb");
+  if (file == nullptr) return FileError("cannot open", path, errno);
+  return file;
 }
 
-namespace {
-
-// Recursive descent over one document. Nesting is limited so that a hostile line cannot
-// overflow the stack.
-class Parser {
- public:
-  explicit Parser(std::string_view text) : text_(text) {}
-
-  Status Document(JsonValue* out) {
-    BLOCKKV_RETURN_IF_ERROR(Value(out, 0));
-    SkipSpace();
-    if (pos_ != text_.size()) return Error("unexpected text after the value");
-    return Status::Ok();
-  }
-
- private:
-  static constexpr int kMaxDepth = 64;
-
-  Status Error(std::string_view what) const {
-    return InvalidArgumentError(std::string(what) + " at column " + std::to_string(pos_ + 1));
-  }
-  void SkipSpace() {
-    while (pos_ < text_.size() && (text_[pos_] == ' ' || text_[pos_] == '\t' ||
-                                   text_[pos_] == '\r' || text_[pos_] == '\n')) {
-      ++pos_;
-    }
-  }
-  bool Consume(std::string_view word) {
-    if (text_.substr(pos_, word.size()) != word) return false;
-    pos_ += word.size();
-    return true;
-  }
-
-  Status Value(JsonValue* out, int depth) {
-    if (depth > kMaxDepth) return Error("nesting deeper than 64");
-    SkipSpace();
-    if (pos_ == text_.size()) return Error("expected a value, found the end of the line");
-    const char c = text_[pos_];
-    if (c == '{') return Object(out, depth);
-    if (c == '[') return Array(out, depth);
-    if (c == '"') {
-      out->type = JsonValue::Type::kString;
-      return String(&out->string);
-    }
-    if (c == '-' || (c >= '0' && c <= '9')) return Number(out);
-    if (Consume("true")) {
-      out->type = JsonValue::Type::kBool;
-      out->boolean = true;
-      return Status::Ok();
-    }
-    if (Consume("false")) {
-      out->type = JsonValue::Type::kBool;
-      return Status::Ok();
-    }
-    if (Consume("null")) {
-      out->type = JsonValue::Type::kNull;
-      return Status::Ok();
-    }
-    return Error(std::string("unexpected character '") + c + "'");
-  }
-
-  Status Object(JsonValue* out, int depth) {
-    out->type = JsonValue::Type::kObject;
-    ++pos_;  // '{'
-    SkipSpace();
-    if (Consume("}")) return Status::Ok();
-    while (true) {
-      SkipSpace();
-      if (pos_ == text_.size() || text_[pos_] != '"') return Error("expected a member name");
-      std::string key;
-      BLOCKKV_RETURN_IF_ERROR(String(&key));
-      if (out->Find(key) != nullptr) return Error("duplicate member \"" + key + "\"");
-      SkipSpace();
-      if (!Consume(":")) return Error("expected ':'");
-      JsonValue value;
-      BLOCKKV_RETURN_IF_ERROR(Value(&value, depth + 1));
-      out->object.push_back({std::move(key), std::move(value)});
-      SkipSpace();
-      if (Consume("}")) return Status::Ok();
-      if (!Consume(",")) return Error("expected ',' or '}'");
-    }
-  }
-
-  Status Array(JsonValue* out, int depth) {
-    out->type = JsonValue::Type::kArray;
-    ++pos_;  // '['
-    SkipSpace();
-    if (Consume("]")) return Status::Ok();
-    while (true) {
-      JsonValue value;
-      BLOCKKV_RETURN_IF_ERROR(Value(&value, depth + 1));
-      out->array.push_back(std::move(value));
-      SkipSpace();
-      if (Consume("]")) return Status::Ok();
-      if (!Consume(",")) return Error("expected ',' or ']'");
-    }
-  }
-
-  Status String(std::string* out) {
-    ++pos_;  // '"'
-    while (pos_ < text_.size()) {
-      const char c = text_[pos_++];
-      if (c == '"') return Status::Ok();
-      if (static_cast<unsigned char>(c) < 0x20) return Error("control character in a string");
-      if (c != '\\') {
-        *out += c;
-        continue;
-      }
-      if (pos_ == text_.size()) break;
-      const char e = text_[pos_++];
-      switch (e) {
-        case '"':
-        case '\\':
-        case '/':
-          *out += e;
-          break;
-        case 'b':
-          *out += '\b';
-          break;
-        case 'f':
-          *out += '\f';
-          break;
-        case 'n':
-          *out += '\n';
-          break;
-        case 'r':
-          *out += '\r';
-          break;
-        case 't':
-          *out += '\t';
-          break;
-        case 'u': {
-          // Kept as UTF-8 for the basic plane; surrogate pairs are not needed by the tool and
-          // are passed through as two 3-byte sequences.
-          if (pos_ + 4 > text_.size()) return Error("short \\u escape");
-          unsigned code = 0;
-          for (int i = 0; i < 4; ++i) {
-            const char h = text_[pos_++];
-            code <<= 4;
-            if (h >= '0' && h <= '9') {
-              code |= static_cast<unsigned>(h - '0');
-            } else if (h >= 'a' && h <= 'f') {
-              code |= static_cast<unsigned>(h - 'a' + 10);
-            } else if (h >= 'A' && h <= 'F') {
-              code |= static_cast<unsigned>(h - 'A' + 10);
-            } else {
-              return Error("bad \\u escape");
-            }
-          }
-          if (code < 0x80) {
-            *out += static_cast<char>(code);
-          } else if (code < 0x800) {
-            *out += static_cast<char>(0xC0 | (code >> 6));
-            *out += static_cast<char>(0x80 | (code & 0x3F));
-          } else {
-            *out += static_cast<char>(0xE0 | (code >> 12));
-            *out += static_cast<char>(0x80 | ((code >> 6) & 0x3F));
-            *out += static_cast<char>(0x80 | (code & 0x3F));
-          }
-          break;
-        }
-        default:
-          return Error(std::string("bad escape '\\") + e + "'");
-      }
-    }
-    return Error("unterminated string");
-  }
-
-  Status Number(JsonValue* out) {
-    const size_t start = pos_;
-    if (text_[pos_] == '-') ++pos_;
-    auto digits = [&] {
-      const size_t from = pos_;
-      while (pos_ < text_.size() && text_[pos_] >= '0' && text_[pos_] <= '9') ++pos_;
-      return pos_ > from;
-    };
-    if (!digits()) return Error("expected digits");
-    if (pos_ < text_.size() && text_[pos_] == '.') {
-      ++pos_;
-      if (!digits()) return Error("expected digits after '.'");
-    }
-    if (pos_ < text_.size() && (text_[pos_] == 'e' || text_[pos_] == 'E')) {
-      ++pos_;
-      if (pos_ < text_.size() && (text_[pos_] == '+' || text_[pos_] == '-')) ++pos_;
-      if (!digits()) return Error("expected an exponent");
-    }
-    const std::string number(text_.substr(start, pos_ - start));
-    errno = 0;
-    out->type = JsonValue::Type::kNumber;
-    out->number = std::strtod(number.c_str(), nullptr);
-    if (errno == ERANGE && std::isinf(out->number)) return Error("number out of range");
-    return Status::Ok();
-  }
-
-  std::string_view text_;
-  size_t pos_ = 0;
-};
-
-}  // namespace
-
-Result<JsonValue> ParseJson(std::string_view text) {
-  JsonValue value;
-  BLOCKKV_RETURN_IF_ERROR(Parser(text).Document(&value));
-  return value;
+JsonlReader::~JsonlReader() {
+  if (owned_ && file_ != nullptr) std::fclose(file_);
 }
 
 Status JsonlReader::Open(const std::string& path) {
-  path_ = path;
-  line_number_ = 0;
-  in_.open(path);
-  if (!in_) return NotFoundError("cannot open " + path + ": " + std::strerror(errno));
+  BLOCKKV_ASSIGN_OR_RETURN(std::FILE * file, OpenInputFile(path));
+  Attach(file, path);
+  owned_ = true;
   return Status::Ok();
 }
 
-Result<bool> JsonlReader::Next(JsonValue* out) {
-  while (std::getline(in_, line_)) {
+void JsonlReader::Attach(std::FILE* file, const std::string& path) {
+  if (owned_ && file_ != nullptr) std::fclose(file_);
+  file_ = file;
+  owned_ = false;
+  path_ = path;
+  pos_ = end_ = 0;
+  line_number_ = 0;
+}
+
+Result<bool> JsonlReader::Next(std::string_view* line) {
+  while (true) {
+    line_.clear();
+    bool read_any = false;
+    while (true) {
+      if (pos_ == end_) {
+        end_ = std::fread(buffer_.data(), 1, buffer_.size(), file_);
+        pos_ = 0;
+        if (end_ == 0) break;
+      }
+      read_any = true;
+      const char* from = buffer_.data() + pos_;
+      const void* newline = std::memchr(from, '\n', end_ - pos_);
+      const size_t n = newline == nullptr ? end_ - pos_ : static_cast<const char*>(newline) - from;
+      if (static_cast<int64_t>(line_.size() + n) > kMaxLineBytes) {
+        return InvalidArgumentError(path_ + ":" + std::to_string(line_number_ + 1) +
+                                    ": the line is longer than " +
+                                    std::to_string(kMaxLineBytes >> 20) + " MiB");
+      }
+      line_.append(from, n);
+      pos_ += n;
+      if (newline != nullptr) {
+        ++pos_;
+        break;
+      }
+    }
+    if (std::ferror(file_) != 0) return DataLossError("error reading " + path_);
+    if (!read_any) return false;
     ++line_number_;
     if (line_.find_first_not_of(" \t\r") == std::string::npos) continue;
-    Result<JsonValue> value = ParseJson(line_);
-    if (!value.ok()) {
-      return InvalidArgumentError(path_ + ":" + std::to_string(line_number_) + ": " +
-                                  value.status().message());
-    }
-    *out = std::move(value).value();
+    if (line_.back() == '\r') line_.pop_back();
+    *line = line_;
     return true;
   }
-  if (in_.bad()) return DataLossError("error reading " + path_);
-  return false;
 }
 
 }  // namespace blockkv::tool

@@ -1,5 +1,6 @@
-// JSON for the blockkv tool: a writer for `--json` output and a reader for JSONL traces, both
-// minimal (the tool needs objects, arrays, strings, numbers and booleans; nothing else).
+// JSON for the blockkv tool: a writer for `--json` output, and the line reader of JSONL traces.
+// A line's JSON is parsed by nlohmann-json's SAX interface (trace.cc), which checks the grammar,
+// numbers and UTF-8; this file only splits the file into lines, bounded in length.
 //
 //   JsonWriter w;
 //   w.BeginObject().Key("blocks").Int(40448).Key("dtype").String("fp16").EndObject();
@@ -7,20 +8,20 @@
 //
 //   JsonlReader reader;
 //   Status s = reader.Open("trace.jsonl");            // kNotFound names the path
-//   JsonValue line;
+//   std::string_view line;
 //   while (true) {
 //     Result<bool> more = reader.Next(&line);         // kInvalidArgument: "trace.jsonl:3: ..."
 //     if (!more.ok() || !*more) break;
 //     ... reader.line_number() ...
 //   }
 //
-// The tool depends on nothing beyond blockkv and the standard library (DESIGN.md lists
-// nlohmann-json and CLI11 for the CLI; neither is on the machine image, and what the tool needs
-// fits in this file and json.cc).
+// The writer stays hand-written: it is a hundred lines with no parsing in it, and its
+// member-order, two-space output is what docs/tool.md shows.
 #pragma once
 
+#include <array>
 #include <cstdint>
-#include <fstream>
+#include <cstdio>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -60,49 +61,45 @@ class JsonWriter {
 // `text` with JSON string escapes, without the quotes.
 std::string JsonEscape(std::string_view text);
 
-struct JsonMember;
+// Opens `path` for reading: kNotFound (missing), kInvalidArgument (a directory or not a regular
+// file), kFailedPrecondition (permission denied; status.h has no PERMISSION_DENIED), each
+// naming the path and the reason.
+Result<std::FILE*> OpenInputFile(const std::string& path);
+// The Status of a failed open or write of `path` from its errno, with the same mapping.
+Status FileError(std::string_view what, const std::string& path, int error);
 
-// A parsed JSON value. Objects keep their members in file order (duplicates are an error).
-struct JsonValue {
-  enum class Type { kNull, kBool, kNumber, kString, kArray, kObject };
-  Type type = Type::kNull;
-  bool boolean = false;
-  double number = 0;
-  std::string string;
-  std::vector<JsonValue> array;
-  std::vector<JsonMember> object;
-
-  // The member `key` of an object, or nullptr (also for a value that is not an object).
-  const JsonValue* Find(std::string_view key) const;
-  // "null", "boolean", "number", "string", "array", "object": for messages.
-  std::string_view TypeName() const;
-};
-
-struct JsonMember {
-  std::string key;
-  JsonValue value;
-};
-
-// Parses one JSON document (surrounding whitespace allowed). kInvalidArgument says what was
-// expected and at which column (1-based).
-Result<JsonValue> ParseJson(std::string_view text);
-
-// Reads a JSONL file one value per line; blank lines are skipped.
+// Reads a JSONL file one line at a time, without holding more than the current line; blank
+// lines are skipped. A line longer than kMaxLineBytes is an error, not an allocation.
 class JsonlReader {
  public:
-  // kNotFound when the file cannot be opened (the message names the path and why).
+  static constexpr int64_t kMaxLineBytes = int64_t{64} << 20;
+
+  JsonlReader() = default;
+  ~JsonlReader();
+  JsonlReader(const JsonlReader&) = delete;
+  JsonlReader& operator=(const JsonlReader&) = delete;
+
+  // OpenInputFile's errors.
   Status Open(const std::string& path);
-  // The next line's value into *out: true, or false at the end of the file. A line that is not
-  // valid JSON is kInvalidArgument "path:line: ...".
-  Result<bool> Next(JsonValue* out);
-  // 1-based line number of the value Next returned last.
+  // Reads from `file` (not closed by the reader), named `path` in messages: for tests and fuzzers
+  // that read from memory (fmemopen).
+  void Attach(std::FILE* file, const std::string& path);
+  // The next non-blank line into *line (valid until the next call): true, or false at the end of
+  // the file. kInvalidArgument "path:N: ..." for a line past kMaxLineBytes, kDataLoss for a
+  // read error.
+  Result<bool> Next(std::string_view* line);
+  // 1-based number of the line Next returned last.
   int64_t line_number() const { return line_number_; }
   const std::string& path() const { return path_; }
 
  private:
-  std::ifstream in_;
+  std::FILE* file_ = nullptr;
+  bool owned_ = false;
   std::string path_;
   std::string line_;
+  std::array<char, 1 << 16> buffer_{};  // read ahead: [pos_, end_) not yet returned
+  size_t pos_ = 0;
+  size_t end_ = 0;
   int64_t line_number_ = 0;
 };
 

@@ -6,12 +6,15 @@
 //   freq_cis_real and freq_cis_imag [seq_len, head_size / 2] (unused: RoPE is recomputed),
 //   wcls [vocab, dim] only when the header's vocab_size is negative (an unshared classifier).
 // The file's length must be exactly what the header implies.
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <limits>
 
+#include "json.h"
 #include "model.h"
 
 namespace blockkv::tool {
@@ -57,8 +60,13 @@ void ForEachWeight(std::vector<float>& embedding, auto& layers, std::vector<floa
 }  // namespace
 
 Result<Model> Model::LoadLlama2c(const std::string& path) {
+  {
+    // A directory, a missing file or one without read permission, each named for what it is.
+    BLOCKKV_ASSIGN_OR_RETURN(std::FILE * file, OpenInputFile(path));
+    std::fclose(file);
+  }
   std::ifstream in(path, std::ios::binary | std::ios::ate);
-  if (!in) return NotFoundError("cannot open " + path + ": " + std::strerror(errno));
+  if (!in) return FileError("cannot open", path, errno);
   const std::streamoff size = in.tellg();
   in.seekg(0);
   constexpr int64_t kHeaderBytes = int64_t{7} * 4;
@@ -75,7 +83,11 @@ Result<Model> Model::LoadLlama2c(const std::string& path) {
   config.n_heads = header[3];
   config.n_kv_heads = header[4];
   config.shared_classifier = header[5] > 0;
-  config.vocab_size = header[5] == std::numeric_limits<int32_t>::min() ? 0 : std::abs(header[5]);
+  if (header[5] == std::numeric_limits<int32_t>::min()) {
+    // Its absolute value does not fit an int32: not a size any checkpoint has.
+    return InvalidArgumentError(path + ": header field vocab_size = -2147483648 is out of range");
+  }
+  config.vocab_size = std::abs(header[5]);
   config.seq_len = header[6];
   if (Status s = config.Validate(); !s.ok()) {
     return InvalidArgumentError(path + ": header field " + s.message());
@@ -129,7 +141,17 @@ Result<Model> Model::LoadLlama2c(const std::string& path) {
   const auto read = [&](const char* name, std::vector<float>& w) {
     if (!status.ok()) return;
     in.read(reinterpret_cast<char*>(w.data()), static_cast<std::streamsize>(w.size() * 4));
-    if (!in) status = DataLossError(path + ": read error in " + name);
+    if (!in) {
+      status = DataLossError(path + ": read error in " + name);
+      return;
+    }
+    // A NaN or infinite weight makes every logit after it meaningless: refuse it here, by name.
+    const auto bad = std::find_if(w.begin(), w.end(), [](float x) { return !std::isfinite(x); });
+    if (bad != w.end()) {
+      status = InvalidArgumentError(path + ": weight " + name + " holds " + std::to_string(*bad) +
+                                    " at float " + std::to_string(bad - w.begin()) +
+                                    ": a checkpoint's weights must be finite");
+    }
   };
   ForEachWeight(model.embedding_, model.layers_, model.rms_final_, read);
   in.seekg(2 * freq * 4, std::ios::cur);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cctype>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -54,13 +55,13 @@ const ModelShape* FindModelPreset(std::string_view name) {
 }
 
 Result<int64_t> ParseCount(std::string_view text) {
-  if (text.empty() || text.size() > 18 ||
-      !std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-    return InvalidArgumentError(
-        std::string(1, '\'').append(text).append("' is not a non-negative integer"));
-  }
   int64_t value = 0;
-  for (const char c : text) value = value * 10 + (c - '0');
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || text[0] < '0' || text[0] > '9' || end != text.data() + text.size() ||
+      error != std::errc()) {
+    return InvalidArgumentError(std::string(1, '\'').append(text).append(
+        "' is not an integer in [0, 9223372036854775807]"));
+  }
   return value;
 }
 
@@ -134,7 +135,7 @@ Result<MemorySpec> ParseMemory(std::string_view text) {
     return spec;
   }
   BLOCKKV_ASSIGN_OR_RETURN(spec.bytes, ParseSize(text));
-  if (spec.bytes <= 0) return InvalidArgumentError("--memory must be more than 0 bytes");
+  if (spec.bytes <= 0) return InvalidArgumentError("'" + spec.text + "' is 0 bytes: expected more");
   return spec;
 }
 

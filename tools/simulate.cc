@@ -27,6 +27,14 @@ class ProgressBar {
     if (now - last_ < std::chrono::milliseconds(100)) return;
     last_ = now;
     const EngineStats& s = engine.stats();
+    if (total_ < 0) {  // a trace: its length is known at its end
+      std::fprintf(stderr, "\r%lld requests finished, step %lld, cache %3.0f%%, hits %3.0f%%",
+                   static_cast<long long>(s.finished), static_cast<long long>(s.steps),
+                   100.0 * engine.used_blocks() / s.num_blocks, 100 * s.hit_rate());
+      std::fflush(stderr);
+      drawn_ = true;
+      return;
+    }
     const double done =
         total_ == 0 ? 1.0 : static_cast<double>(s.finished) / static_cast<double>(total_);
     constexpr int kWidth = 30;
@@ -58,18 +66,37 @@ class ProgressBar {
 
 }  // namespace
 
-Result<SimulateReport> Simulate(std::vector<EngineRequest> requests,
+Result<SimulateReport> Simulate(std::span<const EngineRequest> requests,
                                 const SimulateOptions& options) {
-  BLOCKKV_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(options.engine));
+  SpanSource source(requests);
+  return Simulate(source, options);
+}
+
+Result<SimulateReport> Simulate(RequestSource& requests, const SimulateOptions& options) {
+  EngineOptions engine_options = options.engine;
+  engine_options.keep_outputs = false;
+  BLOCKKV_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(engine_options));
   SimulateReport report;
   NullRunner runner;
-  ProgressBar progress(options.progress, std::ssize(requests));
+  ProgressBar progress(options.progress, requests.total());
   const auto start = std::chrono::steady_clock::now();
   const std::clock_t cpu_start = std::clock();
+  // One sample every `stride` steps, the stride doubling (and every other sample dropped) when
+  // kMaxSamples are held: a long run's plot costs bounded memory.
+  int64_t stride = 1;
   Status status = engine->Run(requests, runner, [&](const Engine& e) {
     const EngineStats& s = e.stats();
-    report.samples.push_back(
-        {s.steps, static_cast<double>(e.used_blocks()) / s.num_blocks, s.hit_rate()});
+    if (s.steps % stride == 0) {
+      report.samples.push_back(
+          {s.steps, static_cast<double>(e.used_blocks()) / s.num_blocks, s.hit_rate()});
+      if (std::ssize(report.samples) == SimulateReport::kMaxSamples) {
+        for (size_t i = 0; 2 * i + 1 < report.samples.size(); ++i) {
+          report.samples[i] = report.samples[2 * i + 1];
+        }
+        report.samples.resize(report.samples.size() / 2);
+        stride *= 2;
+      }
+    }
     progress.Update(e);
   });
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

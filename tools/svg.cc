@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "commands.h"
+#include "json.h"
 
 namespace blockkv::tool {
 namespace {
@@ -109,11 +110,12 @@ std::string PlotSvg(std::span<const StepSample> samples, std::string_view title)
 }
 
 Status WriteFile(const std::string& path, std::string_view text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) return InternalError("cannot write " + path + ": " + std::strerror(errno));
-  out.write(text.data(), static_cast<std::streamsize>(text.size()));
-  out.close();
-  if (!out) return InternalError("cannot write " + path + ": " + std::strerror(errno));
+  std::FILE* out = std::fopen(path.c_str(), "wb");
+  if (out == nullptr) return FileError("cannot write", path, errno);
+  const bool written = std::fwrite(text.data(), 1, text.size(), out) == text.size();
+  const int error = errno;
+  if (std::fclose(out) != 0 || !written)
+    return FileError("cannot write", path, written ? errno : error);
   return Status::Ok();
 }
 

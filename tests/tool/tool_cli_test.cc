@@ -1,7 +1,9 @@
 // The `blockkv` binary: exit codes (0 success, 2 bad arguments with usage, 1 runtime failure with
 // the status), and the messages that name a bad file's line.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
 #include <cstdio>
@@ -93,13 +95,14 @@ TEST(Cli, RuntimeFailuresExitOneWithTheStatus) {
 TEST(Cli, BadTraceFilesNameTheLine) {
   const std::string malformed = WriteTemp(
       "malformed.jsonl", "{\"prompt_len\": 8, \"output_len\": 2}\n\n{\"prompt_len\": 8 \"x\"}\n");
-  EXPECT_RUN("simulate --trace " + malformed, 1, "malformed.jsonl:3: expected ',' or '}'");
+  EXPECT_RUN("simulate --trace " + malformed, 1, "malformed.jsonl:3: column 20: syntax error");
   const std::string missing = WriteTemp("missing.jsonl", "{\"prompt_len\": 8}\n");
   EXPECT_RUN("simulate --trace " + missing, 1, "missing.jsonl:1: missing \"output_len\"");
   const std::string too_long = WriteTemp("too_long.jsonl",
                                          "{\"prompt_len\": 8, \"output_len\": 1}\n"
                                          "{\"prompt_len\": 900, \"output_len\": 1}\n");
-  EXPECT_RUN("simulate --blocks 32 --trace " + too_long, 1, "too_long.jsonl: line 2: 900 tokens");
+  // The engine's errors name the line as the reader's do, "file:N:" (docs/tool.md).
+  EXPECT_RUN("simulate --blocks 32 --trace " + too_long, 1, "too_long.jsonl:2: 900 tokens");
 }
 
 TEST(Cli, SimulateWritesJsonAndPlot) {
@@ -114,6 +117,87 @@ TEST(Cli, SimulateWritesJsonAndPlot) {
 
 TEST(Cli, DemoChecksItself) {
   EXPECT_RUN("demo --requests 3 --system-len 16 --output-len 4", 0, "check         identical");
+}
+
+// How often `text` occurs in `output`.
+size_t Count(const std::string& output, const std::string& text) {
+  size_t n = 0;
+  for (size_t at = output.find(text); at != std::string::npos; at = output.find(text, at + 1)) ++n;
+  return n;
+}
+
+TEST(Cli, OutOfRangeFlagsNameTheRange) {
+  EXPECT_RUN("plan --model Llama-3-8B --memory 80GiB --block-size 3000000000", 2,
+             "--block-size '3000000000': expected an integer in [1, 2147483647]");
+  EXPECT_RUN("simulate --requests 2147483647", 2,
+             "--requests '2147483647': expected an integer in [1, 10000000]");
+  EXPECT_RUN("demo --requests 2147483647", 2,
+             "--requests '2147483647': expected an integer in [1, 16384]");
+  EXPECT_RUN("simulate --max-seqs 2147483647", 2, "expected an integer in [1, 1048576]");
+  EXPECT_RUN("simulate --max-context 9223372036854775807", 2,
+             "--max-context '9223372036854775807': expected an integer in [1, 2147483647]");
+  EXPECT_RUN("simulate --seed 99999999999999999999", 2, "--seed '99999999999999999999'");
+}
+
+TEST(Cli, MemoryZeroNamesTheFlagOnce) {
+  const ToolRun run = Blockkv("plan --model Llama-3-8B --memory 0");
+  EXPECT_EQ(run.code, 2) << run.output;
+  EXPECT_NE(run.output.find("--memory: '0' is 0 bytes: expected more"), std::string::npos)
+      << run.output;
+  EXPECT_EQ(Count(run.output, "--memory:"), 1u) << run.output;
+}
+
+TEST(Cli, EmptyFileNamesAreBadArguments) {
+  EXPECT_RUN("simulate --requests 5 --plot ''", 2, "--plot '': expected a file name");
+  EXPECT_RUN("simulate --trace ''", 2, "--trace '': expected a file name");
+  EXPECT_RUN("demo --model ''", 2, "--model '': expected a file name");
+}
+
+TEST(Cli, DirectoriesAreNamedAsDirectories) {
+  const std::string dir = testing::TempDir();
+  EXPECT_RUN("demo --model " + dir, 1, "INVALID_ARGUMENT: cannot open " + dir + ": Is a directory");
+  EXPECT_RUN("simulate --trace " + dir, 1, "INVALID_ARGUMENT: cannot open " + dir);
+  EXPECT_RUN("simulate --requests 5 --plot " + dir, 1, "INVALID_ARGUMENT: cannot write " + dir);
+}
+
+TEST(Cli, PlotFailuresAreNotInternal) {
+  const ToolRun run = Blockkv("simulate --requests 5 --plot /nonexistent-dir/x.svg");
+  EXPECT_EQ(run.code, 1) << run.output;
+  EXPECT_NE(run.output.find("NOT_FOUND: cannot write /nonexistent-dir/x.svg"), std::string::npos)
+      << run.output;
+  EXPECT_EQ(run.output.find("INTERNAL"), std::string::npos) << run.output;
+}
+
+TEST(Cli, PermissionDeniedIsFailedPrecondition) {
+  // status.h has no PERMISSION_DENIED; FAILED_PRECONDITION is the closest code (the file exists
+  // and the caller must change its mode). Root reads anything, so there is nothing to test.
+  if (geteuid() == 0) GTEST_SKIP() << "running as root";
+  const std::string path =
+      WriteTemp("unreadable.jsonl", "{\"prompt_len\": 8, \"output_len\": 1}\n");
+  ASSERT_EQ(chmod(path.c_str(), 0), 0);
+  EXPECT_RUN("simulate --trace " + path, 1, "FAILED_PRECONDITION: cannot open " + path);
+  EXPECT_RUN("demo --model " + path, 1, "FAILED_PRECONDITION: cannot open " + path);
+}
+
+TEST(Cli, DemoSizesAreCheckedBeforeAnythingIsAllocated) {
+  // It grew past 12 GB before; now the model's context is checked first.
+  EXPECT_RUN("demo --system-len 2147483647", 1,
+             "a request holds up to 3221225501 tokens (--system-len 2147483647, a user turn of up "
+             "to 1073741823, --output-len 32 - 1), more than the model's context of 1024");
+}
+
+TEST(Cli, TraceOfHugePromptLengthsStopsAtTheContextLimit) {
+  std::string text;
+  for (int i = 0; i < 100; ++i) text += "{\"prompt_len\": 16777216, \"output_len\": 1}\n";
+  const std::string path = WriteTemp("huge_prompts.jsonl", text);
+  EXPECT_RUN("simulate --trace " + path, 1,
+             "huge_prompts.jsonl:1: \"prompt_len\" 16777216 exceeds the context limit of 32768");
+}
+
+TEST(Cli, SizeArithmeticPastTheLimitsIsAnError) {
+  // Each allocated a size no machine has, or overflowed an int32, before.
+  EXPECT_RUN("simulate --blocks 2147483647", 1, "RESOURCE_EXHAUSTED");
+  EXPECT_RUN("simulate --max-seqs 1048576 --token-budget 2147483647", 1, "INVALID_ARGUMENT");
 }
 
 }  // namespace

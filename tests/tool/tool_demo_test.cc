@@ -3,7 +3,11 @@
 // tokens as the dense-cache reference.
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <vector>
+
 #include "commands.h"
+#include "model.h"
 
 namespace blockkv::tool {
 namespace {
@@ -53,6 +57,50 @@ TEST(Demo, AmpleCacheNeedsNoPreemption) {
   EXPECT_EQ(r->stats.preemptions + r->stats.recomputations, 0);
   const std::string json = FormatDemo(*r, options, true);
   EXPECT_NE(json.find("\"identical\": true"), std::string::npos) << json;
+}
+
+TEST(Demo, LogitsThatOverflowFailTheCheck) {
+  // Finite weights whose logits overflow: a classifier of 3e38 (the unshared wcls ends the file).
+  // The demo reported "identical ... smallest top-2 margin inf" and succeeded before.
+  ModelConfig config;
+  config.dim = 64;
+  config.hidden_dim = 96;
+  config.n_layers = 1;
+  config.n_heads = 1;
+  config.n_kv_heads = 1;
+  config.vocab_size = 32;
+  config.seq_len = 64;
+  config.shared_classifier = false;
+  const std::string path = testing::TempDir() + "/overflow.bin";
+  ASSERT_TRUE(Model::Random(config, 1)->SaveLlama2c(path).ok());
+  {
+    std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(-static_cast<std::streamoff>(4 * config.vocab_size * config.dim), std::ios::end);
+    const std::vector<float> huge(static_cast<size_t>(config.vocab_size * config.dim), 3e38F);
+    file.write(reinterpret_cast<const char*>(huge.data()), std::ssize(huge) * 4);
+  }
+  DemoOptions options = Tiny();
+  options.model_path = path;
+  options.system_len = 16;
+  options.output_len = 2;
+  Result<DemoReport> r = Demo(options);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(r.status().message().find("the paged run's logits are not finite"), std::string::npos)
+      << r.status();
+}
+
+TEST(Demo, CheckThatWouldHoldTooManyLogitsIsRefused) {
+  DemoOptions options = Tiny();
+  options.requests = kMaxDemoRequests;
+  options.system_len = 16;
+  options.output_len = 512;
+  // 2 x 16384 x 512 x 256 (the random model's vocabulary) x 4 bytes = 16 GiB.
+  Result<DemoReport> r = Demo(options);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("the dense comparison keeps 16.00 GiB of logits"),
+            std::string::npos)
+      << r.status();
 }
 
 TEST(Demo, MissingCheckpointIsNotFound) {

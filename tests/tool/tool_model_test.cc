@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <functional>
+#include <limits>
 #include <vector>
 
 #include "model.h"
@@ -204,7 +206,7 @@ TEST(Llama2c, MatchesLlama2cForwardWithInterleavedRope) {
 
 // Copies `path` with `edit` applied to its bytes.
 std::string Edited(const std::string& path, const std::string& name,
-                   void (*edit)(std::vector<char>&)) {
+                   const std::function<void(std::vector<char>&)>& edit) {
   std::ifstream in(path, std::ios::binary);
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   edit(bytes);
@@ -249,6 +251,44 @@ TEST(Llama2c, BadFilesNameTheFieldOrWeight) {
         << c.path << ": " << r.status();
   }
   EXPECT_EQ(Model::LoadLlama2c(TempPath("missing.bin")).status().code(), StatusCode::kNotFound);
+}
+
+TEST(Llama2c, VocabSizeOfMinusTwoToTheThirtyOneIsNamed) {
+  // |INT32_MIN| does not fit an int32; it was reported as vocab_size 0.
+  const std::string good = TempPath("vocab_good.bin");
+  ASSERT_TRUE(Model::Random(Small(true), 1)->SaveLlama2c(good).ok());
+  const std::string bad = Edited(good, "vocab_min.bin", [](std::vector<char>& b) {
+    SetHeader(b, 5, std::numeric_limits<int32_t>::min());
+  });
+  Result<Model> r = Model::LoadLlama2c(bad);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("vocab_size = -2147483648 is out of range"),
+            std::string::npos)
+      << r.status();
+}
+
+TEST(Llama2c, DirectoryIsNamedAsADirectory) {
+  Result<Model> r = Model::LoadLlama2c(testing::TempDir());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("Is a directory"), std::string::npos) << r.status();
+}
+
+TEST(Llama2c, NonFiniteWeightsAreRefusedByName) {
+  const std::string good = TempPath("finite.bin");
+  ASSERT_TRUE(Model::Random(Small(true), 1)->SaveLlama2c(good).ok());
+  // The first float of wq (after the 28-byte header, token_embedding and rms_att).
+  const ModelConfig c = Small(true);
+  const size_t wq = 28 + 4 * (size_t{40} * c.dim + size_t{2} * c.dim);
+  for (const float bad : {NAN, INFINITY}) {
+    const std::string path = Edited(
+        good, "nonfinite.bin", [&](std::vector<char>& b) { std::memcpy(b.data() + wq, &bad, 4); });
+    Result<Model> r = Model::LoadLlama2c(path);
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find("weight wq holds"), std::string::npos) << r.status();
+    EXPECT_NE(r.status().message().find("at float 0: a checkpoint's weights must be finite"),
+              std::string::npos)
+        << r.status();
+  }
 }
 
 TEST(Model, ConfigValidationNamesTheField) {

@@ -3,8 +3,14 @@
 // host tier.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <fstream>
+#include <memory>
 #include <string>
+
+#include <nlohmann/json.hpp>
 
 #include "commands.h"
 #include "json.h"
@@ -118,19 +124,23 @@ struct BadTrace {
 
 TEST(ReadTrace, MalformedLinesAreNamed) {
   const BadTrace cases[] = {
-      {"{\"prompt_len\": 4, \"output_len\": 1}\n{\"prompt_len\": 4,, }\n", ":2: expected a member"},
+      {"{\"prompt_len\": 4, \"output_len\": 1}\n{\"prompt_len\": 4,, }\n",
+       ":2: column 18: syntax error while parsing object key"},
       {"{\"prompt_len\": 4}\n", ":1: missing \"output_len\""},
       {"\n\n{\"prompt_len\": 4, \"output_len\": 0}\n",
-       ":3: \"output_len\" must be an integer >= 1"},
+       ":3: \"output_len\" 0 must be an integer >= 1"},
       {"{\"promt_len\": 4, \"output_len\": 1}\n", ":1: unknown field \"promt_len\""},
-      {"{\"prompt\": [1, -2], \"output_len\": 1}\n", ":1: \"prompt\"[1] is not a token id"},
+      {"{\"prompt\": [1, -2], \"output_len\": 1}\n", ":1: \"prompt\"[1] -2 is not a token id"},
       {"{\"prompt\": [1], \"prompt_len\": 1, \"output_len\": 1}\n", "cannot both be given"},
       {"{\"prompt_len\": 4, \"prefix_group\": 1, \"output_len\": 1}\n", "missing \"prefix_len\""},
       {"{\"prompt_len\": 4, \"prefix_group\": 1, \"prefix_len\": 5, \"output_len\": 1}\n",
        "longer than \"prompt_len\""},
-      {"{\"arrival\": -1, \"prompt_len\": 4, \"output_len\": 1}\n", "\"arrival\" must be"},
-      {"[1, 2]\n", ":1: expected an object"},
-      {"{\"prompt_len\": 4, \"output_len\": 1} x\n", "unexpected text after the value"},
+      {"{\"arrival\": -1, \"prompt_len\": 4, \"output_len\": 1}\n",
+       "\"arrival\" -1 is not a step in [0, 10^15]"},
+      {"[1, 2]\n", ":1: expected an object, found an array"},
+      {"{\"prompt_len\": 4, \"output_len\": 1} x\n", "expected end of input"},
+      {"{\"prompt_len\": 4, \"output_len\": 1, \"output_len\": 2}\n",
+       ":1: duplicate field \"output_len\""},
       {"\n", "no requests"},
   };
   int i = 0;
@@ -146,18 +156,197 @@ TEST(ReadTrace, MalformedLinesAreNamed) {
             StatusCode::kNotFound);
 }
 
-TEST(Json, WriterAndReaderAgree) {
+// ParseTraceLine's message for `text`, or "ok".
+std::string LineError(const std::string& text, int64_t max_tokens = 32768) {
+  Result<TraceLine> line = ParseTraceLine(text, max_tokens);
+  return line.ok() ? "ok" : line.status().message();
+}
+
+TEST(TraceLine, IntegersAreExactAndWhatDoesNotFitIsRejected) {
+  // Floats past 2^53 were cast to int64 (undefined behaviour): 1e19 and -3e30 shared a group.
+  EXPECT_NE(
+      LineError(R"({"prompt_len": 8, "prefix_group": 1e19, "prefix_len": 8, "output_len": 1})")
+          .find("\"prefix_group\" 1e19 must be an integer in [-2^63, 2^64) or a string"),
+      std::string::npos);
+  EXPECT_NE(
+      LineError(R"({"prompt_len": 8, "prefix_group": -3e30, "prefix_len": 8, "output_len": 1})")
+          .find("\"prefix_group\" -3e30"),
+      std::string::npos);
+  EXPECT_NE(LineError(R"({"prompt_len": 9223372036854775808, "output_len": 1})")
+                .find("\"prompt_len\" 9223372036854775808 must be an integer >= 1 that fits"),
+            std::string::npos);
+  EXPECT_NE(LineError(R"({"prompt": [2147483648], "output_len": 1})")
+                .find("\"prompt\"[0] 2147483648 is not a token id"),
+            std::string::npos);
+  EXPECT_NE(LineError(R"({"prompt": [1, 2.5], "output_len": 1})").find("\"prompt\"[1] 2.5"),
+            std::string::npos);
+  // Groups past 2^53 keep their identity: 2^53 and 2^53 + 1 differ, as do 2^64 - 1 and -1.
+  Result<TraceLine> a = ParseTraceLine(
+      R"({"prompt_len": 8, "prefix_group": 9007199254740992, "prefix_len": 8, "output_len": 1})",
+      64);
+  Result<TraceLine> b = ParseTraceLine(
+      R"({"prompt_len": 8, "prefix_group": 9007199254740993, "prefix_len": 8, "output_len": 1})",
+      64);
+  Result<TraceLine> c = ParseTraceLine(
+      R"({"prompt_len": 8, "prefix_group": 18446744073709551615, "prefix_len": 8, "output_len": 1})",
+      64);
+  Result<TraceLine> d = ParseTraceLine(
+      R"({"prompt_len": 8, "prefix_group": -1, "prefix_len": 8, "output_len": 1})", 64);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok() && d.ok());
+  EXPECT_EQ(a->prefix_group, "9007199254740992");
+  EXPECT_EQ(b->prefix_group, "9007199254740993");
+  EXPECT_EQ(c->prefix_group, "18446744073709551615");
+  EXPECT_EQ(d->prefix_group, "-1");
+  EXPECT_FALSE(a->group_is_string);
+}
+
+TEST(TraceReader, GroupsPastTwoToTheFiftyThreeShareNoPrefix) {
+  const std::string path = WriteTemp(
+      "big_groups.jsonl",
+      R"({"prompt_len": 32, "prefix_group": 9007199254740992, "prefix_len": 32, "output_len": 1}
+{"prompt_len": 32, "prefix_group": 9007199254740993, "prefix_len": 32, "output_len": 1}
+{"prompt_len": 32, "prefix_group": "9007199254740992", "prefix_len": 32, "output_len": 1}
+{"prompt_len": 32, "prefix_group": 9007199254740992, "prefix_len": 32, "output_len": 1}
+)");
+  Result<std::vector<EngineRequest>> trace = ReadTrace(path);
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  ASSERT_EQ(trace->size(), 4u);
+  EXPECT_NE((*trace)[0].prompt, (*trace)[1].prompt);
+  EXPECT_NE((*trace)[0].prompt, (*trace)[2].prompt);  // a string never meets an integer
+  EXPECT_EQ((*trace)[0].prompt, (*trace)[3].prompt);  // the same group shares its prefix
+}
+
+TEST(TraceLine, LeadingZerosInvalidUtf8AndDuplicatesAreRejected) {
+  // "08" is not JSON: a syntax error, not a prompt_len of 0.
+  EXPECT_NE(LineError(R"({"prompt_len": 08, "output_len": 1})").find("column 17: syntax error"),
+            std::string::npos)
+      << LineError(R"({"prompt_len": 08, "output_len": 1})");
+  const std::string utf8 = LineError("{\"prompt_len\": 8, \"output_len\": 1, \"id\": \"\xff\"}");
+  EXPECT_NE(utf8.find("ill-formed UTF-8"), std::string::npos) << utf8;
+  EXPECT_EQ(utf8.find('\xff'), std::string::npos);  // the byte is escaped in the message
+  EXPECT_NE(utf8.find("\\xFF"), std::string::npos) << utf8;
+  EXPECT_EQ(LineError(std::string("{\"prompt_len\": 8, \"output_len\": 1}\0x", 36)),
+            "column 35: a NUL byte, which JSON text cannot hold");
+  EXPECT_NE(LineError(R"({"prompt_len": 8, "prompt_len": 8, "output_len": 1})")
+                .find("duplicate field \"prompt_len\""),
+            std::string::npos);
+  EXPECT_NE(
+      LineError(R"({"prompt_len": 8, "output_len": 1, "id": {"a": 1, "b": {"a": 2}, "a": 3}})")
+          .find("duplicate member \"a\" inside \"id\""),
+      std::string::npos);
+}
+
+TEST(TraceLine, TwoHundredThousandMembersParse) {
+  // The old reader compared each member with every earlier one: minutes for this line. Each
+  // object's names now go into a hash set; the line's own fields into a bit mask.
+  std::string members;
+  for (int i = 0; i < 200000; ++i) members += (i > 0 ? ",\"k" : "\"k") + std::to_string(i) + "\":1";
+  EXPECT_EQ(LineError(R"({"prompt_len": 8, "output_len": 1, "id": {)" + members + "}}"), "ok");
+  EXPECT_NE(LineError(R"({"prompt_len": 8, "output_len": 1, "id": {)" + members + ",\"k7\":2}}")
+                .find("duplicate member \"k7\""),
+            std::string::npos);
+}
+
+TEST(TraceLine, PromptsStopAtTheContextLimit) {
+  EXPECT_EQ(LineError(R"({"prompt_len": 16777216, "output_len": 1})", 1000),
+            "\"prompt_len\" 16777216 exceeds the context limit of 1000 (--max-context)");
+  std::string tokens = "[1";
+  for (int i = 0; i < 5000; ++i) tokens += ",1";
+  EXPECT_EQ(LineError(R"({"prompt": )" + tokens + R"(], "output_len": 1})", 1000),
+            "\"prompt\" has more than 1000 tokens, the context limit (--max-context)");
+  EXPECT_EQ(LineError(R"({"prompt": )" + tokens + R"(], "output_len": 1})", 5001), "ok");
+}
+
+TEST(TraceReader, LinePastTheLimitIsAnErrorNotAnAllocation) {
+  const std::string path = testing::TempDir() + "/huge_line.jsonl";
+  {
+    std::ofstream out(path);
+    out << "{\"prompt_len\": 8, \"output_len\": 1}\n{\"id\": \"";
+    const std::string chunk(1 << 20, 'a');
+    for (int64_t i = 0; i <= JsonlReader::kMaxLineBytes >> 20; ++i) out << chunk;
+    out << "\"}\n";
+  }
+  Result<std::vector<EngineRequest>> r = ReadTrace(path);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("huge_line.jsonl:2: the line is longer than 64 MiB"),
+            std::string::npos)
+      << r.status();
+  std::remove(path.c_str());
+}
+
+TEST(TraceReader, DirectoryAndEmptyNameAreNamed) {
+  Result<std::vector<EngineRequest>> dir = ReadTrace(testing::TempDir());
+  EXPECT_EQ(dir.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(dir.status().message().find("Is a directory"), std::string::npos) << dir.status();
+  EXPECT_EQ(ReadTrace("").status().code(), StatusCode::kInvalidArgument);
+}
+
+// A source of `n` requests, one arriving per step, that counts what the engine pulled.
+class CountingSource : public RequestSource {
+ public:
+  explicit CountingSource(int64_t n) : n_(n) {}
+  Result<bool> Next(EngineRequest* out) override {
+    if (pulled_ == n_) return false;
+    *out = EngineRequest{};
+    out->arrival = pulled_;
+    out->prompt.assign(40, static_cast<TokenId>(pulled_ % 1000));
+    out->output_len = 4;
+    ++pulled_;
+    return true;
+  }
+  int64_t pulled() const { return pulled_; }
+
+ private:
+  int64_t n_;
+  int64_t pulled_ = 0;
+};
+
+TEST(Engine, PullsRequestsAsTheyArriveAndKeepsNoOutputs) {
+  EngineOptions options;
+  options.num_blocks = 64;
+  options.keep_outputs = false;
+  std::unique_ptr<Engine> engine = *Engine::Create(options);
+  CountingSource source(5000);
+  NullRunner runner;
+  int64_t most_ahead = 0;
+  ASSERT_TRUE(engine
+                  ->Run(source, runner,
+                        [&](const Engine& e) {
+                          // Pulled but not finished: what the engine holds.
+                          most_ahead = std::max(most_ahead, source.pulled() - e.stats().finished);
+                        })
+                  .ok());
+  EXPECT_EQ(engine->stats().finished, 5000);
+  EXPECT_EQ(engine->stats().requests, 5000);
+  EXPECT_LE(most_ahead, 16);  // one arrival a step, each done in a few steps
+  EXPECT_TRUE(engine->outputs().empty());
+}
+
+TEST(Engine, ArrivalsOutOfOrderNameTheLine) {
+  const std::string path = WriteTemp("unordered.jsonl",
+                                     "{\"arrival\": 5, \"prompt_len\": 8, \"output_len\": 1}\n"
+                                     "{\"arrival\": 3, \"prompt_len\": 8, \"output_len\": 1}\n");
+  SimulateOptions options;
+  Result<SimulateReport> r = Simulate(*ReadTrace(path), options);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("line 2: arrival 3 is before the previous request's 5"),
+            std::string::npos)
+      << r.status();
+}
+
+TEST(Json, WriterOutputParsesBackWithNlohmann) {
   JsonWriter w;
   w.BeginObject().Key("a").Int(-3).Key("b").BeginArray().Double(0.5).Bool(true).Null().EndArray();
-  w.Key("s").String("x\"\n\\y").Key("e").BeginObject().EndObject().EndObject();
-  Result<JsonValue> v = ParseJson(w.str());
-  ASSERT_TRUE(v.ok()) << v.status() << "\n" << w.str();
-  EXPECT_EQ(v->Find("a")->number, -3);
-  EXPECT_EQ(v->Find("b")->array.size(), 3u);
-  EXPECT_EQ(v->Find("s")->string, "x\"\n\\y");
-  EXPECT_EQ(v->Find("e")->type, JsonValue::Type::kObject);
-  EXPECT_EQ(ParseJson("{\"a\": 1, \"a\": 2}").status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(ParseJson("\"\\u00e9\"")->string, "\xc3\xa9");
+  w.Key("s").String("x\"\n\\y\x01").Key("e").BeginObject().EndObject();
+  w.Key("inf").Double(INFINITY).EndObject();
+  const nlohmann::json v = nlohmann::json::parse(w.str());
+  EXPECT_EQ(v["a"], -3);
+  EXPECT_EQ(v["b"].size(), 3u);
+  EXPECT_EQ(v["s"], "x\"\n\\y\x01");
+  EXPECT_TRUE(v["e"].is_object());
+  EXPECT_TRUE(v["inf"].is_null());
 }
 
 TEST(Plot, TwoPolylines) {
