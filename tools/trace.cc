@@ -164,7 +164,7 @@ class LineHandler : public nlohmann::json_sax<nlohmann::json> {
   bool key(string_t& name) override {
     if (depth_ > 1) {  // inside "id": ignored, but still JSON without duplicate members
       if (!nested_keys_.back().insert(name).second) {
-        return Fail("duplicate member \"" + Printable(name) + "\" inside \"id\"");
+        return Fail("duplicate member \"" + Printable(name) + R"(" inside "id")");
       }
       return true;
     }
@@ -355,7 +355,7 @@ Result<TraceLine> ParseTraceLine(std::string_view text, int64_t max_tokens) {
   if ((seen & kPrompt) != 0) {
     for (const auto& [name, bit] : kFields) {
       if ((bit & (kPromptLen | kPrefixGroup | kPrefixLen) & seen) != 0) {
-        return InvalidArgumentError("\"prompt\" and \"" + std::string(name) +
+        return InvalidArgumentError(R"("prompt" and ")" + std::string(name) +
                                     "\" cannot both be given");
       }
     }
