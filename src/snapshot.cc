@@ -55,6 +55,13 @@ Status StateManager::Impl::CheckSnapshotable() const {
                  "; resume and schedule it, or flush it, first"));
     }
   }
+  for (int g = 0; g < num_groups(); ++g) {
+    if (const int32_t held = engine_held_blocks(g); held > 0) {
+      return FailedPreconditionError(StrCat("cannot snapshot: ", held, " blocks of cache group ", g,
+                                            " from AllocateBlocks are not in any sequence's table; "
+                                            "extend a sequence with them or free them first"));
+    }
+  }
   for (int g = 0; offload_ != nullptr && g < num_groups(); ++g) {
     if (const size_t held = offload_->held_blocks(g).size(); held > 0) {
       return FailedPreconditionError(StrCat("cannot snapshot: the offload store holds ", held,

@@ -58,6 +58,14 @@ class StateManager::Impl {
   Status PostForward(std::span<const SeqId> uids);
   Status PostForward(const RaggedBatch& batch);
   Status FreeLeadingBlocks(SeqId uid, int32_t num_blocks, int group);
+  // DeepSpeed's step in three calls (state_manager_deepspeed.cc).
+  Status AllocateBlocks(std::span<BlockId> out, int group);
+  Status ExtendSequence(SeqId uid, std::span<const BlockId> blocks, int group);
+  Status FreeBlocks(std::span<const BlockId> blocks, int group);
+  Status PreForward(SeqId uid, int64_t num_tokens);
+  int32_t engine_held_blocks(int group) const {
+    return engine_held_.empty() ? 0 : engine_held_[static_cast<size_t>(group)].count;
+  }
   Status Fork(SeqId parent, SeqId child);
   int64_t RemainingBlockCapacity(SeqId uid, int group) const;
   const PrefixCache* prefix_cache() const { return prefix_.get(); }
@@ -210,7 +218,14 @@ class StateManager::Impl {
 
   StateManagerConfig config_;
   std::unique_ptr<BlockedKVCache> cache_;
-  std::vector<BlockPool> pools_;              // one per cache group
+  std::vector<BlockPool> pools_;  // one per cache group
+  // Per group: blocks AllocateBlocks handed out and the engine still holds (a mark per block,
+  // sized on the first AllocateBlocks).
+  struct EngineHeld {
+    std::vector<uint8_t> marks;
+    int32_t count = 0;
+  };
+  std::vector<EngineHeld> engine_held_;
   std::vector<std::vector<BlockId>> tables_;  // per group [max_tracked, max_blocks]
   BlockedAllocator slots_;                    // tracking slots
   std::unique_ptr<Sequence[]> sequences_;     // [max_tracked_sequences], indexed by slot

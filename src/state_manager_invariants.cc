@@ -72,6 +72,19 @@ Status StateManager::Impl::CheckInvariants() const {
     if (offload_ != nullptr) {
       for (const BlockId block : offload_->held_blocks(g)) ++owners[block];  // copies in flight
     }
+    if (!engine_held_.empty()) {  // AllocateBlocks' blocks not given to a sequence yet
+      int32_t held = 0;
+      for (size_t block = 0; block < engine_held_[g].marks.size(); ++block) {
+        if (engine_held_[g].marks[block] != 0) {
+          ++owners[block];
+          ++held;
+        }
+      }
+      if (held != engine_held_[g].count) {
+        return InternalError(StrCat(held, " blocks of group ", g, " are marked engine-held, ",
+                                    engine_held_[g].count, " counted"));
+      }
+    }
     for (BlockId block = 0; block < pools_[g].num_blocks(); ++block) {
       if (owners[block] != pools_[g].ref_count(block)) {
         return InternalError(StrCat("block ", block, " of group ", g, " is in ", owners[block],

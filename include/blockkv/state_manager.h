@@ -221,6 +221,33 @@ class StateManager {
   // kResourceExhausted (no slot, or no block for the tail copy); nothing changes on failure.
   Status Fork(SeqId parent, SeqId child);
 
+  // DeepSpeed's step in three calls, for engines ported from it (blockkv.deepspeed):
+  // DSStateManager.allocate_blocks, DSSequenceDescriptor.extend_kv_cache and pre_forward.
+  // Schedule does the same all or nothing in one call. Blocks AllocateBlocks hands out are the
+  // engine's (CheckInvariants counts them) until ExtendSequence appends them to a sequence's
+  // table or FreeBlocks takes them back; SaveSnapshot refuses while any are out.
+  //
+  // Takes out.size() blocks of `group` (evicting unreferenced cached blocks when the free list
+  // is short). kResourceExhausted (nothing taken) when fewer are available, kOutOfRange for a
+  // bad group.
+  Status AllocateBlocks(std::span<BlockId> out, int group = 0);
+  // Appends `blocks`, each handed out by AllocateBlocks and not given on since, to the end of
+  // uid's table of `group`. kNotFound (unknown uid), kOutOfRange (a bad group or id, or more
+  // blocks than the table has room for), kFailedPrecondition (a block the engine does not hold,
+  // an id repeated, a preempted sequence); nothing changes on failure.
+  Status ExtendSequence(SeqId uid, std::span<const BlockId> blocks, int group = 0);
+  // Returns blocks AllocateBlocks handed out that no sequence took. kOutOfRange (a bad group or
+  // id), kFailedPrecondition (a block the engine does not hold, an id repeated); all or nothing.
+  Status FreeBlocks(std::span<const BlockId> blocks, int group = 0);
+  // in_flight_tokens = num_tokens (replacing any in flight, as DeepSpeed's pre_forward does).
+  // kInvalidArgument (negative), kNotFound (unknown uid), kOutOfRange (seen + num_tokens past
+  // max_context or a table's capacity), kFailedPrecondition (a preempted sequence, or its
+  // blocks of some group hold fewer than seen + num_tokens tokens: extend it first).
+  Status PreForward(SeqId uid, int64_t num_tokens);
+  // Blocks of `group` AllocateBlocks handed out that are still the engine's. REQUIRES: a valid
+  // group.
+  int32_t engine_held_blocks(int group = 0) const;
+
   // seen_tokens % block_size: how full the last block is, 0 when full or absent (DeepSpeed's
   // get_remaining_block_capacity, same meaning). 0 for an unknown uid.
   int64_t RemainingBlockCapacity(SeqId uid, int group = 0) const;

@@ -144,6 +144,7 @@ void BindKVCache(py::module_& m);       // kv_cache.cc: Device, BlockedAllocator
 void BindStateManager(py::module_& m);  // state_manager.cc (+ prefix_cache.cc)
 void BindRaggedBatch(py::module_& m);   // ragged_batch.cc: RaggedBatchWrapper
 void BindKernels(py::module_& m);       // kernels.cc: append_kv, paged_attention
+void BindDeepSpeed(py::module_& m);     // deepspeed_state_manager.cc: _ds_* functions
 
 }  // namespace blockkv::python
 

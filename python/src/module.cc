@@ -39,4 +39,5 @@ PYBIND11_MODULE(_blockkv, m) {
   bp::BindStateManager(m);
   bp::BindRaggedBatch(m);
   bp::BindKernels(m);
+  bp::BindDeepSpeed(m);
 }
