@@ -1,7 +1,7 @@
 """DeepSpeed's ``BlockedKVCache`` and ``split_kv`` (``deepspeed.inference.v2.ragged.kv_cache``)
 over ``blockkv.BlockedKVCache``: block ids and caches come back as torch tensors."""
 
-from typing import List, Optional, Tuple, Union
+from typing import Tuple, Union
 
 import blockkv
 import torch
@@ -63,9 +63,9 @@ class BlockedKVCache:
         return torch.from_dlpack(self._cache.get_cache(cache_id, cache_group))
 
     @property
-    def free_blocks(self) -> List[int]:
-        """Free blocks, one entry per cache group."""
-        return self._cache.free_blocks
+    def free_blocks(self) -> torch.Tensor:
+        """Free blocks, int32 [num_caches] (see DSStateManager.free_blocks)."""
+        return torch.tensor(self._cache.free_blocks, dtype=torch.int32)
 
     @property
     def num_caches(self) -> int:

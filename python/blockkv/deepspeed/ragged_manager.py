@@ -3,7 +3,7 @@
 class keeps DeepSpeed's names and return types and one descriptor object per tracked uid."""
 
 import types
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import blockkv
 import torch
@@ -104,9 +104,11 @@ class DSStateManager:
         return self._core.num_caches
 
     @property
-    def free_blocks(self) -> List[int]:
-        """Free blocks (unreferenced cached blocks included), one entry per cache group."""
-        return self._core.free_blocks
+    def free_blocks(self) -> torch.Tensor:
+        """Free blocks (unreferenced cached blocks included), int32 [n_kv_cache_groups]: the
+        tensor DeepSpeed's engine documents (its cache returns a list, on which engine_v2's
+        can_schedule fails, DeepSpeed #5407; a tensor also indexes and iterates as a list)."""
+        return torch.tensor(self._core.free_blocks, dtype=torch.int32)
 
     def allocate_blocks(self, n_blocks: int, cache_group: int = 0) -> torch.Tensor:
         """``n_blocks`` blocks of ``cache_group`` as an int32 tensor, the engine's until
