@@ -7,6 +7,7 @@ import math
 import random
 import warnings
 
+import numpy
 import pytest
 import torch
 
@@ -336,7 +337,7 @@ def test_manager_properties():
     assert manager.kv_block_size == 4  # DeepSpeed's raises AttributeError
     assert manager.n_kv_cache_groups == 1
     free = manager.free_blocks
-    assert isinstance(free, torch.Tensor) and free.dtype == torch.int32 and free.tolist() == [16]
+    assert free.dtype == numpy.int32 and free.tolist() == [16] and free[0] <= 16
     assert manager.get_cache(1).shape == (16, 4, 2, 2, 8)
     k, v = split_kv(manager.get_cache(0))
     assert k.shape == (16, 4, 2, 8) and k.stride(1) == 2 * 2 * 8

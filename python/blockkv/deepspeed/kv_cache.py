@@ -4,6 +4,7 @@ over ``blockkv.BlockedKVCache``: block ids and caches come back as torch tensors
 from typing import Tuple, Union
 
 import blockkv
+import numpy
 import torch
 
 from .manager_configs import KVCacheConfig, MemoryConfig
@@ -63,9 +64,9 @@ class BlockedKVCache:
         return torch.from_dlpack(self._cache.get_cache(cache_id, cache_group))
 
     @property
-    def free_blocks(self) -> torch.Tensor:
-        """Free blocks, int32 [num_caches] (see DSStateManager.free_blocks)."""
-        return torch.tensor(self._cache.free_blocks, dtype=torch.int32)
+    def free_blocks(self) -> numpy.ndarray:
+        """Free blocks, an int32 NumPy array [num_caches] (see DSStateManager.free_blocks)."""
+        return numpy.array(self._cache.free_blocks, dtype=numpy.int32)
 
     @property
     def num_caches(self) -> int:

@@ -6,6 +6,7 @@ import types
 from typing import Any, Dict, Optional, Tuple, Union
 
 import blockkv
+import numpy
 import torch
 
 from .. import _blockkv
@@ -104,11 +105,13 @@ class DSStateManager:
         return self._core.num_caches
 
     @property
-    def free_blocks(self) -> torch.Tensor:
-        """Free blocks (unreferenced cached blocks included), int32 [n_kv_cache_groups]: the
-        tensor DeepSpeed's engine documents (its cache returns a list, on which engine_v2's
-        can_schedule fails, DeepSpeed #5407; a tensor also indexes and iterates as a list)."""
-        return torch.tensor(self._core.free_blocks, dtype=torch.int32)
+    def free_blocks(self) -> numpy.ndarray:
+        """Free blocks (unreferenced cached blocks included), an int32 NumPy array
+        [n_kv_cache_groups]. DeepSpeed's engine documents a tensor and its cache returns a list,
+        on which engine_v2's can_schedule fails (DeepSpeed #5407); an array indexes, iterates,
+        compares and subtracts as that tensor does (so can_schedule runs), at NumPy's cost per
+        operation rather than torch's, which engine_v2 pays per sequence and step."""
+        return _blockkv._ds_free_blocks(self._core)
 
     def allocate_blocks(self, n_blocks: int, cache_group: int = 0) -> torch.Tensor:
         """``n_blocks`` blocks of ``cache_group`` as an int32 tensor, the engine's until

@@ -14,6 +14,8 @@ import blockkv
 import numpy
 import torch
 
+from .. import _blockkv
+
 from .manager_configs import DSStateManagerConfig
 from .sequence_descriptor import BaseSequenceDescriptor, DSSequenceDescriptor
 
@@ -51,7 +53,7 @@ class RaggedBatchWrapper:
 
     def clear(self) -> None:
         """Empties the batch for the next forward."""
-        if self._batch is not None:
+        if self._tracked:
             self._batch.clear()
         self._placeholders.clear()
         self._tracked = False
@@ -61,23 +63,31 @@ class RaggedBatchWrapper:
         """Appends the sequence's tokens (a CPU tensor, NumPy array, list or int). A tracked
         sequence must have had ``pre_forward(len(tokens))``; the sequence count and token
         limits are checked whatever ``do_checks`` says (RuntimeError, nothing appended)."""
-        if isinstance(tokens, torch.Tensor):
-            if tokens.device.type != "cpu":
-                raise RuntimeError(f"Expected tokens to be on host but found device '{tokens.device}'")
-            tokens = tokens.numpy()
-        if type(seq_descriptor) is DSSequenceDescriptor:
-            if self._placeholders.current_sequences:
+        if (type(seq_descriptor) is DSSequenceDescriptor and
+                seq_descriptor._manager is self._manager and not self._placeholders.count and
+                type(tokens) is torch.Tensor and tokens.is_cpu and tokens.dtype is torch.int64 and
+                tokens.is_contiguous()):
+            # engine_v2's step: int64 tokens of the caller's tensor, read in place.
+            _blockkv._ds_insert(self._batch, seq_descriptor, tokens.data_ptr(), tokens.numel())
+            self._tracked = True
+            return
+        is_tensor = isinstance(tokens, torch.Tensor)
+        if is_tensor and not tokens.is_cpu:
+            raise RuntimeError(f"Expected tokens to be on host but found device '{tokens.device}'")
+        if isinstance(seq_descriptor, DSSequenceDescriptor):
+            if self._placeholders.count:
                 raise ValueError("this batch holds PlaceholderSequenceDescriptors; clear it before "
                                  "inserting tracked sequences")
             if seq_descriptor._manager is not self._manager:
                 self._bind(seq_descriptor._manager)
-            self._batch.insert_sequence(seq_descriptor._seq, tokens)
+            self._batch.insert_sequence(seq_descriptor._seq, tokens.numpy() if is_tensor else tokens)
             self._tracked = True
             return
         if self._tracked:
             raise ValueError("this batch holds tracked sequences; clear it before inserting "
                              "a PlaceholderSequenceDescriptor")
-        self._placeholders.insert(seq_descriptor, tokens, do_checks)
+        self._placeholders.insert(seq_descriptor, tokens.numpy() if is_tensor else tokens,
+                                  do_checks)
 
     def _bind(self, manager) -> None:
         if self._tracked:
@@ -156,13 +166,14 @@ class _PlaceholderBatch:
     def clear(self):
         self._tokens = []
         self._seqs = []
+        self.count = 0  # sequences
         self.current_tokens = 0
         self.tensor_toks = 0
         self._arrays = None
 
     @property
     def current_sequences(self):
-        return len(self._seqs)
+        return self.count
 
     def insert(self, seq, tokens, do_checks):
         tokens = torch.as_tensor(tokens).reshape(-1)
@@ -177,6 +188,7 @@ class _PlaceholderBatch:
         self._seqs.append((self.current_tokens, tokens.numel(), seq.seen_tokens,
                            seq.kv_blocks_ptr))
         self.current_tokens += tokens.numel()
+        self.count += 1
 
     def finalize(self, padding):
         n = self.current_tokens

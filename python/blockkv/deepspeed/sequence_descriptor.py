@@ -56,56 +56,28 @@ def _host_ids(ids) -> object:
     return ids
 
 
-class DSSequenceDescriptor(BaseSequenceDescriptor):
+class DSSequenceDescriptor(_blockkv._DSSequenceBase, BaseSequenceDescriptor):
     """One tracked sequence. Made by ``DSStateManager.get_or_create_sequence``; DeepSpeed's
-    constructor, which takes views of the manager's tables, has no meaning here."""
+    constructor, which takes views of the manager's tables, has no meaning here.
 
-    __slots__ = ("_manager", "_core", "_seq", "_uid")
+    From its C++ base: ``uid``, ``tracking_id``, ``seen_tokens``, ``in_flight_tokens``,
+    ``cur_allocated_blocks`` (cache group 0), ``kv_blocks_ptr`` (host address of the sequence's
+    row of the manager's block table, group 0), ``max_context`` (enforced), ``pre_forward(n)``
+    (in_flight_tokens = n, checked against the sequence's blocks and max_context: ValueError),
+    ``post_forward()``. A descriptor of a flushed sequence raises ValueError when read.
+    """
 
     def __init__(self, *args, **kwargs) -> None:
         raise TypeError("DSSequenceDescriptor is created by DSStateManager.get_or_create_sequence")
 
     @classmethod
     def _of(cls, manager, core_manager, seq):
-        self = object.__new__(cls)
-        self._manager = manager  # the DSStateManager (keeps the core alive)
+        self = cls.__new__(cls)
+        _blockkv._DSSequenceBase.__init__(self, seq)
+        self._manager = manager  # the DSStateManager (whose batch binding reads it)
         self._core = core_manager  # blockkv.StateManager
         self._seq = seq  # blockkv.SequenceDescriptor
-        self._uid = seq.uid
         return self
-
-    @property
-    def uid(self) -> int:
-        return self._uid
-
-    @property
-    def seen_tokens(self) -> int:
-        """Tokens that completed a forward."""
-        return self._seq.seen_tokens
-
-    @property
-    def in_flight_tokens(self) -> int:
-        """Tokens of the forward under way (set by pre_forward)."""
-        return self._seq.in_flight_tokens
-
-    @property
-    def max_context(self) -> int:
-        """The manager's max_context, enforced by pre_forward."""
-        return self._seq.max_context
-
-    @property
-    def tracking_id(self) -> int:
-        return self._seq.tracking_id
-
-    @property
-    def cur_allocated_blocks(self) -> int:
-        """Blocks of cache group 0 in the sequence's table."""
-        return self._seq.cur_allocated_blocks
-
-    @property
-    def kv_blocks_ptr(self) -> int:
-        """Host address of the sequence's row of the manager's block table (cache group 0)."""
-        return self._seq.kv_blocks_ptr
 
     def kv_cache_ids(self, cache_group: int = 0, on_device: bool = False) -> torch.Tensor:
         """The table row, int32 [1, max_blocks_per_allocation_group] (a copy; -1 past the
@@ -115,16 +87,6 @@ class DSSequenceDescriptor(BaseSequenceDescriptor):
     def all_block_ids(self, cache_group: int = 0) -> torch.Tensor:
         """The blocks the sequence holds in ``cache_group``, int32, in table order."""
         return torch.from_numpy(self._seq.all_block_ids(cache_group))
-
-    def pre_forward(self, num_tokens: int) -> None:
-        """in_flight_tokens = num_tokens. Beyond DeepSpeed, checked: the sequence's blocks must
-        hold seen_tokens + num_tokens in every cache group (ValueError otherwise: extend first)
-        and max_context must not be passed (ValueError)."""
-        _blockkv._ds_pre_forward(self._core, self._uid, num_tokens)
-
-    def post_forward(self) -> None:
-        """seen_tokens += in_flight_tokens; in_flight_tokens = 0."""
-        self._seq.post_forward()
 
     def extend_kv_cache(self, new_ids: Union[List[torch.IntTensor], torch.IntTensor],
                         cache_group: int = 0) -> None:
@@ -136,7 +98,7 @@ class DSSequenceDescriptor(BaseSequenceDescriptor):
             new_ids = [new_ids]
         if len(new_ids) != 1:
             raise ValueError(f"Only {len(new_ids)} allocation groups provided, expected 1")
-        _blockkv._ds_extend(self._core, self._uid, _host_ids(new_ids[0]), cache_group)
+        _blockkv._ds_extend(self._core, self.uid, _host_ids(new_ids[0]), cache_group)
 
     def free_kv_cache(self, free_ids: Union[List[torch.IntTensor], torch.IntTensor],
                       cache_group: int = 0) -> None:
@@ -152,9 +114,9 @@ class DSSequenceDescriptor(BaseSequenceDescriptor):
         held = torch.from_numpy(self._seq.all_block_ids(cache_group)).to(torch.int64)
         if ids.numel() > held.numel() or not torch.equal(ids, held[:ids.numel()]):
             raise ValueError(f"free_kv_cache frees a sequence's oldest blocks in table order: "
-                             f"sequence {self._uid} holds {held.tolist()[:ids.numel() + 1]}..., "
+                             f"sequence {self.uid} holds {held.tolist()[:ids.numel() + 1]}..., "
                              f"asked to free {ids.tolist()}")
-        self._core.free_leading_blocks(self._uid, ids.numel(), cache_group)
+        self._core.free_leading_blocks(self.uid, ids.numel(), cache_group)
 
     def __repr__(self) -> str:
         return repr(self._seq).replace("blockkv.SequenceDescriptor", "DSSequenceDescriptor", 1)
