@@ -8,7 +8,8 @@ set -euo pipefail
 
 packages=(cmake ninja-build g++ pkg-config libgtest-dev libgmock-dev libbenchmark-dev
           libopenmpi-dev openmpi-bin
-          pybind11-dev python3-dev python3-numpy python3-pytest python3-torch libdlpack-dev
+          pybind11-dev python3-dev python3-numpy python3-pytest python3-torch python3-pydantic
+          libdlpack-dev
           libhwy-dev libxxhash-dev nlohmann-json3-dev)
 for arg in "$@"; do
   case $arg in

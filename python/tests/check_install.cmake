@@ -17,7 +17,15 @@ execute_process(
 assert blockkv.__file__.startswith(sys.argv[1]), blockkv.__file__; \
 c = blockkv.BlockedKVCache(blockkv.KVCacheConfig(block_size=4, cache_shape=(1, 1, 8)), \
 blockkv.MemoryConfig(mode='allocate', size=2), device='cpu'); \
-assert list(c.reserve(2)) == [0, 1]; print('imported', blockkv.__file__)" ${site}
+assert list(c.reserve(2)) == [0, 1]; \
+import torch, blockkv.deepspeed as ds; \
+assert ds.__file__.startswith(sys.argv[1]), ds.__file__; \
+cfg = ds.DSStateManagerConfig(memory_config=ds.MemoryConfig(mode='allocate', size=2)); \
+m = ds.DSStateManager(cfg, (ds.KVCacheConfig(block_size=4, cache_shape=(1, 1, 8)),), device='cpu'); \
+s = m.get_or_create_sequence(1); s.extend_kv_cache(m.allocate_blocks(1)); s.pre_forward(3); \
+b = ds.RaggedBatchWrapper(cfg); b.insert_sequence(s, torch.tensor([1, 2, 3])); b.finalize(); \
+assert b.input_ids().tolist() == [1, 2, 3]; \
+print('imported', blockkv.__file__, 'and', ds.__file__)" ${site}
   RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "import blockkv from ${site} failed (${rc})")

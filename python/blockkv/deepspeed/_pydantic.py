@@ -19,7 +19,7 @@ def _drop_auto(data):
     return {k: v for k, v in data.items() if not (isinstance(v, str) and v == "auto")}
 
 
-if PYDANTIC_V2:  # pragma: no cover - run where pydantic 2 is installed
+if PYDANTIC_V2:
 
     class ConfigModel(pydantic.BaseModel):
         model_config = pydantic.ConfigDict(extra="forbid", validate_assignment=True,
