@@ -1,7 +1,8 @@
 """blockkv: a paged KV cache for LLM inference, with DeepSpeed-FastGen's Python API.
 
-The names, argument names and defaults follow ``deepspeed.inference.v2.ragged``, so code written
-against DeepSpeed ports by changing the import::
+The names, argument names and defaults follow ``deepspeed.inference.v2.ragged``; code written
+against DeepSpeed itself ports by importing ``blockkv.deepspeed`` instead of
+``deepspeed.inference.v2.ragged`` (that package has DeepSpeed's exact API). Here::
 
     import blockkv
     cfg = blockkv.KVCacheConfig(block_size=16, cache_shape=(32, 8, 128), cache_dtype="fp16")

@@ -123,6 +123,7 @@ void BindDeepSpeed(py::module_& m) {
                                       std::to_string(count) + " tokens");
         }
         const Sequence& seq = s.handle.Get();
+        // NOLINTNEXTLINE(performance-no-int-to-ptr): Python hands the tensor's address over.
         const auto* ids = reinterpret_cast<const int64_t*>(tokens);
         ThrowIfError(batch.batch->InsertSequence(
             seq, std::span<const int64_t>(ids, static_cast<size_t>(count))));
@@ -171,8 +172,7 @@ void BindDeepSpeed(py::module_& m) {
       },
       py::arg("manager"), py::arg("uid"), py::arg("num_tokens"), "StateManager::PreForward");
   m.def(
-      "_ds_free_blocks",
-      [](const StateManager& manager) { return ToNumpy(manager.free_blocks()); },
+      "_ds_free_blocks", [](const StateManager& manager) { return ToNumpy(manager.free_blocks()); },
       py::arg("manager"), "The free blocks of every cache group, an int32 array");
   m.def(
       "_ds_engine_held_blocks",
