@@ -111,7 +111,7 @@ class DSStateManager:
         on which engine_v2's can_schedule fails (DeepSpeed #5407); an array indexes, iterates,
         compares and subtracts as that tensor does (so can_schedule runs), at NumPy's cost per
         operation rather than torch's, which engine_v2 pays per sequence and step."""
-        return _blockkv._ds_free_blocks(self._core)
+        return _blockkv._ds_free_block_counts(self._core)
 
     def allocate_blocks(self, n_blocks: int, cache_group: int = 0) -> torch.Tensor:
         """``n_blocks`` blocks of ``cache_group`` as an int32 tensor, the engine's until
