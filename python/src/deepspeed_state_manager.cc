@@ -132,9 +132,10 @@ void BindDeepSpeed(py::module_& m) {
   BindSequenceBase(m);
   m.def(
       "_ds_insert",
-      [](const BatchWrapper& batch, const DSSequence& s, uintptr_t tokens, TokensArg count) {
-        // `tokens` is the address of `count` int64 tokens of a contiguous CPU tensor the caller
-        // (blockkv.deepspeed.RaggedBatchWrapper) holds for the duration of the call.
+      [](const BatchWrapper& batch, const DSSequence& s, uintptr_t tokens, TokensArg count,
+         bool int64) {
+        // `tokens` is the address of `count` tokens (int64, else int32) of a contiguous CPU
+        // tensor the caller (blockkv.deepspeed.RaggedBatchWrapper) holds for the whole call.
         const SequenceHandle& h = s.handle;
         if (h.owner != batch.owner) {
           Throw(PyExc_ValueError, "sequence " + std::to_string(h.uid) +
@@ -144,21 +145,37 @@ void BindDeepSpeed(py::module_& m) {
           Throw(PyExc_ValueError, "no tokens at address " + std::to_string(tokens) + " for " +
                                       std::to_string(count.value) + " tokens");
         }
-        // NOLINTNEXTLINE(performance-no-int-to-ptr): Python hands the tensor's address over.
-        const auto* ids = reinterpret_cast<const int64_t*>(tokens);
-        const std::span<const int64_t> span(ids, static_cast<size_t>(count.value));
+        const auto n = static_cast<size_t>(count.value);
+        std::vector<TokenId> narrowed;
+        std::span<const TokenId> ids;
+        if (int64) {
+          // NOLINTNEXTLINE(performance-no-int-to-ptr): Python hands the tensor's address over.
+          const std::span<const int64_t> wide(reinterpret_cast<const int64_t*>(tokens), n);
+          narrowed.resize(n);
+          for (size_t i = 0; i < n; ++i) {
+            if (wide[i] < INT32_MIN || wide[i] > INT32_MAX) {
+              Throw(PyExc_ValueError, "tokens[" + std::to_string(i) +
+                                          "] = " + std::to_string(wide[i]) + " is outside int32");
+            }
+            narrowed[i] = static_cast<TokenId>(wide[i]);
+          }
+          ids = narrowed;
+        } else {
+          // NOLINTNEXTLINE(performance-no-int-to-ptr): Python hands the tensor's address over.
+          ids = std::span<const TokenId>(reinterpret_cast<const TokenId*>(tokens), n);
+        }
         // The manager's lock (the sequence), then the batch's.
         std::optional<Status> status =
             Locked(h.owner->lock, batch.lock, [&]() -> std::optional<Status> {
               const Sequence* seq = h.Find();
               if (seq == nullptr) return std::nullopt;
-              return batch.batch->InsertSequence(*seq, span);
+              return batch.batch->InsertSequence(*seq, ids);
             });
         if (!status) h.ThrowFlushed();
         ThrowIfError(*status);
       },
-      py::arg("batch"), py::arg("seq"), py::arg("tokens"), py::arg("count"),
-      "RaggedBatch::InsertSequence of `count` int64 tokens at address `tokens`");
+      py::arg("batch"), py::arg("seq"), py::arg("tokens"), py::arg("count"), py::arg("int64"),
+      "RaggedBatch::InsertSequence of `count` tokens at address `tokens` (int64 or int32)");
   m.def(
       "_ds_allocate_blocks",
       [](const PyManager& self, CountArg num_blocks, GroupArg cache_group) {

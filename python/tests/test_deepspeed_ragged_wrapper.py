@@ -272,3 +272,18 @@ def test_core_batch_drives_blockkv_kernels():
     for t in range(6):
         assert torch.equal(layer[blocks[t // 4], t % 4, 0], k[t])
         assert torch.equal(layer[blocks[t // 4], t % 4, 1], v[t])
+
+
+def test_int32_tokens_and_tokens_outside_int32():
+    config = DSStateManagerConfig(memory_config=MemoryConfig(mode="allocate", size=8))
+    manager = _manager(config)
+    batch = RaggedBatchWrapper(config)
+    seq = manager.get_or_create_sequence(1)
+    _allocate(manager, seq, 3)
+    seq.pre_forward(3)
+    with pytest.raises(ValueError, match="outside int32"):  # blockkv's token ids are int32
+        batch.insert_sequence(seq, torch.tensor([1, 2**40, 3]))
+    assert batch.current_sequences == 0
+    batch.insert_sequence(seq, torch.tensor([4, 5, 6], dtype=torch.int32))
+    batch.finalize()
+    assert batch.input_ids().tolist() == [4, 5, 6]

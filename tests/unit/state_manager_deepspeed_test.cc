@@ -55,7 +55,7 @@ TEST(StateManagerDeepSpeed, EngineV2StepRunsThroughTheBatch) {
 
   auto batch = RaggedBatch::Create(*m);
   ASSERT_TRUE(batch.ok());
-  const std::vector<int64_t> tokens = {1, 2, 3, 4, 5, 6, 7};
+  const std::vector<TokenId> tokens = {1, 2, 3, 4, 5, 6, 7};
   ASSERT_TRUE((*batch)->InsertSequence(*seq, tokens).ok());
   ASSERT_TRUE((*batch)->Finalize().ok());
   ASSERT_TRUE(m->PostForward(**batch).ok());

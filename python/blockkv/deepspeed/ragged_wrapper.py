@@ -20,6 +20,9 @@ from .manager_configs import DSStateManagerConfig
 from .sequence_descriptor import BaseSequenceDescriptor, DSSequenceDescriptor
 
 
+_IN_PLACE_DTYPES = (torch.int64, torch.int32)
+
+
 def to_padded(original_size: int) -> int:
     """The token count a padded batch rounds up to: a multiple of 64 up to 512, of 128 above."""
     if original_size <= 0:
@@ -65,10 +68,11 @@ class RaggedBatchWrapper:
         limits are checked whatever ``do_checks`` says (RuntimeError, nothing appended)."""
         if (type(seq_descriptor) is DSSequenceDescriptor and
                 seq_descriptor._manager is self._manager and not self._placeholders.count and
-                type(tokens) is torch.Tensor and tokens.is_cpu and tokens.dtype is torch.int64 and
-                tokens.is_contiguous()):
-            # engine_v2's step: int64 tokens of the caller's tensor, read in place.
-            _blockkv._ds_insert(self._batch, seq_descriptor, tokens.data_ptr(), tokens.numel())
+                type(tokens) is torch.Tensor and tokens.is_cpu and
+                tokens.dtype in _IN_PLACE_DTYPES and tokens.is_contiguous()):
+            # engine_v2's step: the caller's int64 (or int32) tokens, read in place.
+            _blockkv._ds_insert(self._batch, seq_descriptor, tokens.data_ptr(), tokens.numel(),
+                                tokens.dtype is torch.int64)
             self._tracked = True
             return
         is_tensor = isinstance(tokens, torch.Tensor)
