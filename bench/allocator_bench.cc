@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // allocator_bench: BlockedAllocator against a bare std::vector free-list stack, on two replayed
 // workloads, reporting ns per block operation and the ratio blockkv / stack (goal: <= 2.0).
 //

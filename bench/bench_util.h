@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What blockkv's benchmarks share: aborting on a failed setup, reading --benchmark_color for a
 // display reporter of their own, and their default repetitions.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // cuda_batch_bench: what mirroring the ragged batch to a GPU costs per engine step (issue 22).
 // Needs a GPU; scripts/gpu-bundle.sh bundles it and scripts/gpu-check.sh runs it.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // cuda_device_bench: moving one KV-cache block between pinned host memory and a GPU-resident
 // BlockedKVCache, against a raw cudaMemcpy of the same bytes. Needs a GPU; scripts/gpu-check.sh
 // runs it.

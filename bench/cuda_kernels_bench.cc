@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Decode attention on a CUDA GPU against the device's copy bandwidth, in the same binary (issue
 // 6; scripts/gpu-check.sh runs it):
 //   BM_CudaDecodePaged  PagedAttention for B sequences of one new token each over a GPU cache

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // cuda_offload_bench: OffloadStore's host tier on a GPU cache against the pinned-memory copy rate
 // (cudaMemcpyAsync of the same bytes between pinned host memory and device memory). Needs a GPU;
 // scripts/gpu-check.sh runs it.

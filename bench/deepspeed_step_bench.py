@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The cost of the DeepSpeed drop-in: one decode step of N sequences through blockkv.deepspeed
 (engine_v2.py's put: get_or_create_sequence, the model's maybe_allocate_kv, pre_forward,
 insert_sequence per uid, finalize, post_forward per uid) beside blockkv's own

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Decode attention on the CPU over the paged cache, against its two baselines in the same
 // binary (issue 6):
 //   BM_DecodePaged       PagedAttention for B sequences of one new token each, over a cache

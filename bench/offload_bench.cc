@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // offload_bench: OffloadStore's host tier on the CPU against memcpy of the same bytes, and
 // StateManager preemption of 4k-token sequences, in one run (docs/benchmarks.md).
 //

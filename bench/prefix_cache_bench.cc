@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // prefix_cache_bench: the prefix cache on a shared-prefix workload (issue 5) — lookup-plus-publish
 // cost per block, and the hit rate against a brute-force optimum and against cache size.
 //

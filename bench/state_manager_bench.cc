@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // One engine decode step through the state manager and the ragged batch, against a bare
 // baseline doing the same bookkeeping without any checks, in the same binary.
 //

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Finds what blockkv builds against. Everything comes from Debian 12's packages; nothing is
 # downloaded at build time.
 find_package(Threads REQUIRED)

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // engine_loop: the bookkeeping of a continuous-batching engine through StateManager and
 // RaggedBatch — prefix caching of shared system prompts, chunked prefill under a token budget,
 // decode, parallel sampling by Fork, a sliding window released with FreeLeadingBlocks,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // own_page_table: blockkv's kernels driven by an engine's own block tables, without a
 // StateManager. The engine reserves blocks with BlockedKVCache::Reserve, keeps each sequence's
 // block list itself, and hands the kernels a page table in FlashInfer's CSR form for a prefill

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // quickstart: plan a KV cache for a real model shape on a host budget, create it, reserve and
 // free blocks for a few sequences, and write and read one token's keys and values through the
 // blocked layout.

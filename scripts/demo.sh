@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Builds blockkv (Release) and runs the main job:
 #  1. `blockkv demo`: a tiny Llama-style model (random weights from a fixed seed) generates for 16
 #     requests sharing 4 system prompts through the library's real path — state manager, prefix

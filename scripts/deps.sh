@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Installs, with apt-get, whatever of blockkv's build and test dependencies is missing on a Debian 12
 # machine. Does nothing (and needs no network) when everything is there already.
 #   scripts/deps.sh            what building and testing needs

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Checks, without a GPU, that the GPU bundle (scripts/gpu-bundle.sh) carries everything it needs:
 # runs its run.sh in a fresh Debian 12 root (debootstrap --variant=minbase, so no compiler, no
 # CUDA, none of blockkv's build dependencies), where every binary must start and the run must

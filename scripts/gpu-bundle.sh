@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Builds, on this machine (CUDA toolkit, Debian's packages), everything a GPU machine needs to test
 # and benchmark blockkv's CUDA code, into one folder that needs nothing there but an NVIDIA
 # driver (and, for the Python step, a C++20 compiler and the machine's own python3 + torch):

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The GPU check in one command, on a machine with an NVIDIA GPU: runs the GPU bundle's run.sh
 # (every CUDA test with a time limit, every CUDA benchmark, the Python module's torch CUDA test,
 # and a short table last; see scripts/gpu-bundle/run.sh). The bundle is built where blockkv's

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Style checks, warnings as errors: clang-format over every C++ file, clang-tidy (.clang-tidy)
 # over the library and tools. Needs a configured build for compile_commands.json:
 #   scripts/lint.sh [build-dir]      (default build/default, as scripts/test.sh leaves it)

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Builds blockkv and runs every test through ctest: unit tests, the model-based random tests, the
 # MPI tests (mpirun -np 2 and 3), the install check, and the CUDA tests (which skip without a GPU).
 #   scripts/test.sh          Release build, warnings are errors (preset "default")

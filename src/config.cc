@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "blockkv/config.h"
 
 #include "internal/checked_math.h"

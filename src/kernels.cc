@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // AppendKV and PagedAttention: every argument is checked here, once, before any memory is
 // touched; then the views of src/internal/paged_view.h go to the CPU backend (kernels_cpu.cc)
 // or the CUDA backend (cuda/kernels.cu).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CPU backend of kernels.h's PagedAttention (AppendKV: kernels_cpu_append.cc): Highway SIMD,
 // compiled for every x86 target Highway knows and chosen at run time with HWY_DYNAMIC_DISPATCH
 // (Debian's Highway 1.0.3 compiles static dispatch to its scalar target without -march, dynamic

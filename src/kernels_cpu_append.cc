@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CPU backend of kernels.h's AppendKV: scalar, since it moves a few rows per token (K and V of
 // each KV head, and Q's heads when rotary rotates them in place); the rotary cos/sin of a token
 // are computed once, in double, for all of its heads.

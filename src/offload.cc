@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // OffloadStore: the calls, their checks and the store's creation (offload.h). The worker thread
 // and the bookkeeping of finished jobs are in offload_worker.cc; the shared state is in
 // offload_store.h.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The pieces of offloading that are not the store's bookkeeping: the POSIX disk-tier file, host
 // memory for the tiers, and block copies on a CPU device.
 #include <fcntl.h>

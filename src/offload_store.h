@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // OffloadStore's internals, shared by offload.cc (the calls) and offload_worker.cc (the worker
 // thread and the bookkeeping it hands back to the scheduling thread).
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // OffloadStore's worker thread and the bookkeeping of finished jobs (offload_store.h).
 #include <algorithm>
 #include <atomic>

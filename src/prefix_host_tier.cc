@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "prefix_host_tier.h"
 
 #include <algorithm>

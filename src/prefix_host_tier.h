@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The prefix cache's second level: cached blocks evicted from the device are demoted into the
 // offload store's host tier instead of being dropped (SGLang HiCache's write_back policy), and a
 // prefix lookup that runs past the device's matches continues here and promotes what it finds

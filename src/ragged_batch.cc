@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // RaggedBatch: the per-step batch metadata, built on the host and mirrored to a CUDA device.
 //
 // Implementation notes. Every array is allocated once in Create at the manager's limits, so

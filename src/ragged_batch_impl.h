@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // RaggedBatch::Impl, shared by ragged_batch.cc and StateManager::ScheduleBatch
 // (state_manager.cc), which fills a batch in the pass that commits a schedule; the per-sequence
 // part is inline here so that pass stays one loop.

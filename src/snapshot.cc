@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // StateManager::SaveSnapshot and LoadSnapshot: a whole cache in one versioned, checksummed file.
 // docs/snapshots.md describes the format field by field; in short, all little-endian:
 //

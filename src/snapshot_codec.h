@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The snapshot codec shared by snapshot.cc (saving, files, applying a parsed snapshot),
 // snapshot_save.cc (encoding) and snapshot_load.cc (parsing and checking): the format's
 // constants, the field encoder and decoder, the checksumming writer, and the staging structures a

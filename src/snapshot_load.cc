@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // LoadSnapshot's first half: checking a snapshot's framing and checksums, then parsing every
 // section into staging structures and checking that they describe a state a manager with this
 // one's configs could be in. Nothing here changes the manager; SnapshotCodec::Apply

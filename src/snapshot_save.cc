@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // SaveSnapshot's half of the codec: encoding the manager's metadata into the CONF, SEQS and PRFX
 // sections, and writing a snapshot through a sink with the block contents streamed from the
 // device. The format is described in snapshot.cc and docs/snapshots.md.

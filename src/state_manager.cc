@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "blockkv/state_manager.h"
 
 #include "blockkv/ragged_batch.h"

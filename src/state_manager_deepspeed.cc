@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // StateManager's DeepSpeed-shaped step: AllocateBlocks, ExtendSequence, FreeBlocks, PreForward
 // (DeepSpeed's allocate_blocks, extend_kv_cache and pre_forward, which blockkv.deepspeed binds).
 // Schedule in state_manager.cc does the same in one all-or-nothing call.

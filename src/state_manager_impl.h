@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // StateManager::Impl: the state manager's state and the code that works on it, behind the
 // public StateManager (include/blockkv/state_manager.h), which forwards each call here. Its
 // definitions are spread over state_manager.cc (sequences, scheduling, fork),

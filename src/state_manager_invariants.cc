@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // StateManager::CheckInvariants: what tests verify after every operation. The rest of the
 // manager is in state_manager.cc and state_manager_prefix.cc.
 #include <algorithm>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // StateManager::SequenceKeys, shared by state_manager.cc (which owns the array) and
 // state_manager_prefix.cc (which uses it).
 #pragma once

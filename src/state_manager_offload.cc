@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // StateManager's preemption through the offload tiers: PreemptSequence, ResumeSequence, and the
 // waits the rest of the manager does for a resume in flight. The store is in offload.cc.
 #include <algorithm>

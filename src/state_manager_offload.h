@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // StateManager's offload types, shared by state_manager.cc (which owns them) and
 // state_manager_offload.cc (which uses them).
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The StateManager's prefix caching: registering prompts, looking up a first Schedule's cached
 // prefix, publishing blocks as they fill. The rest of the manager is in state_manager.cc.
 #include <algorithm>

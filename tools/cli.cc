@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The command line of the `blockkv` tool: parses arguments and maps outcomes to exit codes
 //   0 success; 2 bad arguments (the message, then the command's usage, on stderr);
 //   1 a runtime failure (the Status, which names a bad file and its line).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The `blockkv` command line as a function, so that the binary (main.cc), tests and the argument
 // fuzzer (tests/fuzz/tool_args_fuzz.cc) run the same code.
 //

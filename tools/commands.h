@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The subcommands of the `blockkv` tool as functions, so that tests call them without a process:
 // each takes its options (parsed by main.cc) and returns a report or the Status that main.cc
 // turns into exit code 1. Arguments that are wrong whatever the machine (exit code 2) are

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `blockkv demo`: a tiny Llama generates for a batch of requests with shared system prompts
 // through the library's real path — StateManager (prefix cache on, a cache small enough that
 // requests are preempted), RaggedBatch, AppendKV and PagedAttention on an fp32 cache — and the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Engine: the continuous-batching loop the `simulate` and `demo` subcommands share — requests
 // arrive, are admitted while the cache keeps a reserve, prefilled in chunks under a token budget
 // with their shared prefixes taken from the prefix cache, decoded one token a step, preempted

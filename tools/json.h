@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // JSON for the blockkv tool: a writer for `--json` output, and the line reader of JSONL traces.
 // A line's JSON is parsed by nlohmann-json's SAX interface (trace.cc), which checks the grammar,
 // numbers and UTF-8; this file only splits the file into lines, bounded in length.

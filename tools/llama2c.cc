@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // llama2.c checkpoints (github.com/karpathy/llama2.c, run.c's float32 "version 0" model.bin):
 // seven int32 header fields, then every weight as float32 in run.c's memory_map_weights order:
 //   token_embedding [vocab, dim], rms_att [L, dim], wq [L, dim, dim], wk [L, kv_dim, dim],

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A tiny Llama-style decoder for `blockkv demo`: RMSNorm, rotary position embedding (RoPE),
 // grouped-query attention, SwiGLU, greedy sampling; fp32 weights, either random from a seed or
 // read from a llama2.c checkpoint (Karpathy's float32 `model.bin`).

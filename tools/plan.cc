@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `blockkv plan`: how many blocks, tokens and sequences of a model's KV cache fit in memory —
 // PlanKVCache (the library's own arithmetic) over a preset or custom attention shape.
 #include <algorithm>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `blockkv simulate`: replays requests through the Engine with a NullRunner — the state manager,
 // prefix cache and ragged batch do all their work, the model none — and reports what the cache
 // went through.

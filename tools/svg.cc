@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `simulate --plot`: cache occupancy and prefix-cache hit rate against the step, as two
 // polylines in a standalone SVG (no script, no external style), readable in any browser.
 #include <algorithm>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The requests `simulate` replays: read from a JSONL trace, or generated (ShareGPT-like, with
 // shared system prompts). Token ids of a length-only request are made up deterministically:
 // the first prefix_len tokens from its prefix group (so requests of one group share them), the

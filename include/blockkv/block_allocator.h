@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // BlockedAllocator: the free list of one block pool's ids. It knows only which ids are free and
 // which are used; sharing and reference counts live above it.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // BlockPool: shared ownership of one cache group's blocks, above its BlockedAllocator, and the
 // eviction order of the blocks the prefix cache keeps.
 //

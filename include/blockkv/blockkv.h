@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Everything in blockkv's public API that needs no third-party headers. The MPI and NCCL
 // communicators are in mpi_communicator.h and nccl_communicator.h, which include mpi.h / nccl.h.
 #pragma once

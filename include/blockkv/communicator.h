@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Communicator: the collectives blockkv needs from an engine's tensor-parallel group, so that
 // every rank plans the KV cache against the same capacity.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Configuration of a blocked KV cache, with DeepSpeed-FastGen's names, fields and defaults
 // (deepspeed.inference.v2.ragged.KVCacheConfig / MemoryConfig). Unlike DeepSpeed, every field is
 // validated, block_size included, and every size product is overflow-checked.

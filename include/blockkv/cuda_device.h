@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What only a CUDA device has, beyond the Device interface: its copy stream.
 //
 //   Result<std::shared_ptr<Device>> gpu = CudaDevice(0);

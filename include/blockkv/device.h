@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Device: where a KV cache's bytes live (host memory or one CUDA GPU), how much memory is there,
 // and RAII buffers of it.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Element types of a KV cache and of the index arrays blockkv hands to kernels, and their sizes.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Kernels over the blocked KV cache: AppendKV writes one step's keys and values into their slots
 // (DeepSpeed's linear_blocked_kv_copy / kv_rotary_embeddings, vLLM's reshape_and_cache), and
 // PagedAttention attends each query token over its sequence's cached keys (DeepSpeed's

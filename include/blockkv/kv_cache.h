@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // BlockedKVCache: the storage of a paged KV cache and one block allocator per cache group —
 // DeepSpeed-FastGen's BlockedKVCache in C++.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Logging: library code writes nothing itself; it hands lines to a sink the application can
 // replace. The default sink writes them to stderr, from INFO up (BlockedKVCache::Create logs one
 // INFO line per cache group): set the level or the sink to silence or redirect them.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // MpiCommunicator: a Communicator over an MPI communicator the caller already has.
 //
 //   MPI_Init(&argc, &argv);                     // the caller initialises MPI, never blockkv

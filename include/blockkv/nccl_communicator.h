@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // NcclCommunicator: a Communicator over an NCCL communicator and CUDA stream the caller already
 // has (an engine's tensor-parallel group).
 //

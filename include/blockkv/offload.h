@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Offload and restore: a host tier and a disk tier below a BlockedKVCache, so an engine can
 // preempt a sequence without recomputing it and keep more than device memory holds.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Page tables of an engine's own: the kernels of kernels.h over any cache tensor in blockkv's
 // layout, driven by block tables that blockkv's StateManager never saw (an engine's scheduler,
 // BlockedKVCache::Reserve, vLLM's or FlashInfer's metadata). Two forms, each a small, trivially

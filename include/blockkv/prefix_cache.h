@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Prefix caching: sequences that start with the same tokens share the KV blocks of that prefix
 // (vLLM's automatic prefix caching, SGLang's RadixAttention, TensorRT-LLM's block reuse).
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // RaggedBatch: the metadata of one forward over several sequences, in the formats kernels take —
 // DeepSpeed-FastGen's RaggedBatchWrapper, plus FlashInfer's CSR page table and vLLM's slot
 // mapping.

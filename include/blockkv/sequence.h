@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Sequence: one sequence the StateManager tracks, as the engine reads it (DeepSpeed's
 // DSSequenceDescriptor): its uid, how many tokens it has seen and has in flight, and its block
 // table per cache group. Only the manager creates and changes sequences; the engine gets a

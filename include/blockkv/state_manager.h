@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // StateManager: the sequences of an engine and their block tables over one BlockedKVCache —
 // DeepSpeed-FastGen's DSStateManager, DSSequenceDescriptor and the engine's scheduling queries,
 // with DeepSpeed's holes closed.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Status and Result<T>: how every blockkv operation that can fail reports it.
 //
 // blockkv throws no exceptions. An operation a caller can make fail (bad input, too little

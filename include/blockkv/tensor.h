@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // TensorView: a non-owning, strided view of memory owned by someone else (a BlockedKVCache, an
 // engine's tensor). It is what blockkv hands out and accepts; it never frees anything.
 //

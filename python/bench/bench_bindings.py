@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Per-call cost of blockkv's Python bindings, measured from Python in one process.
 
     PYTHONPATH=build/default/python /usr/bin/python3 python/bench/bench_bindings.py

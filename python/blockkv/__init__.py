@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """blockkv: a paged KV cache for LLM inference, with DeepSpeed-FastGen's Python API.
 
 The names, argument names and defaults follow ``deepspeed.inference.v2.ragged``; code written

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The Python RaggedBatchWrapper's C++ object, shared by ragged_batch.cc (which binds it),
 // state_manager.cc (schedule_batch, post_forward) and kernels.cc (append_kv / paged_attention).
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Shared pieces of the `blockkv` Python module (the pybind11 extension `blockkv._blockkv`): how a
 // Status becomes a Python exception, how Python arguments become C++ values, and the Bind*
 // functions each component file provides.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // KVCacheConfig, MemoryConfig, AllocationMode and StateManagerConfig with DeepSpeed's field names
 // and defaults, and PrefixCacheConfig and OffloadConfig (StateManagerConfig.prefix_cache and
 // .offload_config; DeepSpeed has neither). Like DeepSpeed's pydantic models (validate_assignment),

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Python arguments → C++ values: integers (range-checked, common.h), dtypes, devices.
 #include <Python.h>
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The C++ half of blockkv.deepspeed (python/blockkv/deepspeed): DeepSpeed's three-step
 // allocation -- DSStateManager.allocate_blocks, DSSequenceDescriptor.extend_kv_cache and
 // pre_forward -- over StateManager::AllocateBlocks / ExtendSequence / PreForward, as private

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Status → Python exception (the table is in common.h).
 #include <Python.h>
 

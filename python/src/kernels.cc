@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // blockkv.append_kv and blockkv.paged_attention: the kernels of kernels.h over tensors that come
 // in through DLPack (torch tensors, NumPy arrays, blockkv.Tensor views of the cache) and either a
 // RaggedBatchWrapper or a page table of the caller's (blockkv.CsrPageTable,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Device, BlockedAllocator, BlockedKVCache and OffloadTicket: DeepSpeed's BlockedAllocator and
 // BlockedKVCache with the same names, argument names and defaults, and the offload / restore that
 // DeepSpeed leaves unimplemented (an OffloadStore over the cache, with offload=True). Block ids

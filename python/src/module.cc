@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The extension module blockkv._blockkv; blockkv/__init__.py re-exports it with the pure-Python
 // pieces (SchedulingError, PlaceholderSequenceDescriptor, split_kv's type dispatch).
 #include <string>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The lock of one stateful Python object, and how a binding holds it.
 //
 // blockkv's C++ classes are not thread-safe (one thread schedules), but Python threads may call

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Offload from Python: blockkv.OffloadTicket (what BlockedKVCache.offload / restore / spill and
 // StateManager.preempt_sequence / resume_sequence return), handles packed into one int64, and the
 // offload statistics as a dict. The ticket class is bound in kv_cache.cc.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The prefix cache seen from Python: StateManager.add_sequence / append_tokens /
 // drain_cache_events / reset_prefix_cache / prefix_cache_stats / cached_blocks, and the values
 // they return (PrefixCacheStats, CacheEventBatch, BlockStored, BlockRemoved, AllCleared).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // RaggedBatchWrapper: DeepSpeed's RaggedBatchWrapper over blockkv's RaggedBatch, plus the
 // FlashInfer CSR page table and vLLM slot mapping.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The Python StateManager's C++ object, and a tracked sequence seen from Python (DeepSpeed's
 // DSSequenceDescriptor).
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // StateManager (DeepSpeed's DSStateManager plus the engine's scheduling queries, and preemption
 // through the offload tiers), its sequence descriptors and SchedulingResult / SchedulingError.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // blockkv.Tensor and the DLPack protocol, both ways (see tensor.h).
 #include "tensor.h"
 

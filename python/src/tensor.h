@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Tensors across the Python boundary, through DLPack.
 //
 // blockkv.Tensor is a TensorView plus a shared_ptr to whatever owns its memory (a BlockedKVCache,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Installs the build tree into a scratch prefix and imports the blockkv package from there, with
 # nothing of the build tree on the path. Inputs: BUILD_DIR, WORK_DIR, SITE_DIR (relative to the
 # prefix), PYTHON, PRELOAD (sanitizer runtimes for a sanitized build, else empty).

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Shared helpers for blockkv's Python tests (run by ctest with the build tree's module first on
 PYTHONPATH: see tests/CMakeLists.txt)."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """BlockedAllocator: DeepSpeed's allocator scenarios (test_blocked_allocator.py), restated from
 their facts against blockkv, plus the argument types free() takes and blockkv's fixes."""
 

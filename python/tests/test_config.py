@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """KVCacheConfig, MemoryConfig, AllocationMode and StateManagerConfig: DeepSpeed's names and
 defaults, its config scenarios (test_manager_configs.py), and validation on assignment."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """DeepSpeed's test_blocked_allocator.py scenarios (DeepSpeed 38327e07), through
 blockkv.deepspeed in DeepSpeed's import shape, plus blockkv's fix for a repeated id."""
 

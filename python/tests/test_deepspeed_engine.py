@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """DeepSpeed's engine (engine_v2.py's put / query / can_schedule / flush, the model's
 get_kv_requirements / maybe_allocate_kv) replayed over blockkv.deepspeed with a stand-in model
 (tokens in, random logits out), driven by an MII-style scheduler for 1,000 steps with

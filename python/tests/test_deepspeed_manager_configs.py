@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """DeepSpeed's test_manager_configs.py scenarios (DeepSpeed 38327e07) through blockkv.deepspeed,
 and the config behaviour DeepSpeed's models have: defaults, "auto", extra keys, assignment,
 dtype aliases, and blockkv's own checks surfacing as ValidationError too."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """DeepSpeed's test_ragged_wrapper.py scenarios (DeepSpeed 38327e07) through blockkv.deepspeed:
 placeholder sequences as DeepSpeed's tests build them, and the same layouts from tracked
 sequences, which go through blockkv's RaggedBatchWrapper."""

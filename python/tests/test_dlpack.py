@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Tensors leave blockkv through DLPack: zero-copy both ways between torch, NumPy and the cache,
 views that outlive their cache object, and split_kv over every kind of tensor."""
 

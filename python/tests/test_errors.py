@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """How blockkv's status codes reach Python: ValueError for what DeepSpeed raises ValueError for
 (and for every bad argument or state), ResourceExhaustedError (a ValueError and a RuntimeError)
 for running out, NotImplementedError for what is not implemented, RuntimeError otherwise; the

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Issue 17 through Python: every kernel entry with the shapes real callers use -- one token (T = 1),
 one sequence, one KV head, blocks of one token -- through torch (whose DLPack export gives
 extent-1 dimensions stride 1) and NumPy, and grouped-query attention with 1 to 128 query heads

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """append_kv and paged_attention from Python, on the CPU, against a reference in plain torch ops:
 softmax(Q K^T * scale) V with a causal (or windowed) mask over the K/V gathered from the cache
 through each sequence's block table."""

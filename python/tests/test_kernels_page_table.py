@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """append_kv and paged_attention over page tables of the caller's (blockkv.CsrPageTable,
 blockkv.SlotMappingPageTable) on a BlockedKVCache's layers with blocks from reserve(): the
 RaggedBatch path's numerics, scattered and shared blocks, one table for every layer, torch and NumPy

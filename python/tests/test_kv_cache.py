@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """BlockedKVCache: construction in both modes, devices, per-group reserve/free, layer views, and
 what DeepSpeed leaves unimplemented (offload itself is in test_offload.py)."""
 

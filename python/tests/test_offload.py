@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Offload and preemption from Python: BlockedKVCache(offload=True) with offload / restore / spill /
 drop and their tickets, StateManager.preempt_sequence / resume_sequence, OffloadConfig, and the
 prefix cache's host level. Data is compared byte for byte through torch views of the cache."""

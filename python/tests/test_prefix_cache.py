@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Prefix caching from Python: PrefixCacheConfig, StateManager.add_sequence / append_tokens,
 hits on a shared prompt, namespace and adapter isolation, events, stats, reset and errors."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """RaggedBatchWrapper: DeepSpeed's ragged-wrapper scenarios (test_ragged_wrapper.py), restated
 against blockkv with a real StateManager (each sequence scheduled before it is inserted), plus
 the CSR page table, the slot mapping, padding, and the array views' lifetime."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """StateManager: DeepSpeed's DSStateManager and engine queries (get_or_create_sequence,
 get_sequence, flush_sequence, query, can_schedule) and blockkv's schedule, post_forward, fork and
 partial freeing, driven from Python."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Python threads on shared blockkv objects: every bound method holds its object's lock, so any mix
 of calls from any number of threads is serialized per object, never crashes the interpreter and
 leaves the object's invariants intact.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Compiles blockkv's Python module for this machine's python3 (the GPU bundle's step 5), from the
 # sources scripts/gpu-bundle.sh put beside this script and its prebuilt libblockkv.a (CUDA
 # included):   build-python.sh OUT_DIR    then   PYTHONPATH=OUT_DIR python3 -c 'import blockkv'

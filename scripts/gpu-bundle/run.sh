@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # blockkv's GPU check, as bundled by scripts/gpu-bundle.sh: needs an NVIDIA driver and nothing
 # else (the Python step also needs a C++20 compiler, python3 and torch with CUDA; without them it
 # is reported as not run). In order, each with a time limit:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The GPU bundle's Python check (run.sh step 5): blockkv's module, compiled on the GPU machine,
 over torch CUDA tensors. A cache and a state manager on cuda:0, the cache's layers as zero-copy
 torch views, the batch's device mirror as torch tensors, and append_kv + paged_attention on torch

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CudaDevice: one CUDA GPU through the CUDA runtime API. Plain C++ (no kernels), compiled by the
 // host compiler and linked against cudart. The contract is in include/blockkv/cuda_device.h.
 #include <cuda_runtime_api.h>

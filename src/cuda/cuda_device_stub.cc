@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CudaDevice when blockkv is built without CUDA (BLOCKKV_CUDA=OFF, or no toolkit found).
 #include "blockkv/cuda_device.h"
 #include "blockkv/device.h"

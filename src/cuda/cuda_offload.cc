@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CUDA side of OffloadStore: pinned host memory for its tiers, and block copies on the
 // device's copy stream (src/internal/block_mover.h).
 #include <cuda_runtime_api.h>

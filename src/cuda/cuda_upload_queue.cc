@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CUDA side of RaggedBatch's device mirror (src/internal/upload_queue.h): pinned staging and
 // copies from it that the host does not wait for.
 #include <cuda_runtime_api.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Helpers shared by blockkv's CUDA runtime code (CudaDevice, NcclCommunicator): Status from a
 // cudaError_t, and a scoped switch of the calling thread's current device.
 #pragma once

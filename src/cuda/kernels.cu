@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CUDA backend of kernels.h (sm_80, sm_90). src/kernels.cc has checked every argument and built
 // the views over the batch's device mirror; this file launches and returns without waiting.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What OffloadStore needs from a device, beyond the Device interface: host memory for its tiers
 // (pinned on CUDA so copies are DMA), and copies of whole blocks between the device's strided
 // cache layout and contiguous host memory, queued and then waited for.

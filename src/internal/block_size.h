@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // BlockSize: token ↔ block arithmetic for one block size. Block sizes are almost always powers of
 // two, and then an index is a shift and an offset a mask: a 64-bit division costs tens of cycles,
 // and a decode step does a few per sequence. Other sizes divide.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // BLOCKKV_CHECK: an always-on assertion for what only a bug inside blockkv can cause. It prints
 // the condition, the place and a message, then aborts. Never for what a caller can cause: that
 // is a Status.

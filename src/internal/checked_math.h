@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Overflow-checked arithmetic on sizes. Every product that sizes memory goes through these.
 #pragma once
 

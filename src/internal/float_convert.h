@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Scalar conversions between fp32 and the cache's narrow storage types, bit-exact and portable
 // (no F16C, no compiler _Float16): fp16 (IEEE binary16) and bf16 round to nearest even; fp8 e4m3
 // ("e4m3fn": bias 7, no infinities, ±448 largest, 0x7F / 0xFF NaN) decodes through a 256-entry

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // BLOCKKV_HOST_DEVICE marks small inline helpers that the CUDA kernels call on the device too.
 #pragma once
 

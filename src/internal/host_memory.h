@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // How much host memory there is, read from /proc/meminfo and the cgroup. The parsers take the
 // files' text so that tests can feed them any content.
 #pragma once

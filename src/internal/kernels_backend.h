@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The backends behind kernels.h. src/kernels.cc checks every argument and builds the views; the
 // backends trust them.
 #pragma once

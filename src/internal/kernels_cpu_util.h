@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the CPU kernels (kernels_cpu.cc, kernels_cpu_append.cc) share: element addressing, row
 // conversion between the storage dtypes and float, and the work-stealing thread loop.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The kernels' view of one layer of the paged cache and of one ragged batch (FlashInfer's
 // page.cuh style): small, trivially copyable structs passed by value to the CPU backend and, as a
 // kernel argument, to the CUDA backend. src/kernels.cc builds them once, after every argument

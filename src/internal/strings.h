@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // StrCat: builds an error message from its pieces ("cannot allocate ", n, " blocks: ", free, ...).
 // g++-12 has no std::format and the library does not depend on fmt.
 #pragma once

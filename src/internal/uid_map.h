@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // UidMap: sequence uid → tracking slot, an open-addressing hash table with linear probing and
 // backward-shift deletion. The state manager looks a uid up several times per sequence per step;
 // a flat table of (key, value) pairs costs one cache miss where std::unordered_map costs a chain

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Host → device copies that the host does not wait for, for RaggedBatch's device mirror: the
 // batch stages its arrays in pinned host memory, queues their copy once per step, and waits for
 // that copy only before it writes the staging again (the next step).

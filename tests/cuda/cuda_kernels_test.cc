@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // AppendKV and PagedAttention on a CUDA GPU against the CPU tests' double-precision reference
 // (tests/unit/kernels_reference.h): the cache, the batch's device mirror and the activations live
 // on the GPU; results are copied back and compared with the same bounds (fp32 1e-5, fp16/bf16

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A BlockedKVCache whose storage lives in GPU memory: planned, allocated, reserved and freed as
 // on the host, and written and read back through cudaMemcpy at a known block and slot.
 #include <cuda_runtime_api.h>

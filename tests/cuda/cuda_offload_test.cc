@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // OffloadStore on a GPU cache: byte-exact round trips between device memory and the pinned host
 // tier (cudaMemcpy2DAsync on the copy stream), through the disk tier (staged in pinned memory),
 // host → spill → disk → device, two cache groups of different shapes, restores into other block

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // RaggedBatch's device mirror on a GPU: after every step, each array read back from the device
 // with cudaMemcpy equals the host array (growing, shrinking and empty batches, two cache groups,
 // ScheduleBatch and InsertSequence + Finalize); the host arena is pinned and the device arrays

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Shared by the CUDA tests: they skip, not fail, on a machine without a usable GPU (CI compiles
 // them there so that they cannot rot; scripts/gpu-check.sh runs them on a GPU).
 #pragma once

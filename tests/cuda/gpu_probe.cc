@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // gpu_probe: says whether CUDA can use a GPU here, before the GPU bundle's run.sh runs anything.
 // It links the same CUDA runtime as the bundle's tests, so when it loads, they load.
 //   exit 0  at least one GPU: one line per device (name, compute capability, memory, driver)

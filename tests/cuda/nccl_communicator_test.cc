@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // NcclCommunicator over communicators made with ncclCommInitAll in this one process: one rank
 // per GPU, each driven by its own thread (an NCCL collective blocks until every rank enters it).
 #include "blockkv/nccl_communicator.h"

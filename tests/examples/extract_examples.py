@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Extracts every C++ example from blockkv's public headers and docs into one source file, so
 that building it checks that each example compiles (the `doc_examples` test).
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // libFuzzer target: BlockedAllocator against its reference model, driven by the fuzzer's bytes.
 // The driver is the one block_allocator_model_test.cc runs on a PRNG (tests/unit/
 // block_allocator_model.h); any disagreement or failed CheckInvariants() aborts with a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // libFuzzer target: StateManager::LoadSnapshot on arbitrary bytes, into a manager holding the
 // seed state (tests/unit/snapshot_util.h's small two-group manager after a short workload). The
 // first input byte chooses whether the rest has its checksums recomputed before the load (bit 0),

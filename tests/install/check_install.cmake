@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Installs the build tree into a scratch prefix, then configures, builds and runs a consumer
 # project that finds it with find_package(blockkv CONFIG REQUIRED).
 # Inputs: BUILD_DIR, SOURCE_DIR, WORK_DIR, GENERATOR, SANITIZE.

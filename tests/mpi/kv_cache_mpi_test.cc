@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // BlockedKVCache::Create in RESERVE mode across the ranks of an mpirun: every rank plans against
 // its own CpuDevice budget, and all of them end with the smallest plan, or all of them fail.
 #include <mpi.h>

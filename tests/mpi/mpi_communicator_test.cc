@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // MpiCommunicator over MPI_COMM_WORLD and sub-communicators, on every rank of an mpirun.
 #include "blockkv/mpi_communicator.h"
 

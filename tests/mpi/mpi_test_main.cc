@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // main() for the MPI tests: every rank runs the same GoogleTest program under mpirun.
 //
 // MPI is initialised here, as an engine would, and finalised after the last test. Rank 0 prints

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // StateManager::Create across the ranks of an mpirun: a rank whose own manager config is invalid
 // fails before it reaches the cache, yet must still enter the cache's collectives so that the
 // other ranks fail too instead of waiting forever (the ctest TIMEOUT turns a hang into a failure).

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The `blockkv` tool on hostile inputs under `ulimit -v 2000000` (2 GB of address space): each run
 # must exit 0, 1 or 2 with a message on stderr, never die of a signal (a bad_alloc abort is 134,
 # the kernel's OOM kill 137) nor run past a minute. Issue 17's list: huge --requests and sizes,

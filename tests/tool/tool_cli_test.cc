@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The `blockkv` binary: exit codes (0 success, 2 bad arguments with usage, 1 runtime failure with
 // the status), and the messages that name a bad file's line.
 #include <gtest/gtest.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `blockkv demo` on a tiny configuration: the paged run (state manager, prefix cache, AppendKV,
 // PagedAttention, preemption through the host tier or by recompute) must give the same greedy
 // tokens as the dense-cache reference.

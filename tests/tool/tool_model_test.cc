@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The demo's model: llama2.c checkpoints (written, read back, checked against a transcription
 // of llama2.c's own forward pass with interleaved RoPE) and their validation.
 #include <gtest/gtest.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `blockkv plan`: golden numbers worked out by hand, checked against what PlanKVCache gives.
 #include <gtest/gtest.h>
 

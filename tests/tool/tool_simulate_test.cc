@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `blockkv simulate`: a small trace whose prefix-cache hits are worked out by hand, the JSONL
 // reader's messages for bad traces, and a generated workload run to the end with and without the
 // host tier.

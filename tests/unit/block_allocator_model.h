@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A model-based driver for BlockedAllocator: random programs of operations, valid and invalid,
 // run against the real allocator and against a trivially correct reference, compared after every
 // operation. block_allocator_model_test.cc runs it on a seeded PRNG; tests/fuzz's

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // BlockedAllocator against a trivially correct reference (block_allocator_model.h): a million
 // random operations, valid and invalid, on allocators of 1 to 1024 blocks, with identical status
 // codes, identical returned ids, identical counts and CheckInvariants() after every one.

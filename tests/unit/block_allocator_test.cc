@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // BlockedAllocator: every scenario of DeepSpeed-FastGen's allocator tests
 // (tests/unit/inference/v2/ragged/test_blocked_allocator.py), the golden LIFO orders of
 // DESIGN.md §3, and the cases DeepSpeed gets wrong (a duplicate id inside one Free).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // BlockPool: reference counts above one cache group's allocator. Every test checks the counts of
 // all blocks, the allocator's free count and CheckInvariants() after each operation, so a failed
 // call is seen to change nothing.

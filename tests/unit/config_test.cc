@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // KVCacheConfig and MemoryConfig: DeepSpeed's defaults and validation of every field.
 #include "blockkv/config.h"
 

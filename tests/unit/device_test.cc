@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Devices: the budgeted host device, the OS-backed host device, CudaDevice without a GPU build,
 // DeviceBuffer's RAII, and the /proc/meminfo and cgroup parsers behind CpuDevice().
 #include "blockkv/device.h"

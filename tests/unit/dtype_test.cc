@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // DType: element sizes, names and DeepSpeed's aliases.
 #include "blockkv/dtype.h"
 

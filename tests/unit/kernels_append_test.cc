@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // AppendKV on the CPU: DeepSpeed's test_blocked_kv_copy / test_blocked_rotary_emb scenarios (each
 // slot holds exactly its token's K and V, nothing else in the cache changes, Q rotated in place),
 // the fp8 e4m3 codec, and every argument check of both kernels (each failing call changes

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Every argument check of AppendKV and PagedAttention: the code, a message naming the value, and
 // nothing written (cache, q and out compared byte for byte after each failed call).
 #include <gmock/gmock.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // AppendKV and PagedAttention over page tables of the caller's (page_table.h): the same numerics
 // as the RaggedBatch path (bit for bit: the same backend), hand-made tables over a cache from
 // BlockedKVCache::Reserve (scattered blocks, a block shared between sequences, one table reused

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the kernel tests (CPU, and tests/cuda) share: batches built the real way (StateManager on a
 // budgeted host device, Schedule, RaggedBatch), host tensors of any dtype, and a dense reference
 // in double precision over K/V gathered from the cache through each sequence's own block table.

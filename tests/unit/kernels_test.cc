@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // AppendKV and PagedAttention on the CPU against a dense double-precision reference
 // (tests/unit/kernels_reference.h): DeepSpeed's kernel-test shapes, GQA ratios, every head size
 // and dtype, mixed prefill + decode, contexts past 256 blocks, sliding windows over released

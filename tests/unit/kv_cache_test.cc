@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // PlanKVCache arithmetic and BlockedKVCache on a budgeted host device: num_blocks, layout,
 // layer offsets, SplitKV, allocator routing, collectives through a Communicator, and logging.
 #include "blockkv/kv_cache.h"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // OffloadStore with a failing disk tier: nothing is ever lost. Writes that fail (ENOSPC, a write
 // cut short part-way) keep the device blocks, and a Restore hands the same
 // blocks back with their bytes; a failed spill keeps the handle on the host; reads that come back

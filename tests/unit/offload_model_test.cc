@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A model-based random test of OffloadStore: a few thousand random operations (fill, offload to
 // either tier, restore by group or across groups, spill, drop, poll, wait, scribble, free, calls
 // with stale handles) on two cache groups, against a reference that knows the bytes of every

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // OffloadStore's copies racing with the scheduling thread, for ThreadSanitizer (the `tsan` preset
 // runs this with the rest of the `offload` label) and as a plain stress test elsewhere.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // OffloadStore's synchronous copies for the prefix cache's host level: CopyToHost makes a host
 // handle of a device block that stays the caller's, CopyToDevice writes a host handle's bytes
 // into a device block and keeps the handle; both byte-exact, and every documented error leaves

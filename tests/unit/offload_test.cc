@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // OffloadStore on a host cache: byte-exact round trips through the host and disk tiers (and a
 // spill between them) for groups of different shapes, restored into other block ids; tickets
 // (Poll, Wait, busy blocks, device blocks going back only once a copy is reaped); Drop; the

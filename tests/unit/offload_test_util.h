@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What the OffloadStore tests share: a host cache of several groups, block contents read and
 // written through GetCache (independently of the store's own layout arithmetic), a snapshot of
 // every count a failed call must leave alone, a temporary directory for the disk tier, and

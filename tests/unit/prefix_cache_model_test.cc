@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Model-based random test of prefix caching (issue 5) through the StateManager.
 //
 // Random programs of AddSequence (prompts cut from four shared "system prompts" plus short

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Prefix caching through the StateManager: hits on shared prompts, partial blocks never shared,
 // namespace and adapter isolation, eviction order (LRU within priority), exact token comparison
 // under a colliding hash, hash stability, events, stats and Reset. Every test checks the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // PrefixHostTier (src/prefix_host_tier.h) on its own, over a real cache, block pool, prefix cache
 // and offload store (no StateManager): evicted cached blocks are demoted with their bytes and
 // identity, matched exactly, promoted back under their old chain ids, dropped least recently used

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // RaggedBatch over a real StateManager on a budgeted host device: DeepSpeed's
 // test_ragged_wrapper.py scenarios (counts, input ids, token→sequence map, descriptors,
 // metadata), to_padded, the CSR page table and slot mapping checked against the sequences' block

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What a caller of the C++ core can do wrong, or be unlucky with, and must get a Status for (issue
 // 17): never an abort, and a failed call changes nothing (free blocks, handles, slots, bytes).
 // Each test here was an abort, a stuck sequence or a silent loss before its fix.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // StateManager::SaveSnapshot / LoadSnapshot: byte-exact round trips of random states, a loaded
 // cache that hits and evicts as the saved one did, config mismatches named field by field, file
 // errors, and fault injection — every truncation, random flipped bytes, and random changes with

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Helpers shared by snapshot_test.cc and tests/fuzz/snapshot_fuzz.cc (no GoogleTest here): a
 // small two-group manager with prefix caching, a random workload that leaves it in every kind of
 // state a snapshot holds, and Reseal, which recomputes a snapshot's checksums after a test

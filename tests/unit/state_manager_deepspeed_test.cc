@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // StateManager's DeepSpeed-shaped step: AllocateBlocks, ExtendSequence, FreeBlocks, PreForward
 // (what blockkv.deepspeed's allocate_blocks / extend_kv_cache / pre_forward call), and the holes
 // DeepSpeed leaves there: a table overflow, ids that were never allocated, too few blocks for

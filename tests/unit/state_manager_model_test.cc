@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Model-based random test of StateManager: random programs of GetOrCreateSequence, Schedule or
 // ScheduleBatch (after CanSchedule; ScheduleBatch's batch is checked against the model's tables,
 // and left as it was when the call fails), PostForward, Fork, FreeLeadingBlocks, FlushSequence,

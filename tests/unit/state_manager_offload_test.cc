@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // StateManager::PreemptSequence / ResumeSequence through the offload tiers: contents survive a
 // preempt-resume round trip byte for byte at new block ids, failures keep everything, and the
 // manager's invariants hold throughout (the offload store itself is tested in offload_test.cc).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // StateManager scenarios: DeepSpeed's config cases and scheduling arithmetic, and the holes
 // blockkv closes (working CanSchedule, duplicate uids, max_context, table capacity,
 // all-or-nothing scheduling, partial freeing, fork).

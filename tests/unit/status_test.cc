@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Status, Result<T> and the BLOCKKV_RETURN_IF_ERROR / BLOCKKV_ASSIGN_OR_RETURN macros.
 #include "blockkv/status.h"
 

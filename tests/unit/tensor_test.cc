@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // TensorView: numel, contiguity, ContiguousView and SplitKV.
 #include "blockkv/tensor.h"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Helpers shared by blockkv's unit tests: assertions on Status and Result<T>, and MODEL_CHECK for
 // the model-based tests' comparisons.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // UidMap (src/internal/uid_map.h) on its own: lookups, backward-shift deletion across wrapped
 // probe runs, and a random program of operations against std::unordered_map.
 #include "internal/uid_map.h"

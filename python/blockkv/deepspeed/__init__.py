@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """blockkv.deepspeed: DeepSpeed-FastGen's ragged KV-cache API (``deepspeed.inference.v2.ragged``)
 over blockkv's core.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The one place blockkv.deepspeed touches pydantic's API, for pydantic 1 and 2 alike.
 
 DeepSpeed's configs are pydantic models (``DeepSpeedConfigModel``: extra keys forbidden,

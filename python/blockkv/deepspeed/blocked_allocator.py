@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """DeepSpeed's ``BlockedAllocator`` (``deepspeed.inference.v2.ragged.blocked_allocator``) over
 ``blockkv.BlockedAllocator``: the same LIFO order and errors, ids as int32 torch tensors."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """DeepSpeed's ``BlockedKVCache`` and ``split_kv`` (``deepspeed.inference.v2.ragged.kv_cache``)
 over ``blockkv.BlockedKVCache``: block ids and caches come back as torch tensors."""
 

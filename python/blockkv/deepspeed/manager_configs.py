@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """DeepSpeed's ragged configs (``deepspeed.inference.v2.ragged.manager_configs``) as pydantic
 models with DeepSpeed's fields, defaults and ``ValidationError``, checked by blockkv's own
 config validation as well (so ``block_size`` must be positive and sizes may not overflow, where

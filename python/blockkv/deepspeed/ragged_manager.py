@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """DeepSpeed's ``DSStateManager`` (``deepspeed.inference.v2.ragged.ragged_manager``) over
 ``blockkv.StateManager``: the core owns the cache, the block tables and the sequences; this
 class keeps DeepSpeed's names and return types and one descriptor object per tracked uid."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """DeepSpeed's ``RaggedBatchWrapper`` (``deepspeed.inference.v2.ragged.ragged_wrapper``).
 
 Built from the ``DSStateManagerConfig`` as in DeepSpeed. Tracked sequences

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """DeepSpeed's sequence descriptors (``deepspeed.inference.v2.ragged.sequence_descriptor``).
 
 ``DSSequenceDescriptor`` is a view of one of blockkv's tracked sequences: every read and every
