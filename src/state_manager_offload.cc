@@ -22,6 +22,8 @@ void StateManager::Impl::PoolOwner::Release(int group, std::span<const BlockId> 
   BLOCKKV_CHECK(released.ok(), "the offload store gave back a block it held no reference to");
 }
 
+// The parameters are OffloadStore::BlockOwner's (offload.h), which this overrides.
+// NOLINTNEXTLINE(bugprone-easily-swappable-parameters)
 Status StateManager::Impl::PoolOwner::Adopt(int group, std::span<const BlockId> blocks,
                                             std::span<const int32_t> store_holds) {
   const BlockPool& pool = (*pools_)[group];
