@@ -645,6 +645,28 @@ AppendKVOptions CanonicalQ(const AppendKVOptions& options, TensorView* q_view) {
   return out;
 }
 
+// A table's views, checked as both kernels need before they touch the cache: every block each
+// sequence reads or writes (the new tokens' too: attention reads the keys just appended), then
+// the positions and slots that name them.
+template <class Table>
+Status CheckedTableViews(const Table& table, const TensorView& layer_cache, float kv_scale,
+                         HostArrays& arrays, PagedKV* host, PagedKV* device) {
+  const int32_t* positions = nullptr;
+  const int64_t* slots = nullptr;
+  int32_t slot_rows = 0;
+  if constexpr (std::is_same_v<Table, CsrPageTable>) {
+    BLOCKKV_RETURN_IF_ERROR(
+        CsrViews(table, layer_cache, kv_scale, arrays, host, device, &positions));
+  } else {
+    BLOCKKV_RETURN_IF_ERROR(SlotViews(table, layer_cache, kv_scale, arrays, host, device, &slots));
+    slot_rows = table.num_tokens;
+  }
+  for (int32_t i = 0; i < host->num_seqs; ++i) {
+    BLOCKKV_RETURN_IF_ERROR(CheckBlocks(*host, i, host->Seen(i), host->Length(i)));
+  }
+  return CheckTokenIndices(*host, positions, slots, slot_rows);
+}
+
 // A table AppendKV: views, the table's own checks, then RunAppend.
 template <class Table>
 Status AppendOverTable(const TensorView& layer_cache_in, const TensorView& k, const TensorView& v,
@@ -656,21 +678,8 @@ Status AppendOverTable(const TensorView& layer_cache_in, const TensorView& k, co
   HostArrays arrays(layer_cache, options.stream);
   PagedKV host;
   PagedKV device;
-  const int32_t* positions = nullptr;
-  const int64_t* slots = nullptr;
-  int32_t slot_rows = 0;
-  if constexpr (std::is_same_v<Table, CsrPageTable>) {
-    BLOCKKV_RETURN_IF_ERROR(
-        CsrViews(table, layer_cache, options.kv_scale, arrays, &host, &device, &positions));
-  } else {
-    BLOCKKV_RETURN_IF_ERROR(
-        SlotViews(table, layer_cache, options.kv_scale, arrays, &host, &device, &slots));
-    slot_rows = table.num_tokens;
-  }
-  for (int32_t i = 0; i < host.num_seqs; ++i) {
-    BLOCKKV_RETURN_IF_ERROR(CheckBlocks(host, i, host.Seen(i), host.Length(i)));
-  }
-  BLOCKKV_RETURN_IF_ERROR(CheckTokenIndices(host, positions, slots, slot_rows));
+  BLOCKKV_RETURN_IF_ERROR(
+      CheckedTableViews(table, layer_cache, options.kv_scale, arrays, &host, &device));
   BLOCKKV_RETURN_IF_ERROR(CheckDistinctSlots(host));
   return RunAppend(layer_cache, CanonicalStrides(k), CanonicalStrides(v), options, host, device,
                    TableRows(host));
@@ -684,23 +693,8 @@ Status AttendOverTable(const TensorView& q, const TensorView& layer_cache_in, co
   HostArrays arrays(layer_cache, options.stream);
   PagedKV host;
   PagedKV device;
-  const int32_t* positions = nullptr;
-  const int64_t* slots = nullptr;
-  int32_t slot_rows = 0;
-  if constexpr (std::is_same_v<Table, CsrPageTable>) {
-    BLOCKKV_RETURN_IF_ERROR(
-        CsrViews(table, layer_cache, options.kv_scale, arrays, &host, &device, &positions));
-  } else {
-    BLOCKKV_RETURN_IF_ERROR(
-        SlotViews(table, layer_cache, options.kv_scale, arrays, &host, &device, &slots));
-    slot_rows = table.num_tokens;
-  }
-  // The new tokens' blocks are read too (their keys were appended): their indices are checked
-  // before the positions and slots that name them.
-  for (int32_t i = 0; i < host.num_seqs; ++i) {
-    BLOCKKV_RETURN_IF_ERROR(CheckBlocks(host, i, host.Seen(i), host.Length(i)));
-  }
-  BLOCKKV_RETURN_IF_ERROR(CheckTokenIndices(host, positions, slots, slot_rows));
+  BLOCKKV_RETURN_IF_ERROR(
+      CheckedTableViews(table, layer_cache, options.kv_scale, arrays, &host, &device));
   return RunAttention(CanonicalStrides(q), layer_cache, CanonicalStrides(out), options, host,
                       device, TableRows(host));
 }
