@@ -201,8 +201,13 @@ Status StateManager::ScheduleBatch(const ScheduleRequest& request, std::span<con
                                    RaggedBatch& batch, bool padding, SchedulingResult* result) {
   return impl_->ScheduleBatch(request, tokens, batch, padding, result);
 }
-Status StateManager::PostForward(std::span<const SeqId> uids) { return impl_->PostForward(uids); }
-Status StateManager::PostForward(const RaggedBatch& batch) { return impl_->PostForward(batch); }
+Status StateManager::PostForward(std::span<const SeqId> uids, std::span<const int64_t> accepted) {
+  return accepted.empty() ? impl_->PostForward(uids) : impl_->PostForwardAccepted(uids, accepted);
+}
+Status StateManager::PostForward(const RaggedBatch& batch, std::span<const int64_t> accepted) {
+  return impl_->PostForward(batch, accepted);
+}
+Status StateManager::Rollback(SeqId uid, int64_t n) { return impl_->Rollback(uid, n); }
 Status StateManager::FreeLeadingBlocks(SeqId uid, int32_t num_blocks, int group) {
   return impl_->FreeLeadingBlocks(uid, num_blocks, group);
 }
@@ -410,7 +415,19 @@ inline void StateManager::Impl::Advance(Sequence& seq) {
   if (prefix_ != nullptr && (resuming_ == 0 || RestoreDone(seq))) PublishFullBlocks(seq);
 }
 
-Status StateManager::Impl::PostForward(const RaggedBatch& batch) {
+// Here, not in state_manager_rollback.cc: Advance is inline.
+void StateManager::Impl::AdvanceAccepted(Sequence& seq, int64_t accepted) {
+  if (accepted < seq.in_flight_tokens_) {
+    // The rejected tokens' blocks go before publishing, which then sees only kept tokens. The
+    // block holding position seen + accepted was written by this forward: it is private.
+    TrimTo(seq, seq.seen_tokens_ + accepted);
+    seq.in_flight_tokens_ = accepted;
+  }
+  Advance(seq);
+}
+
+Status StateManager::Impl::PostForward(const RaggedBatch& batch,
+                                       std::span<const int64_t> accepted) {
   // The batch's entries, read directly (StateManager is a friend of RaggedBatch): a decode step
   // does this for every sequence.
   const std::span<const RaggedBatch::Impl::Entry> entries = batch.impl_->entries();
@@ -419,6 +436,8 @@ Status StateManager::Impl::PostForward(const RaggedBatch& batch) {
     return std::span<const int64_t>(ids + e.start, static_cast<size_t>(e.n_tokens));
   };
   const bool prefix = prefix_ != nullptr;
+  BLOCKKV_RETURN_IF_ERROR(CheckAcceptedCount(entries.size(), accepted));
+  const bool speculative = !accepted.empty();
   for (const RaggedBatch::Impl::Entry& e : entries) {
     if (!Owns(*e.seq)) [[unlikely]] {
       return InvalidArgumentError(ColdStrCat("PostForward: batch sequence ", &e - entries.data(),
@@ -429,11 +448,24 @@ Status StateManager::Impl::PostForward(const RaggedBatch& batch) {
       return FailedPreconditionError(
           ColdStrCat("PostForward: sequence ", e.seq->uid_, " changed since it was inserted"));
     }
-    if (prefix) BLOCKKV_RETURN_IF_ERROR(CheckRecordableTokens(*e.seq, e.seen_tokens, tokens(e)));
+    std::span<const int64_t> given = tokens(e);
+    if (speculative) [[unlikely]] {
+      const int64_t kept = accepted[static_cast<size_t>(&e - entries.data())];
+      BLOCKKV_RETURN_IF_ERROR(CheckAccepted(*e.seq, kept));
+      given = given.first(static_cast<size_t>(kept));
+    }
+    if (prefix) BLOCKKV_RETURN_IF_ERROR(CheckRecordableTokens(*e.seq, e.seen_tokens, given));
   }
   for (const RaggedBatch::Impl::Entry& e : entries) {
-    // One of this manager's own sequences (Owns above), which it may change.
+    // One of this manager's own sequences (Owns above), which it may change. A batch holds each
+    // sequence once (InsertSequence and ScheduleBatch refuse a repeat).
     auto& seq = const_cast<Sequence&>(*e.seq);
+    if (speculative) [[unlikely]] {
+      const int64_t kept = accepted[static_cast<size_t>(&e - entries.data())];
+      if (prefix) RecordTokens(seq, tokens(e).first(static_cast<size_t>(kept)));
+      AdvanceAccepted(seq, kept);
+      continue;
+    }
     if (prefix) RecordTokens(seq, tokens(e));
     Advance(seq);
   }
@@ -501,11 +533,7 @@ Result<SchedulingResult> StateManager::Impl::Check(const ScheduleRequest& reques
     return InvalidArgumentError(ColdStrCat(uids.size(), " uids but ", lengths.size(), " lengths"));
   }
   // Duplicates: tracked uids by an epoch mark on their slot, new uids by sorting.
-  if (++mark_epoch_ == 0) {
-    std::fill(slot_marks_.begin(), slot_marks_.end(), 0);
-    for (std::vector<uint32_t>& marks : block_marks_) std::fill(marks.begin(), marks.end(), 0);
-    mark_epoch_ = 1;
-  }
+  NextMarkEpoch();
   std::vector<SeqId>& fresh = uid_scratch_;
   fresh.clear();
   slot_scratch_.resize(uids.size());

@@ -57,7 +57,10 @@ class StateManager::Impl {
   Status ScheduleBatch(const ScheduleRequest& request, std::span<const TokenId> tokens,
                        RaggedBatch& batch, bool padding, SchedulingResult* result);
   Status PostForward(std::span<const SeqId> uids);
-  Status PostForward(const RaggedBatch& batch);
+  Status PostForward(const RaggedBatch& batch, std::span<const int64_t> accepted);
+  // PostForward(uids, accepted) with a non-empty `accepted` (state_manager_rollback.cc).
+  Status PostForwardAccepted(std::span<const SeqId> uids, std::span<const int64_t> accepted);
+  Status Rollback(SeqId uid, int64_t n);
   Status FreeLeadingBlocks(SeqId uid, int32_t num_blocks, int group);
   // DeepSpeed's step in three calls (state_manager_deepspeed.cc).
   Status AllocateBlocks(std::span<BlockId> out, int group);
@@ -141,6 +144,21 @@ class StateManager::Impl {
   Sequence* CreateInSlot(SeqId uid);  // REQUIRES: a free slot
   // After a forward: seen_tokens += in_flight_tokens, in_flight = 0, full blocks published.
   void Advance(Sequence& seq);
+
+  // ---- speculative decoding (state_manager_rollback.cc) ----
+  // kInvalidArgument unless accepted.size() == n (the uids or batch entries) or it is empty.
+  static Status CheckAcceptedCount(size_t n, std::span<const int64_t> accepted);
+  // kInvalidArgument unless 0 <= accepted <= seq's tokens in flight.
+  static Status CheckAccepted(const Sequence& seq, int64_t accepted);
+  // Advance keeping only the first `accepted` tokens in flight (CheckAccepted passed).
+  void AdvanceAccepted(Sequence& seq, int64_t accepted);
+  // Shrinks `seq` to its first `end` tokens: in every group the entries past BlocksFor(end) are
+  // released (last first), its known tokens and published count are cut at `end`. REQUIRES: every
+  // entry past BlocksFor(end) is held (not released), and the block holding position `end`
+  // (when partial) is private to `seq` and not cached.
+  void TrimTo(Sequence& seq, int64_t end);
+  // A fresh epoch for slot_marks_ / block_marks_ (duplicate checks).
+  uint32_t NextMarkEpoch();
   void ReleaseSequenceBlocks(Sequence& seq);
 
   // ---- offload (state_manager_offload.cc) ----

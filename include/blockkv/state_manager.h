@@ -10,6 +10,7 @@
 //   Status s = (*mgr)->Schedule(step);              // blocks reserved, in_flight set
 //   ... build a RaggedBatch, run the model ...
 //   s = (*mgr)->PostForward(uids);                  // seen_tokens += in_flight
+//   // (speculative decoding: PostForward(uids, accepted) keeps accepted[i] of them)
 //   s = (*mgr)->FlushSequence(uid);                 // a finished sequence's blocks go back
 //
 // Ownership: the manager creates and owns its BlockedKVCache and a BlockPool per cache group;
@@ -202,13 +203,38 @@ class StateManager {
 
   // After the forward: seen_tokens += in_flight_tokens, in_flight = 0, for each uid (DeepSpeed's
   // post_forward). kNotFound (nothing changed) if any uid is unknown.
-  Status PostForward(std::span<const SeqId> uids);
-  // The same for every sequence of `batch`, without looking uids up, and with prefix caching on,
-  // also records the tokens the batch gave each sequence as its known tokens (so a decode step
-  // needs no AppendTokens). kInvalidArgument when a sequence is not this manager's,
-  // kFailedPrecondition when one was scheduled, advanced or flushed since it was inserted, or a
-  // token to record is outside [0, 2^31); nothing changes on failure.
-  Status PostForward(const RaggedBatch& batch);
+  //
+  // Speculative decoding: with `accepted` (one count per uid), uid i keeps only the first
+  // accepted[i] of its in-flight tokens (seen_tokens += accepted[i]); the rest are rejected. A
+  // sequence that rejects any token gives back, in every cache group, the blocks past
+  // ceil(seen_tokens / block_size) (their table entries become kNoBlock, the table version
+  // changes) and forgets its known tokens past seen_tokens; the KV the rejected tokens wrote
+  // stays in its last block until the next forward overwrites it, and nothing reads it before.
+  // Only blocks whose every token is kept are ever published to the prefix cache. A sequence that
+  // keeps all its tokens is advanced exactly as without `accepted`. kInvalidArgument (nothing
+  // changed) when accepted.size() != uids.size(), a count is outside [0, in_flight_tokens] (the
+  // message names both) or a uid repeats; kNotFound as above. An empty `accepted` keeps all.
+  Status PostForward(std::span<const SeqId> uids, std::span<const int64_t> accepted = {});
+  // The same for every sequence of `batch` (accepted[i]: the i-th inserted sequence), without
+  // looking uids up, and with prefix caching on, also records the tokens the batch gave each
+  // sequence (its first accepted[i] with `accepted`) as its known tokens (so a decode step needs
+  // no AppendTokens). kInvalidArgument when a sequence is not this manager's or an accepted count
+  // is out of range (as above), kFailedPrecondition when one was scheduled, advanced or flushed
+  // since it was inserted, or a token to record is outside [0, 2^31); nothing changes on failure.
+  Status PostForward(const RaggedBatch& batch, std::span<const int64_t> accepted = {});
+
+  // Takes back the last `n` committed tokens of `uid` (seen_tokens -= n), as a rejection in
+  // PostForward does: blocks past the new end are given back in every cache group, known tokens
+  // past it forgotten. A block the sequence shares (a fork's, a prefix hit's) or has published is
+  // never written again: when the new end falls inside one, the sequence first gets a private
+  // copy of it (one new block per such group), its other holders and the cached entry keep the
+  // original; a fully rolled-back published block stays cached (its tokens were right), the
+  // sequence only drops its reference. kInvalidArgument (n < 0, or n > seen_tokens, naming both),
+  // kNotFound (unknown uid), kFailedPrecondition (tokens in flight: reject them with
+  // PostForward's `accepted`; a preempted sequence; a group whose leading blocks FreeLeadingBlocks
+  // released would keep no whole block before the new end), kResourceExhausted (no block for a
+  // private copy), or the copy's device error; nothing changes on failure.
+  Status Rollback(SeqId uid, int64_t n);
 
   // Releases the `num_blocks` oldest still-held blocks of `uid` in `group` (sliding-window
   // layers): their table entries become kNoBlock, token positions do not move. Only blocks

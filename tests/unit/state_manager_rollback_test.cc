@@ -1,0 +1,719 @@
+// SPDX-License-Identifier: Apache-2.0
+// Speculative decoding in StateManager: PostForward with accepted counts and Rollback of
+// committed tokens. Scenarios (errors change nothing, blocks come back, forks and the prefix
+// cache are never written through, a decode step of k + 1 tokens), then a model-based random
+// test: random steps of k drafts with random accept counts (through ScheduleBatch +
+// PostForward(batch, accepted) and AppendTokens + Schedule + PostForward(uids, accepted)),
+// random Rollback calls, forks, flushes and prompts that hit the prefix cache, against a
+// reference of each sequence's tokens. Every forward writes each token's id into its KV slot;
+// after every operation each sequence's KV reads back exactly its accepted tokens, every
+// prefix hit's blocks hold the prompt's tokens, no published block (BlockStored) carries a
+// rejected token, blocks per sequence and free blocks are the model's, and CheckInvariants()
+// passes.
+#include "blockkv/state_manager.h"
+
+#include "blockkv/ragged_batch.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <iostream>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "unit/test_util.h"
+
+namespace blockkv {
+namespace {
+
+constexpr TokenId kRejectedBase = 1000;  // draft tokens the test rejects are >= this
+
+// One layer, one KV head of one fp32 value: each token slot holds its K as a float.
+KVCacheConfig Group(int32_t block_size, int32_t max_blocks = 64) {
+  return KVCacheConfig{.block_size = block_size,
+                       .cache_shape = {1, 1, 1},
+                       .cache_dtype = DType::kFloat32,
+                       .max_blocks_per_allocation_group = max_blocks};
+}
+
+StateManagerConfig Config(int32_t num_blocks, bool prefix = false) {
+  StateManagerConfig c;
+  c.max_tracked_sequences = 32;
+  c.max_ragged_batch_size = 256;
+  c.max_ragged_sequence_count = 16;
+  c.max_context = 1024;
+  c.memory_config = {.mode = AllocationMode::kAllocate, .size = num_blocks};
+  c.prefix_cache.enabled = prefix;
+  return c;
+}
+
+std::unique_ptr<StateManager> Make(StateManagerConfig config, std::vector<KVCacheConfig> groups) {
+  auto m = StateManager::Create(std::move(config), std::move(groups), CpuDevice(16 << 20));
+  EXPECT_TRUE(m.ok()) << m.status();
+  return m.ok() ? std::move(m).value() : nullptr;
+}
+
+// The K slot of token `pos` of `seq` in `group`.
+float* Slot(const StateManager& m, const Sequence& seq, int64_t pos, int group = 0) {
+  const TensorView view = *m.GetCache(0, group);
+  const int32_t bs = m.kv_block_size(group);
+  const BlockId block = seq.block_table(group)[static_cast<size_t>(pos / bs)];
+  return static_cast<float*>(view.data) + block * view.stride(0) + (pos % bs) * view.stride(1);
+}
+
+// The model's forward: writes each in-flight token's id into its KV slot in every group.
+void WriteKV(const StateManager& m, SeqId uid, std::span<const TokenId> tokens) {
+  const Sequence& seq = *m.GetSequence(uid);
+  ASSERT_EQ(std::ssize(tokens), seq.in_flight_tokens());
+  for (int g = 0; g < m.num_groups(); ++g) {
+    for (size_t t = 0; t < tokens.size(); ++t) {
+      *Slot(m, seq, seq.seen_tokens() + static_cast<int64_t>(t), g) = static_cast<float>(tokens[t]);
+    }
+  }
+}
+
+// The KV `uid` holds for positions [0, seen) in every group, as token ids.
+std::vector<TokenId> ReadKV(const StateManager& m, SeqId uid, int group = 0) {
+  const Sequence& seq = *m.GetSequence(uid);
+  std::vector<TokenId> out;
+  for (int64_t p = 0; p < seq.seen_tokens(); ++p) {
+    out.push_back(static_cast<TokenId>(*Slot(m, seq, p, group)));
+  }
+  return out;
+}
+
+// Schedules `tokens` for `uid` (one forward), writes their KV and keeps `accepted` of them.
+Status Step(StateManager& m, SeqId uid, std::vector<TokenId> tokens, int64_t accepted) {
+  const SeqId uids[] = {uid};
+  const int64_t lengths[] = {std::ssize(tokens)};
+  BLOCKKV_RETURN_IF_ERROR(m.Schedule({.uids = uids, .lengths = lengths}));
+  WriteKV(m, uid, tokens);
+  const int64_t kept[] = {accepted};
+  return m.PostForward(uids, kept);
+}
+
+std::vector<TokenId> Iota(int n, TokenId first = 0) {
+  std::vector<TokenId> v(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) v[static_cast<size_t>(i)] = first + i;
+  return v;
+}
+
+// ---- PostForward with accepted counts ---------------------------------------------------------
+
+TEST(SpeculativePostForward, KeepsAcceptedTokensAndFreesBlocksPastTheNewEnd) {
+  auto m = Make(Config(16), {Group(4)});
+  ASSERT_OK(Step(*m, 1, Iota(3), 3));  // seen 3, one block
+  const int32_t free_before = m->free_blocks()[0];
+  // The verified token plus 6 drafts: positions 3..9, three blocks in all.
+  const SeqId uids[] = {1};
+  const int64_t lengths[] = {7};
+  ASSERT_OK(m->Schedule({.uids = uids, .lengths = lengths}));
+  EXPECT_EQ(m->GetSequence(1)->cur_allocated_blocks(), 3);
+  const uint64_t version = m->GetSequence(1)->table_version();
+  const BlockId second = m->GetSequence(1)->block_table()[1];
+  const int64_t kept[] = {2};  // seen 5: ceil(5 / 4) = 2 blocks
+  ASSERT_OK(m->PostForward(uids, kept));
+  const Sequence& seq = *m->GetSequence(1);
+  EXPECT_EQ(seq.seen_tokens(), 5);
+  EXPECT_EQ(seq.in_flight_tokens(), 0);
+  EXPECT_EQ(seq.cur_allocated_blocks(), 2);
+  EXPECT_EQ(seq.block_table()[1], second);
+  EXPECT_EQ(m->block_tables()[seq.tracking_slot() * 64 + 2], kNoBlock);
+  EXPECT_NE(seq.table_version(), version);
+  EXPECT_EQ(m->free_blocks()[0], free_before - 1);
+  ASSERT_OK(m->CheckInvariants());
+}
+
+TEST(SpeculativePostForward, KeepingEveryTokenIsPlainPostForward) {
+  auto m = Make(Config(16), {Group(4)});
+  ASSERT_OK(Step(*m, 1, Iota(6), 6));
+  EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 6);
+  EXPECT_EQ(m->GetSequence(1)->cur_allocated_blocks(), 2);
+  ASSERT_OK(Step(*m, 1, Iota(1), 0));  // a decode step that keeps nothing
+  EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 6);
+  EXPECT_EQ(m->GetSequence(1)->cur_allocated_blocks(), 2);
+  ASSERT_OK(m->CheckInvariants());
+}
+
+TEST(SpeculativePostForward, RejectsBadCountsAndChangesNothing) {
+  auto m = Make(Config(16), {Group(4)});
+  ASSERT_OK(Step(*m, 1, Iota(2), 2));
+  ASSERT_OK(Step(*m, 2, Iota(2), 2));
+  const SeqId uids[] = {1, 2};
+  const int64_t lengths[] = {5, 1};
+  ASSERT_OK(m->Schedule({.uids = uids, .lengths = lengths}));
+  const std::vector<int32_t> free_before = m->free_blocks();
+  auto unchanged = [&] {
+    EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 2);
+    EXPECT_EQ(m->GetSequence(1)->in_flight_tokens(), 5);
+    EXPECT_EQ(m->GetSequence(1)->cur_allocated_blocks(), 2);
+    EXPECT_EQ(m->GetSequence(2)->in_flight_tokens(), 1);
+    EXPECT_EQ(m->free_blocks(), free_before);
+    EXPECT_OK(m->CheckInvariants());
+  };
+  const int64_t too_many[] = {6, 1};
+  Status s = m->PostForward(uids, too_many);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("accepted 6 tokens of 5"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("[0, 5]"), std::string::npos) << s;
+  unchanged();
+  const int64_t negative[] = {1, -1};  // the second is bad: the first is not applied either
+  s = m->PostForward(uids, negative);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("-1"), std::string::npos) << s;
+  unchanged();
+  const int64_t one[] = {1};
+  s = m->PostForward(uids, one);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("1 accepted counts for 2 sequences"), std::string::npos) << s;
+  unchanged();
+  const SeqId twice[] = {1, 1};
+  const int64_t counts[] = {1, 1};
+  EXPECT_CODE(m->PostForward(twice, counts), StatusCode::kInvalidArgument);
+  unchanged();
+  const SeqId unknown[] = {1, 9};
+  EXPECT_CODE(m->PostForward(unknown, counts), StatusCode::kNotFound);
+  unchanged();
+  const int64_t ok[] = {3, 1};
+  ASSERT_OK(m->PostForward(uids, ok));
+  EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 5);
+  EXPECT_EQ(m->GetSequence(2)->seen_tokens(), 3);
+}
+
+// A decoding sequence carries the verified token plus k drafts in one ragged batch entry, and
+// PostForward(batch, accepted) keeps some of them.
+TEST(SpeculativePostForward, BatchCarriesKPlusOneTokensPerDecodingSequence) {
+  StateManagerConfig config = Config(32);
+  auto m = Make(config, {Group(4)});
+  auto batch = std::move(RaggedBatch::Create(*m)).value();
+  ASSERT_OK(Step(*m, 1, Iota(5), 5));
+  ASSERT_OK(Step(*m, 2, Iota(1), 1));  // T = 1 sequence
+  const SeqId uids[] = {1, 2};
+  const int64_t lengths[] = {5, 5};  // 1 verified + 4 drafts each
+  const std::vector<TokenId> tokens = {7, 8, 9, 10, 11, 3, 4, 5, 6, 7};
+  ASSERT_OK(m->ScheduleBatch({.uids = uids, .lengths = lengths}, tokens, *batch));
+  EXPECT_EQ(batch->current_tokens(), 10);
+  EXPECT_EQ(batch->current_sequences(), 2);
+  const int64_t accepted[] = {1, 5};
+  ASSERT_OK(m->PostForward(*batch, accepted));
+  EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 6);
+  EXPECT_EQ(m->GetSequence(1)->cur_allocated_blocks(), 2);
+  EXPECT_EQ(m->GetSequence(2)->seen_tokens(), 6);
+  EXPECT_EQ(m->GetSequence(2)->cur_allocated_blocks(), 2);
+  // The batch is stale now: a second PostForward of it is refused.
+  EXPECT_CODE(m->PostForward(*batch, accepted), StatusCode::kFailedPrecondition);
+  const int64_t wrong[] = {1};
+  ASSERT_OK(m->ScheduleBatch({.uids = uids, .lengths = lengths}, tokens, *batch));
+  EXPECT_CODE(m->PostForward(*batch, wrong), StatusCode::kInvalidArgument);
+  EXPECT_EQ(m->GetSequence(1)->in_flight_tokens(), 5);
+  ASSERT_OK(m->CheckInvariants());
+}
+
+// ---- Rollback of committed tokens -------------------------------------------------------------
+
+TEST(Rollback, ShrinksToTheNewEnd) {
+  auto m = Make(Config(16), {Group(4)});
+  ASSERT_OK(Step(*m, 1, Iota(10), 10));
+  const int32_t free_before = m->free_blocks()[0];
+  ASSERT_OK(m->Rollback(1, 5));
+  EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 5);
+  EXPECT_EQ(m->GetSequence(1)->cur_allocated_blocks(), 2);
+  EXPECT_EQ(m->free_blocks()[0], free_before + 1);
+  ASSERT_OK(m->Rollback(1, 0));
+  ASSERT_OK(m->Rollback(1, 5));  // everything
+  EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 0);
+  EXPECT_EQ(m->GetSequence(1)->cur_allocated_blocks(), 0);
+  EXPECT_EQ(m->free_blocks()[0], 16);
+  ASSERT_OK(m->CheckInvariants());
+  ASSERT_OK(Step(*m, 1, Iota(1), 1));  // T = 1 after a full rollback
+  EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 1);
+}
+
+TEST(Rollback, RejectsBadArgumentsAndChangesNothing) {
+  auto m = Make(Config(16), {Group(4)});
+  ASSERT_OK(Step(*m, 1, Iota(6), 6));
+  Status s = m->Rollback(1, 7);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("roll back 7 tokens"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("it has 6"), std::string::npos) << s;
+  s = m->Rollback(1, -1);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("-1"), std::string::npos) << s;
+  EXPECT_CODE(m->Rollback(2, 1), StatusCode::kNotFound);
+  EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 6);
+  EXPECT_EQ(m->GetSequence(1)->cur_allocated_blocks(), 2);
+  // Tokens in flight: a clear error, the step is left as it was.
+  const SeqId uids[] = {1};
+  const int64_t lengths[] = {3};
+  ASSERT_OK(m->Schedule({.uids = uids, .lengths = lengths}));
+  s = m->Rollback(1, 1);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("3 tokens in flight"), std::string::npos) << s;
+  EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 6);
+  EXPECT_EQ(m->GetSequence(1)->in_flight_tokens(), 3);
+  ASSERT_OK(m->CheckInvariants());
+}
+
+// Rolling one fork back into the block both share gives it a private copy: the sibling's KV
+// and table are untouched, and later writes go to the copy.
+TEST(Rollback, ForkRollingBackIntoASharedBlockCopiesIt) {
+  auto m = Make(Config(16), {Group(4)});
+  ASSERT_OK(Step(*m, 1, Iota(8), 8));
+  ASSERT_OK(m->Fork(1, 2));
+  const BlockId shared = m->GetSequence(1)->block_table()[1];
+  ASSERT_EQ(m->GetSequence(2)->block_table()[1], shared);
+  ASSERT_OK(m->Rollback(2, 2));  // 6 tokens: block 1 is partial now
+  const Sequence& child = *m->GetSequence(2);
+  EXPECT_EQ(child.cur_allocated_blocks(), 2);
+  EXPECT_NE(child.block_table()[1], shared);
+  EXPECT_EQ(m->pool().ref_count(shared), 1);
+  EXPECT_EQ(ReadKV(*m, 2), Iota(6));  // the copy holds the shared tokens
+  ASSERT_OK(Step(*m, 2, {50, 51}, 2));
+  EXPECT_EQ(ReadKV(*m, 1), Iota(8));
+  EXPECT_EQ(ReadKV(*m, 2), (std::vector<TokenId>{0, 1, 2, 3, 4, 5, 50, 51}));
+  // Rolling the parent back past the shared block drops only its reference.
+  const BlockId first = m->GetSequence(1)->block_table()[0];
+  ASSERT_OK(m->Rollback(1, 8));
+  EXPECT_EQ(m->pool().ref_count(first), 1);
+  EXPECT_EQ(ReadKV(*m, 2), (std::vector<TokenId>{0, 1, 2, 3, 4, 5, 50, 51}));
+  ASSERT_OK(m->CheckInvariants());
+}
+
+TEST(Rollback, ACopyWithoutAFreeBlockIsResourceExhaustedAndChangesNothing) {
+  auto m = Make(Config(2), {Group(4)});
+  ASSERT_OK(Step(*m, 1, Iota(8), 8));
+  ASSERT_OK(m->Fork(1, 2));
+  const Status s = m->Rollback(2, 1);
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted) << s;
+  EXPECT_EQ(m->GetSequence(2)->seen_tokens(), 8);
+  EXPECT_EQ(m->pool().ref_count(m->GetSequence(2)->block_table()[1]), 2);
+  ASSERT_OK(m->Rollback(2, 4));  // a block boundary needs no copy
+  EXPECT_EQ(m->GetSequence(2)->cur_allocated_blocks(), 1);
+  ASSERT_OK(m->CheckInvariants());
+}
+
+// A rolled-back published block stays cached (its tokens were right) and later hits; the
+// sequence's new tokens never reach it.
+TEST(Rollback, PublishedBlocksStayValidCacheEntries) {
+  auto m = Make(Config(16, /*prefix=*/true), {Group(4)});
+  const std::vector<TokenId> prompt = Iota(9);
+  ASSERT_TRUE(m->AddSequence(1, prompt).ok());
+  ASSERT_OK(Step(*m, 1, prompt, 9));  // publishes blocks 0 and 1
+  ASSERT_TRUE(m->pool().is_cached(m->GetSequence(1)->block_table()[1]));
+  ASSERT_FALSE(m->pool().is_cached(m->GetSequence(1)->block_table()[2]));
+  const BlockId published = m->GetSequence(1)->block_table()[1];
+  ASSERT_OK(m->Rollback(1, 3));  // 6 tokens: inside the published block 1
+  EXPECT_NE(m->GetSequence(1)->block_table()[1], published);
+  ASSERT_OK(m->AppendTokens(1, std::vector<TokenId>{60, 61, 62}));
+  ASSERT_OK(Step(*m, 1, {60, 61, 62}, 3));
+  EXPECT_EQ(ReadKV(*m, 1), (std::vector<TokenId>{0, 1, 2, 3, 4, 5, 60, 61, 62}));
+  // The original prompt still hits both blocks, whose KV is the prompt's.
+  ASSERT_TRUE(m->AddSequence(2, prompt).ok());
+  const SeqId uids[] = {2};
+  const int64_t lengths[] = {9};
+  ASSERT_OK(m->Schedule({.uids = uids, .lengths = lengths}));
+  EXPECT_EQ(m->GetSequence(2)->cached_prefix_tokens(), 8);
+  EXPECT_EQ(m->GetSequence(2)->block_table()[1], published);
+  // And the new branch's own block 1 ({4, 5, 60, 61}) was published under its own key.
+  std::vector<TokenId> branch = {0, 1, 2, 3, 4, 5, 60, 61, 62};
+  ASSERT_TRUE(m->AddSequence(3, branch).ok());
+  const SeqId third[] = {3};
+  ASSERT_OK(m->Schedule({.uids = third, .lengths = lengths}));
+  EXPECT_EQ(m->GetSequence(3)->cached_prefix_tokens(), 8);
+  EXPECT_EQ(m->GetSequence(3)->block_table()[1], m->GetSequence(1)->block_table()[1]);
+  ASSERT_OK(m->CheckInvariants());
+}
+
+// A sliding-window group whose leading blocks were released keeps a whole block before the new
+// end; rolling back further is a clear error.
+TEST(Rollback, SlidingWindowKeepsABlockBeforeTheNewEnd) {
+  auto m = Make(Config(16), {Group(4)});
+  ASSERT_OK(Step(*m, 1, Iota(12), 12));
+  ASSERT_OK(m->FreeLeadingBlocks(1, 1));
+  const Status s = m->Rollback(1, 5);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("at most 4 of its 12 tokens, asked for 5"), std::string::npos) << s;
+  EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 12);
+  EXPECT_EQ(m->GetSequence(1)->cur_allocated_blocks(), 3);
+  ASSERT_OK(m->Rollback(1, 3));
+  EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 9);
+  EXPECT_EQ(m->GetSequence(1)->released_blocks(), 1);
+  ASSERT_OK(m->CheckInvariants());
+  ASSERT_OK(Step(*m, 1, {90, 91, 92, 93}, 2));  // speculation after partial freeing
+  EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 11);
+  EXPECT_EQ(m->GetSequence(1)->cur_allocated_blocks(), 3);
+  ASSERT_OK(m->CheckInvariants());
+}
+
+TEST(Rollback, PreemptedSequenceIsRefusedUntilResumed) {
+  StateManagerConfig config = Config(16);
+  config.offload = true;
+  config.offload_config.host_blocks = 8;
+  auto m = Make(config, {Group(4)});
+  ASSERT_OK(Step(*m, 1, Iota(7), 7));
+  Result<OffloadTicket> out = m->PreemptSequence(1);
+  ASSERT_OK(out);
+  ASSERT_OK(out->Wait());
+  const Status s = m->Rollback(1, 2);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 7);
+  ASSERT_OK(m->CheckInvariants());
+  Result<OffloadTicket> in = m->ResumeSequence(1);
+  ASSERT_OK(in);
+  ASSERT_OK(m->Rollback(1, 4));  // waits for the resume
+  EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 3);
+  EXPECT_EQ(m->GetSequence(1)->cur_allocated_blocks(), 1);
+  EXPECT_EQ(ReadKV(*m, 1), Iota(3));
+  ASSERT_OK(m->CheckInvariants());
+}
+
+// Rejected drafts are never published: a block is published once all its tokens are kept.
+TEST(SpeculativePostForward, NeverPublishesABlockHoldingARejectedToken) {
+  auto m = Make(Config(16, /*prefix=*/true), {Group(4)});
+  auto batch = std::move(RaggedBatch::Create(*m)).value();
+  ASSERT_TRUE(m->AddSequence(1, Iota(2)).ok());
+  const SeqId uids[] = {1};
+  const int64_t two[] = {2};
+  ASSERT_OK(m->ScheduleBatch({.uids = uids, .lengths = two}, Iota(2), *batch));
+  ASSERT_OK(m->PostForward(*batch));
+  m->DrainCacheEvents();
+  // Positions 2..7: kept 2, 3; rejected 1002.. (which would fill blocks 0 and 1).
+  const std::vector<TokenId> step = {2, 3, 1002, 1003, 1004, 1005};
+  const int64_t six[] = {6};
+  ASSERT_OK(m->ScheduleBatch({.uids = uids, .lengths = six}, step, *batch));
+  const int64_t kept[] = {2};
+  ASSERT_OK(m->PostForward(*batch, kept));
+  EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 4);
+  CacheEventBatch events = m->DrainCacheEvents();
+  ASSERT_EQ(events.events.size(), 1u);  // block 0 = {0, 1, 2, 3}
+  EXPECT_EQ(std::get<BlockStored>(events.events[0]).tokens, Iota(4));
+  // The same with the drafts appended before scheduling (the AppendTokens flow): known tokens
+  // past the kept ones are forgotten.
+  ASSERT_OK(m->AppendTokens(1, std::vector<TokenId>{4, 1005, 1006, 1007}));
+  const int64_t four[] = {4};
+  ASSERT_OK(m->Schedule({.uids = uids, .lengths = four}));
+  const int64_t one[] = {1};
+  ASSERT_OK(m->PostForward(uids, one));
+  EXPECT_TRUE(m->DrainCacheEvents().events.empty());
+  ASSERT_OK(m->AppendTokens(1, std::vector<TokenId>{5, 6, 7}));
+  const int64_t three[] = {3};
+  ASSERT_OK(m->Schedule({.uids = uids, .lengths = three}));
+  ASSERT_OK(m->PostForward(uids));
+  events = m->DrainCacheEvents();
+  ASSERT_EQ(events.events.size(), 1u);  // block 1 = {4, 5, 6, 7}
+  EXPECT_EQ(std::get<BlockStored>(events.events[0]).tokens, Iota(4, 4));
+  ASSERT_OK(m->CheckInvariants());
+}
+
+// ---- model-based random test ------------------------------------------------------------------
+
+uint64_t Seed() {
+  const char* env = std::getenv("BLOCKKV_TEST_SEED");
+  return env != nullptr ? std::strtoull(env, nullptr, 0) : 0x5bec'd0c5ULL;
+}
+
+struct ModelSetup {
+  std::string name;
+  std::vector<KVCacheConfig> groups;
+  int32_t num_blocks;
+  bool prefix;
+};
+
+class RollbackModel {
+ public:
+  RollbackModel(const ModelSetup& setup, uint64_t seed)
+      : setup_(setup), rng_(seed), m_(Make(Config(setup.num_blocks, setup.prefix), setup.groups)) {
+    batch_ = std::move(RaggedBatch::Create(*m_)).value();
+  }
+
+  ::testing::AssertionResult Run(int steps) {
+    for (int step = 0; step < steps; ++step) {
+      const int op = Pick(0, 99);
+      std::string what;
+      if (op < 12) {
+        what = "add";
+        Add();
+      } else if (op < 62) {
+        what = "speculative step";
+        SpeculativeStep();
+      } else if (op < 80) {
+        what = "rollback";
+        RollbackOne();
+      } else if (op < 88) {
+        what = "fork";
+        ForkOne();
+      } else if (op < 96) {
+        what = "flush";
+        FlushOne();
+      } else {
+        what = "rollback in flight";
+        RollbackInFlight();
+      }
+      if (::testing::Test::HasFailure()) {
+        return ::testing::AssertionFailure() << "step " << step << " (" << what << ")";
+      }
+      if (auto ok = Agrees(); !ok) return ok << " after step " << step << " (" << what << ")";
+    }
+    return ::testing::AssertionSuccess();
+  }
+
+  int64_t hits() const { return hits_; }
+  int64_t rejected() const { return rejected_; }
+  int64_t rollbacks() const { return rollbacks_; }
+  int64_t copies() const { return copies_; }
+
+ private:
+  int Pick(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng_); }
+  TokenId Kept() { return static_cast<TokenId>(Pick(0, 3)); }
+  SeqId AnySequence() {
+    if (model_.empty()) return -1;
+    auto it = model_.begin();
+    std::advance(it, Pick(0, static_cast<int>(model_.size()) - 1));
+    return it->first;
+  }
+
+  void Add() {
+    if (model_.size() >= 12) return;
+    const SeqId uid = next_uid_++;
+    std::vector<TokenId> prompt;
+    if (const SeqId other = AnySequence(); other >= 0 && Pick(0, 1) == 0) {
+      const std::vector<TokenId>& theirs = model_[other];
+      prompt.assign(theirs.begin(), theirs.begin() + Pick(0, static_cast<int>(theirs.size())));
+    }
+    for (int n = Pick(1, 6); n > 0; --n) prompt.push_back(Kept());
+    ASSERT_OK(m_->AddSequence(uid, prompt));
+    const SeqId uids[] = {uid};
+    const int64_t lengths[] = {std::ssize(prompt)};
+    const Status s = m_->ScheduleBatch({.uids = uids, .lengths = lengths}, prompt, *batch_);
+    if (!s.ok()) {
+      ASSERT_EQ(s.code(), StatusCode::kResourceExhausted) << s;
+      ASSERT_OK(m_->FlushSequence(uid));
+      return;
+    }
+    const Sequence& seq = *m_->GetSequence(uid);
+    // A hit's blocks hold exactly the prompt's tokens: nothing rejected was ever cached.
+    if (seq.cached_prefix_tokens() > 0) {
+      ++hits_;
+      for (int g = 0; g < m_->num_groups(); ++g) {
+        const std::vector<TokenId> kv = ReadKV(*m_, uid, g);
+        ASSERT_EQ(kv, std::vector<TokenId>(prompt.begin(), prompt.begin() + std::ssize(kv)))
+            << "prefix hit of sequence " << uid << " group " << g;
+      }
+    }
+    WriteKV(*m_, uid,
+            std::span<const TokenId>(prompt).subspan(static_cast<size_t>(seq.seen_tokens())));
+    ASSERT_OK(m_->PostForward(*batch_));
+    model_[uid] = prompt;
+  }
+
+  // 1-3 sequences each run the verified token plus k drafts and keep a random number of them;
+  // rejected ones carry ids >= kRejectedBase.
+  void SpeculativeStep() {
+    std::set<SeqId> chosen;
+    for (int n = Pick(1, 3); n > 0; --n) {
+      if (const SeqId uid = AnySequence(); uid >= 0) chosen.insert(uid);
+    }
+    if (chosen.empty()) return;
+    const std::vector<SeqId> uids(chosen.begin(), chosen.end());
+    std::vector<int64_t> lengths;
+    std::vector<int64_t> accepted;
+    std::vector<TokenId> tokens;
+    for (size_t i = 0; i < uids.size(); ++i) {
+      const int k = Pick(0, 4);
+      const int keep = Pick(0, k + 1);
+      lengths.push_back(k + 1);
+      accepted.push_back(keep);
+      for (int t = 0; t <= k; ++t) {
+        tokens.push_back(t < keep ? Kept() : static_cast<TokenId>(kRejectedBase + Pick(0, 99)));
+      }
+    }
+    const ScheduleRequest request{.uids = uids, .lengths = lengths};
+    const bool through_batch = Pick(0, 1) == 0;
+    if (through_batch) {
+      const Status s = m_->ScheduleBatch(request, tokens, *batch_);
+      if (!s.ok()) {
+        ASSERT_EQ(s.code(), StatusCode::kResourceExhausted) << s;
+        return;
+      }
+    } else {
+      // The AppendTokens flow: the engine appends its drafts, then schedules them.
+      Result<SchedulingResult> fits = m_->CanSchedule(request);
+      ASSERT_OK(fits);
+      if (*fits != SchedulingResult::kSuccess) return;
+      size_t at = 0;
+      for (size_t i = 0; i < uids.size(); ++i) {
+        if (setup_.prefix) {
+          ASSERT_OK(m_->AppendTokens(uids[i], std::span<const TokenId>(tokens).subspan(
+                                                  at, static_cast<size_t>(lengths[i]))));
+        }
+        at += static_cast<size_t>(lengths[i]);
+      }
+      ASSERT_OK(m_->Schedule(request));
+    }
+    size_t at = 0;
+    for (size_t i = 0; i < uids.size(); ++i) {
+      const std::span<const TokenId> mine =
+          std::span<const TokenId>(tokens).subspan(at, static_cast<size_t>(lengths[i]));
+      WriteKV(*m_, uids[i], mine);
+      at += mine.size();
+    }
+    ASSERT_OK(through_batch ? m_->PostForward(*batch_, accepted) : m_->PostForward(uids, accepted));
+    at = 0;
+    for (size_t i = 0; i < uids.size(); ++i) {
+      std::vector<TokenId>& mine = model_[uids[i]];
+      mine.insert(
+          mine.end(), tokens.begin() + static_cast<std::ptrdiff_t>(at),
+          tokens.begin() + static_cast<std::ptrdiff_t>(at + static_cast<size_t>(accepted[i])));
+      rejected_ += lengths[i] - accepted[i];
+      at += static_cast<size_t>(lengths[i]);
+    }
+  }
+
+  void RollbackOne() {
+    const SeqId uid = AnySequence();
+    if (uid < 0) return;
+    std::vector<TokenId>& mine = model_[uid];
+    const int n = Pick(0, static_cast<int>(mine.size()) + 1);
+    const std::vector<int32_t> free_before = m_->free_blocks();
+    std::vector<BlockId> table_before;
+    for (int g = 0; g < m_->num_groups(); ++g) {
+      const std::span<const BlockId> t = m_->GetSequence(uid)->block_table(g);
+      table_before.insert(table_before.end(), t.begin(), t.end());
+    }
+    const Status s = m_->Rollback(uid, n);
+    if (n > std::ssize(mine)) {
+      ASSERT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+    } else if (s.code() == StatusCode::kResourceExhausted) {
+      // Only a private copy can fail, and only with no block to take.
+      ASSERT_TRUE(std::find(free_before.begin(), free_before.end(), 0) != free_before.end()) << s;
+    } else {
+      ASSERT_OK(s);
+      ++rollbacks_;
+      for (int g = 0; g < m_->num_groups(); ++g) {
+        const int32_t bs = m_->kv_block_size(g);
+        const int64_t end = std::ssize(mine) - n;
+        if (end % bs != 0 && m_->GetSequence(uid)->block_table(g)[end / bs] !=
+                                 table_before[static_cast<size_t>(end / bs)]) {
+          ++copies_;
+        }
+        table_before.erase(table_before.begin(),
+                           table_before.begin() + (std::ssize(mine) + bs - 1) / bs);
+      }
+      mine.resize(mine.size() - static_cast<size_t>(n));
+      return;
+    }
+    ASSERT_EQ(m_->free_blocks(), free_before);  // failed: nothing changed (Agrees checks more)
+  }
+
+  void ForkOne() {
+    const SeqId parent = AnySequence();
+    if (parent < 0 || model_.size() >= 12) return;
+    const SeqId child = next_uid_++;
+    const Status s = m_->Fork(parent, child);
+    if (!s.ok()) {
+      ASSERT_EQ(s.code(), StatusCode::kResourceExhausted) << s;
+      return;
+    }
+    model_[child] = model_[parent];
+  }
+
+  void FlushOne() {
+    const SeqId uid = AnySequence();
+    if (uid < 0) return;
+    ASSERT_OK(m_->FlushSequence(uid));
+    model_.erase(uid);
+  }
+
+  void RollbackInFlight() {
+    const SeqId uid = AnySequence();
+    if (uid < 0) return;
+    const SeqId uids[] = {uid};
+    const int64_t lengths[] = {1};
+    if (!m_->Schedule({.uids = uids, .lengths = lengths}).ok()) return;
+    ASSERT_CODE(m_->Rollback(uid, 0), StatusCode::kFailedPrecondition);
+    const int64_t none[] = {0};
+    ASSERT_OK(m_->PostForward(uids, none));
+  }
+
+  ::testing::AssertionResult Agrees() {
+    if (Status s = m_->CheckInvariants(); !s.ok()) {
+      return ::testing::AssertionFailure() << "CheckInvariants: " << s;
+    }
+    MODEL_CHECK(m_->n_tracked_sequences() == std::ssize(model_));
+    for (int g = 0; g < m_->num_groups(); ++g) {
+      const int32_t bs = m_->kv_block_size(g);
+      std::set<BlockId> held;
+      for (const auto& [uid, tokens] : model_) {
+        const Sequence* seq = m_->GetSequence(uid);
+        MODEL_CHECK(seq != nullptr) << "sequence " << uid;
+        MODEL_CHECK(seq->seen_tokens() == std::ssize(tokens))
+            << "sequence " << uid << ": " << seq->seen_tokens() << " vs " << tokens.size();
+        MODEL_CHECK(seq->in_flight_tokens() == 0) << "sequence " << uid;
+        MODEL_CHECK(seq->cur_allocated_blocks(g) == (std::ssize(tokens) + bs - 1) / bs)
+            << "sequence " << uid << " group " << g << " holds " << seq->cur_allocated_blocks(g);
+        MODEL_CHECK(ReadKV(*m_, uid, g) == tokens) << "KV of sequence " << uid << " group " << g;
+        held.insert(seq->block_table(g).begin(), seq->block_table(g).end());
+      }
+      MODEL_CHECK(m_->free_blocks()[static_cast<size_t>(g)] == setup_.num_blocks - std::ssize(held))
+          << "group " << g << ": " << m_->free_blocks()[static_cast<size_t>(g)] << " free, "
+          << held.size() << " held";
+    }
+    for (const CacheEvent& event : m_->DrainCacheEvents().events) {
+      if (const auto* stored = std::get_if<BlockStored>(&event)) {
+        for (const TokenId t : stored->tokens) {
+          MODEL_CHECK(t < kRejectedBase) << "published a block holding rejected token " << t;
+        }
+      }
+    }
+    return ::testing::AssertionSuccess();
+  }
+
+  ModelSetup setup_;
+  std::mt19937_64 rng_;
+  std::unique_ptr<StateManager> m_;
+  std::unique_ptr<RaggedBatch> batch_;
+  std::map<SeqId, std::vector<TokenId>> model_;
+  SeqId next_uid_ = 1;
+  int64_t hits_ = 0;
+  int64_t rejected_ = 0;
+  int64_t rollbacks_ = 0;
+  int64_t copies_ = 0;
+};
+
+TEST(RollbackModel, RandomSpeculationRollbackForksAndPrefixHitsMatchTheReference) {
+  const uint64_t seed = Seed();
+  std::cout << "BLOCKKV_TEST_SEED=" << seed << "\n";
+  const std::vector<ModelSetup> setups = {
+      {.name = "prefix, block 4", .groups = {Group(4)}, .num_blocks = 40, .prefix = true},
+      {.name = "prefix, groups of block 2 and 4",
+       .groups = {Group(2), Group(4)},
+       .num_blocks = 60,
+       .prefix = true},
+      {.name = "no prefix, block 1", .groups = {Group(1, 64)}, .num_blocks = 96, .prefix = false},
+  };
+  for (const ModelSetup& setup : setups) {
+    RollbackModel model(setup, seed);
+    EXPECT_TRUE(model.Run(3000)) << setup.name << ", seed " << seed;
+    // The run exercised what it is for.
+    EXPECT_GT(model.rejected(), 0) << setup.name;
+    EXPECT_GT(model.rollbacks(), 0) << setup.name;
+    if (setup.prefix) {
+      EXPECT_GT(model.hits(), 0) << setup.name;
+      EXPECT_GT(model.copies(), 0) << setup.name;
+    }
+    std::cout << setup.name << ": " << model.hits() << " prefix hits, " << model.rejected()
+              << " rejected tokens, " << model.rollbacks() << " rollbacks, " << model.copies()
+              << " private copies\n";
+  }
+}
+
+}  // namespace
+}  // namespace blockkv
