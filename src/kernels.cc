@@ -334,8 +334,8 @@ class HostArrays {
 
  private:
   bool on_device_;
-  int ordinal_;
-  CUstream_st* stream_;
+  [[maybe_unused]] int ordinal_;                // read only with CUDA
+  [[maybe_unused]] CUstream_st* stream_;        // read only with CUDA
   std::vector<std::vector<std::byte>> copies_;  // 8-byte aligned (operator new)
 };
 
