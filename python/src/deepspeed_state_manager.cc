@@ -8,7 +8,6 @@
 // ids cross as int32 NumPy arrays (a torch tensor's .numpy() view, no copy on the Python side).
 #include <cstdint>
 #include <memory>
-#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -118,13 +117,21 @@ void BindSequenceBase(py::module_& m) {
           "(ValueError otherwise; extend_kv_cache first)")
       .def(
           "post_forward",
-          [](const DSSequence& s) {
+          [](const DSSequence& s, py::handle accepted) {
+            const bool speculative = !accepted.is_none();
+            const int64_t kept = speculative ? ToInt<int64_t>(accepted, "accepted") : 0;
             ThrowIfError(WithSequence(s.handle, [&](StateManager& manager, const Sequence& seq) {
               const SeqId uid = seq.uid();
-              return manager.PostForward(std::span<const SeqId>(&uid, 1));
+              return manager.PostForward(
+                  std::span<const SeqId>(&uid, 1),
+                  speculative ? std::span<const int64_t>(&kept, 1) : std::span<const int64_t>());
             }));
           },
-          "seen_tokens += in_flight_tokens; in_flight_tokens = 0");
+          py::arg("accepted") = py::none(),
+          "seen_tokens += in_flight_tokens; in_flight_tokens = 0. Speculative decoding (not in "
+          "DeepSpeed): with `accepted`, only the first `accepted` in-flight tokens are kept and "
+          "the blocks past ceil(seen_tokens / block_size) go back (ValueError outside "
+          "[0, in_flight_tokens])");
 }
 
 }  // namespace

@@ -366,21 +366,56 @@ void BindManager(py::module_& m) {
           "finalized: finalize() retries the copy.")
       .def(
           "post_forward",
-          [](const Manager& self, py::handle uids) {
+          [](const Manager& self, py::handle uids, py::handle accepted) {
+            std::vector<int64_t> kept;
+            if (!accepted.is_none()) kept = ToInt64Vector(accepted, "accepted");
             if (py::isinstance<BatchWrapper>(uids)) {
               const auto& batch = uids.cast<const BatchWrapper&>();
-              ThrowIfError(Locked(self->lock, batch.lock,
-                                  [&] { return self->manager->PostForward(*batch.batch); }));
+              ThrowIfError(Locked(self->lock, batch.lock, [&] {
+                const int32_t n = batch.batch->current_sequences();
+                if (!accepted.is_none() && std::ssize(kept) != n) {  // [] is not "keep all"
+                  return InvalidArgumentError("post_forward: " + std::to_string(kept.size()) +
+                                              " accepted counts for " + std::to_string(n) +
+                                              " sequences");
+                }
+                return self->manager->PostForward(*batch.batch, kept);
+              }));
               return;
             }
             const std::vector<SeqId> u = ToInt64Vector(uids, "uids");
-            ThrowIfError(Locked(self->lock, [&] { return self->manager->PostForward(u); }));
+            if (!accepted.is_none() && kept.size() != u.size()) {
+              // An empty list for no uids is fine; an empty one for some uids is a mismatch, not
+              // "keep all" (which is None).
+              throw py::value_error("post_forward: " + std::to_string(kept.size()) +
+                                    " accepted counts for " + std::to_string(u.size()) +
+                                    " sequences");
+            }
+            ThrowIfError(Locked(self->lock, [&] { return self->manager->PostForward(u, kept); }));
           },
-          py::arg("uids"),
+          py::arg("uids"), py::arg("accepted") = py::none(),
           "seen_tokens += in_flight_tokens for each uid; or for every sequence of a "
           "RaggedBatchWrapper, which with prefix caching also records the tokens the batch gave "
-          "each sequence (so a decode step needs no append_tokens). All or nothing: ValueError "
-          "for an unknown uid, or a batch of another manager or whose sequences changed since.")
+          "each sequence (so a decode step needs no append_tokens). Speculative decoding: "
+          "`accepted[i]` (a list, a NumPy array, a torch tensor; None keeps all) is how many of "
+          "uid i's (or the batch's i-th sequence's) in-flight tokens are kept; a sequence that "
+          "rejects some gives back its blocks past ceil(seen_tokens / block_size) and forgets "
+          "its known tokens past seen_tokens, and only blocks whose every token is kept are ever "
+          "published. All or nothing: ValueError for an unknown or repeated uid, a count outside "
+          "[0, in_flight_tokens] or a count per uid missing, or a batch of another manager or "
+          "whose sequences changed since.")
+      .def(
+          "rollback",
+          [](const Manager& self, UidArg uid, Int<int64_t, "n"> n) {
+            // With offload on it may wait for a resume copy.
+            ThrowIfError(LockedMayWait(*self, [&] { return self->manager->Rollback(uid, n); }));
+          },
+          py::arg("uid"), py::arg("n"),
+          "Takes back the last `n` committed tokens of `uid` (seen_tokens -= n): blocks past the "
+          "new end go back, and a block it shares (a fork, a prefix hit) or published is copied "
+          "before it is written again. ValueError (n < 0 or n > seen_tokens, naming both; an "
+          "unknown uid; tokens in flight: reject them with post_forward's accepted; a preempted "
+          "sequence; a sliding-window group that would keep no whole block), "
+          "ResourceExhaustedError (no block for the copy); nothing changes on failure.")
       .def(
           "fork",
           [](const Manager& self, Int<SeqId, "parent_uid"> parent_uid,

@@ -65,7 +65,8 @@ class DSSequenceDescriptor(_blockkv._DSSequenceBase, BaseSequenceDescriptor):
     ``cur_allocated_blocks`` (cache group 0), ``kv_blocks_ptr`` (host address of the sequence's
     row of the manager's block table, group 0), ``max_context`` (enforced), ``pre_forward(n)``
     (in_flight_tokens = n, checked against the sequence's blocks and max_context: ValueError),
-    ``post_forward()``. A descriptor of a flushed sequence raises ValueError when read.
+    ``post_forward(accepted=None)`` (with ``accepted``, speculative decoding: only that many
+    in-flight tokens are kept). A descriptor of a flushed sequence raises ValueError when read.
     """
 
     def __init__(self, *args, **kwargs) -> None:

@@ -1,0 +1,163 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Speculative decoding from Python: post_forward(uids, accepted=...) and rollback(uid, n), their
+errors (ValueError naming the value and the limit, nothing changed), forks, the prefix cache and
+the blockkv.deepspeed descriptor."""
+
+import blockkv
+import numpy as np
+import pytest
+import torch
+from blockkv.deepspeed import DSStateManager, DSStateManagerConfig, KVCacheConfig, MemoryConfig
+from conftest import allocate, kv_config, make_manager
+
+
+def step(manager, uid, tokens, accepted=None):
+    manager.schedule([uid], [tokens])
+    manager.post_forward([uid], None if accepted is None else [accepted])
+
+
+def test_accepting_j_of_k_tokens_keeps_j_and_frees_blocks_past_the_end():
+    m = make_manager(num_blocks=16, block_size=4, max_blocks=8)
+    step(m, 1, 3)
+    m.schedule([1], [7])  # the verified token + 6 drafts: positions 3..9, 3 blocks
+    seq = m.get_sequence(1)
+    assert seq.cur_allocated_blocks == 3 and m.free_blocks == [13]
+    m.post_forward([1], accepted=[2])
+    assert (seq.seen_tokens, seq.in_flight_tokens, seq.cur_allocated_blocks) == (5, 0, 2)
+    assert m.free_blocks == [14]
+    assert seq.kv_cache_ids()[0, 2] == -1
+    m.check_invariants()
+
+
+def test_accepted_none_keeps_all_and_accepts_numpy_and_torch():
+    m = make_manager(num_blocks=16, block_size=4)
+    m.schedule([1, 2], [5, 5])
+    m.post_forward([1, 2], accepted=None)
+    assert [m.get_sequence(u).seen_tokens for u in (1, 2)] == [5, 5]
+    m.schedule([1, 2], [5, 5])
+    m.post_forward(np.array([1, 2]), accepted=np.array([1, 5], dtype=np.int64))
+    m.schedule([1, 2], [5, 5])
+    m.post_forward([1, 2], accepted=torch.tensor([0, 2], dtype=torch.int32))
+    assert [m.get_sequence(u).seen_tokens for u in (1, 2)] == [6, 12]
+    m.check_invariants()
+
+
+def test_one_token_step_and_one_kv_head():
+    kv = kv_config(block_size=1, heads=1, head_size=64, max_blocks_per_allocation_group=32)
+    m = blockkv.StateManager(blockkv.StateManagerConfig(memory_config=allocate(32)), (kv,),
+                             device="cpu")
+    step(m, 1, 1, accepted=1)
+    step(m, 1, 1, accepted=0)  # T = 1, rejected: nothing kept
+    seq = m.get_sequence(1)
+    assert (seq.seen_tokens, seq.cur_allocated_blocks) == (1, 1)
+    step(m, 1, 4, accepted=3)
+    assert (seq.seen_tokens, seq.cur_allocated_blocks) == (4, 4)
+    m.rollback(1, 1)
+    assert (seq.seen_tokens, seq.cur_allocated_blocks) == (3, 3)
+    m.check_invariants()
+
+
+def test_bad_accepted_counts_raise_value_error_and_change_nothing():
+    m = make_manager(num_blocks=16, block_size=4)
+    m.schedule([1, 2], [5, 1])
+    free = m.free_blocks
+    for accepted, words in (([6, 1], ["6", "[0, 5]"]), ([1, -1], ["-1", "[0, 1]"]),
+                            ([1], ["1 accepted counts for 2 sequences"]),
+                            ([], ["0 accepted counts for 2 sequences"])):
+        with pytest.raises(ValueError) as e:
+            m.post_forward([1, 2], accepted=accepted)
+        for w in words:
+            assert w in str(e.value)
+        assert [m.get_sequence(u).in_flight_tokens for u in (1, 2)] == [5, 1]
+        assert [m.get_sequence(u).seen_tokens for u in (1, 2)] == [0, 0]
+        assert m.free_blocks == free
+    with pytest.raises(ValueError, match="twice"):
+        m.schedule([1], [5])
+        m.post_forward([1, 1], accepted=[1, 1])
+    with pytest.raises(ValueError):
+        m.post_forward([1, 9], accepted=[1, 1])  # unknown uid
+    m.check_invariants()
+
+
+def test_rollback_of_committed_tokens_and_its_errors():
+    m = make_manager(num_blocks=16, block_size=4)
+    step(m, 1, 10)
+    seq = m.get_sequence(1)
+    with pytest.raises(ValueError) as e:
+        m.rollback(1, 11)
+    assert "11" in str(e.value) and "10" in str(e.value)
+    with pytest.raises(ValueError, match="-1"):
+        m.rollback(1, -1)
+    with pytest.raises(ValueError):
+        m.rollback(7, 1)  # unknown uid
+    assert (seq.seen_tokens, seq.cur_allocated_blocks) == (10, 3)
+    m.schedule([1], [2])
+    with pytest.raises(ValueError, match="2 tokens in flight"):
+        m.rollback(1, 1)
+    assert (seq.seen_tokens, seq.in_flight_tokens) == (10, 2)
+    m.post_forward([1], accepted=[0])
+    m.rollback(1, 6)
+    assert (seq.seen_tokens, seq.cur_allocated_blocks) == (4, 1)
+    assert m.free_blocks == [15]
+    m.check_invariants()
+
+
+def test_rolling_back_a_fork_copies_the_shared_block():
+    m = make_manager(num_blocks=16, block_size=4)
+    step(m, 1, 8)
+    m.fork(1, 2)
+    parent, child = m.get_sequence(1), m.get_sequence(2)
+    assert child.block_table().tolist() == parent.block_table().tolist()
+    m.rollback(2, 1)
+    assert child.block_table()[0] == parent.block_table()[0]
+    assert child.block_table()[1] != parent.block_table()[1]
+    assert parent.seen_tokens == 8 and child.seen_tokens == 7
+    m.check_invariants()
+
+
+def test_rollback_without_a_block_for_the_copy_is_resource_exhausted():
+    m = make_manager(num_blocks=2, block_size=4)
+    step(m, 1, 8)
+    m.fork(1, 2)
+    with pytest.raises(blockkv.ResourceExhaustedError):
+        m.rollback(2, 1)
+    assert m.get_sequence(2).seen_tokens == 8
+    m.check_invariants()
+
+
+def test_rejected_drafts_are_never_published():
+    prefix = blockkv.PrefixCacheConfig()
+    prefix.enabled = True
+    m = make_manager(num_blocks=16, block_size=4, prefix_cache=prefix)
+    batch = blockkv.RaggedBatchWrapper(m)
+    seq = m.add_sequence(1, [0, 1])
+    m.schedule_batch([1], [2], [0, 1], batch)
+    m.post_forward(batch)
+    m.schedule_batch([1], [6], [2, 3, 1002, 1003, 1004, 1005], batch)
+    m.post_forward(batch, accepted=[2])
+    assert seq.seen_tokens == 4
+    events = m.drain_cache_events().events
+    assert len(events) == 1 and events[0].tokens == [0, 1, 2, 3]
+    m.schedule_batch([1], [1], [4], batch)
+    with pytest.raises(ValueError, match="0 accepted counts for 1 sequences"):
+        m.post_forward(batch, accepted=[])
+    m.post_forward(batch, accepted=[1])
+    m.check_invariants()
+
+
+def test_deepspeed_descriptor_post_forward_takes_accepted():
+    kv = KVCacheConfig(block_size=4, cache_shape=(2, 2, 8), max_blocks_per_allocation_group=4)
+    config = DSStateManagerConfig(memory_config=MemoryConfig(mode="allocate", size=16))
+    manager = DSStateManager(config, (kv,), device="cpu")
+    seq = manager.get_or_create_sequence(1)
+    seq.extend_kv_cache(manager.allocate_blocks(2))
+    seq.pre_forward(5)  # the verified token + 4 drafts
+    with pytest.raises(ValueError):
+        seq.post_forward(accepted=6)
+    assert seq.in_flight_tokens == 5
+    seq.post_forward(accepted=2)
+    assert (seq.seen_tokens, seq.cur_allocated_blocks) == (2, 1)
+    assert manager.free_blocks.tolist() == [15]
+    seq.pre_forward(1)
+    seq.post_forward()  # DeepSpeed's call: keeps all
+    assert seq.seen_tokens == 3
