@@ -208,6 +208,11 @@ struct DemoOptions {
   EngineOptions engine{
       .block_size = 16, .num_blocks = 0, .token_budget = 128, .max_seqs = 16, .host_blocks = -1};
   bool check = true;  // compare with the dense-cache run
+  // Speculative decoding after the paged run: drafts of `draft_tokens` tokens from the model's
+  // first `draft_layers` layers (0: half, at least 1), verified by the full model; the tokens
+  // must equal the paged run's greedy ones. draft_tokens 0: skipped.
+  int32_t draft_tokens = 4;
+  int32_t draft_layers = 0;
 };
 // Bounds on what `demo` may be asked to hold (main.cc checks the flags against them; Demo checks
 // what depends on the model).
@@ -230,6 +235,22 @@ struct DemoReport {
   double min_margin = 0;                      // smallest top-1 − top-2 logit gap of the paged run
   std::string mismatch;                       // the first difference, when not identical
   std::vector<std::vector<int32_t>> outputs;  // per request, the paged run's tokens
+  // Speculative decoding (draft_tokens > 0): StateManager::PostForward with accepted counts on
+  // the full model's cache, Rollback on the draft's.
+  struct Speculative {
+    bool ran = false;
+    int32_t draft_layers = 0;
+    int32_t draft_tokens = 0;  // k
+    int64_t drafted = 0;       // draft tokens the full model verified
+    int64_t accepted = 0;      // of them kept
+    int64_t target_forwards = 0;
+    int64_t generated = 0;  // tokens it produced (equal to the greedy run's, or it fails)
+    int64_t rollbacks = 0;  // Rollback calls on the draft's cache
+    double seconds = 0;
+    double acceptance() const {
+      return drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0;
+    }
+  } speculative;
 };
 Result<DemoReport> Demo(const DemoOptions& options);
 std::string FormatDemo(const DemoReport& report, const DemoOptions& options, bool json);

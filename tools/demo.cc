@@ -3,7 +3,9 @@
 // through the library's real path — StateManager (prefix cache on, a cache small enough that
 // requests are preempted), RaggedBatch, AppendKV and PagedAttention on an fp32 cache — and the
 // greedy tokens are checked against the same model run one request at a time over a plain
-// dense cache.
+// dense cache. Then speculative decoding with rollback: drafts from the model's first layers,
+// verified by the whole model (StateManager::PostForward with accepted counts, Rollback on the
+// draft's cache), must give exactly the greedy tokens.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -181,6 +183,160 @@ Status CheckDemoSizes(const DemoOptions& options, const ModelConfig& config) {
   return Status::Ok();
 }
 
+// ---- speculative decoding --------------------------------------------------------------------
+
+// One sequence's side of speculative decoding: a state manager over a model's fp32 cache, and a
+// forward of some tokens that keeps the logits of chosen rows.
+class Decoder {
+ public:
+  static Result<Decoder> Create(const Model& model, int32_t block_size, int64_t max_tokens) {
+    const ModelConfig& c = model.config();
+    const auto blocks = static_cast<int32_t>((max_tokens + block_size - 1) / block_size);
+    StateManagerConfig config;
+    config.max_tracked_sequences = 1;
+    config.max_ragged_sequence_count = 1;
+    config.max_ragged_batch_size = static_cast<int32_t>(std::min<int64_t>(max_tokens, 1 << 20));
+    config.max_context = max_tokens;
+    config.memory_config = {.mode = AllocationMode::kAllocate, .size = blocks};
+    BLOCKKV_ASSIGN_OR_RETURN(
+        std::unique_ptr<StateManager> manager,
+        StateManager::Create(
+            config,
+            {KVCacheConfig{.block_size = block_size,
+                           .cache_shape = {c.n_layers, c.n_kv_heads, c.head_size()},
+                           .cache_dtype = DType::kFloat32,
+                           .max_blocks_per_allocation_group = blocks}},
+            CpuDevice()));
+    BLOCKKV_ASSIGN_OR_RETURN(std::unique_ptr<RaggedBatch> batch, RaggedBatch::Create(*manager));
+    return Decoder(model, std::move(manager), std::move(batch));
+  }
+
+  // Runs `tokens` as the sequence's next ones; the argmax of each of the last `sampled` rows into
+  // `next`. The forward stays in flight until Keep.
+  Status Forward(std::span<const TokenId> tokens, int64_t sampled, std::vector<TokenId>* next) {
+    const int64_t lengths[] = {std::ssize(tokens)};
+    BLOCKKV_RETURN_IF_ERROR(
+        manager_->ScheduleBatch({.uids = kUids, .lengths = lengths}, tokens, *batch_));
+    rows_.clear();
+    for (int64_t r = std::ssize(tokens) - sampled; r < std::ssize(tokens); ++r) rows_.push_back(r);
+    const int32_t vocab = model_->config().vocab_size;
+    logits_.resize(rows_.size() * static_cast<size_t>(vocab));
+    PagedAttentionBackend paged(*manager_, *batch_, model_->config());
+    BLOCKKV_RETURN_IF_ERROR(model_->Forward(tokens, paged, rows_, logits_));
+    next->clear();
+    for (size_t r = 0; r < rows_.size(); ++r) {
+      next->push_back(ArgMax(std::span<const float>(logits_).subspan(r * vocab, vocab)));
+    }
+    return Status::Ok();
+  }
+  // PostForward keeping the first `accepted` tokens of the forward in flight.
+  Status Keep(int64_t accepted) {
+    const int64_t kept[] = {accepted};
+    return manager_->PostForward(*batch_, kept);
+  }
+  Status Rollback(int64_t n) { return manager_->Rollback(kUids[0], n); }
+  Status Reset() {
+    BLOCKKV_RETURN_IF_ERROR(manager_->CheckInvariants());
+    return manager_->FlushSequence(kUids[0]);
+  }
+
+ private:
+  static constexpr SeqId kUids[] = {0};
+  Decoder(const Model& model, std::unique_ptr<StateManager> manager,
+          std::unique_ptr<RaggedBatch> batch)
+      : model_(&model), manager_(std::move(manager)), batch_(std::move(batch)) {}
+  const Model* model_;
+  std::unique_ptr<StateManager> manager_;
+  std::unique_ptr<RaggedBatch> batch_;
+  std::vector<int64_t> rows_;
+  std::vector<float> logits_;
+};
+
+// Greedy speculative decoding of every request, one at a time: the draft model proposes k tokens
+// one forward each, the full model verifies the last token and the k drafts in one forward of
+// k + 1 tokens, keeps the 1 + a that agree with its own greedy choices (PostForward with an
+// accepted count) and adds its own next token; the draft's cache rolls back the drafts that were
+// rejected (Rollback). The tokens must be the greedy run's.
+Status RunSpeculative(const Model& model, const std::vector<EngineRequest>& requests,
+                      const DemoOptions& options, DemoReport& report) {
+  DemoReport::Speculative& spec = report.speculative;
+  spec.ran = true;
+  spec.draft_tokens = options.draft_tokens;
+  spec.draft_layers =
+      options.draft_layers > 0 ? options.draft_layers : std::max(1, model.config().n_layers / 2);
+  BLOCKKV_ASSIGN_OR_RETURN(const Model draft, model.FirstLayers(spec.draft_layers));
+  const int64_t k = options.draft_tokens;
+  const int64_t context = model.config().seq_len;
+  const int32_t bs = options.engine.block_size;
+  BLOCKKV_ASSIGN_OR_RETURN(Decoder target, Decoder::Create(model, bs, context));
+  BLOCKKV_ASSIGN_OR_RETURN(Decoder drafter, Decoder::Create(draft, bs, context));
+  const Clock::time_point start = Clock::now();
+  std::vector<TokenId> next, drafts, verify, pending;
+  for (size_t r = 0; r < requests.size(); ++r) {
+    const EngineRequest& request = requests[r];
+    std::vector<TokenId> out;
+    BLOCKKV_RETURN_IF_ERROR(target.Forward(request.prompt, 1, &next));
+    BLOCKKV_RETURN_IF_ERROR(target.Keep(std::ssize(request.prompt)));
+    ++spec.target_forwards;
+    out.push_back(next[0]);
+    BLOCKKV_RETURN_IF_ERROR(drafter.Forward(request.prompt, 0, &next));
+    BLOCKKV_RETURN_IF_ERROR(drafter.Keep(std::ssize(request.prompt)));
+    pending.assign(1, out.back());  // committed tokens the draft has not run
+    while (std::ssize(out) < request.output_len) {
+      // The step yields up to n + 1 tokens: never past the output (nor the context the demo
+      // checked for it). n = 0 is a plain decode step.
+      const int64_t n = std::min<int64_t>(k, request.output_len - std::ssize(out) - 1);
+      drafts.clear();
+      std::span<const TokenId> feed = pending;
+      for (int64_t d = 0; d < n; ++d) {
+        BLOCKKV_RETURN_IF_ERROR(drafter.Forward(feed, 1, &next));
+        BLOCKKV_RETURN_IF_ERROR(drafter.Keep(std::ssize(feed)));
+        drafts.push_back(next[0]);
+        feed = std::span<const TokenId>(drafts).last(1);
+      }
+      // The draft ran pending + drafts[0, n - 1): the last draft's KV is not needed yet.
+      verify.assign(1, out.back());
+      verify.insert(verify.end(), drafts.begin(), drafts.end());
+      BLOCKKV_RETURN_IF_ERROR(target.Forward(verify, std::ssize(verify), &next));
+      int64_t a = 0;
+      while (a < n && next[static_cast<size_t>(a)] == drafts[static_cast<size_t>(a)]) ++a;
+      BLOCKKV_RETURN_IF_ERROR(target.Keep(1 + a));  // the verified token and a drafts
+      ++spec.target_forwards;
+      spec.drafted += n;
+      spec.accepted += a;
+      out.insert(out.end(), drafts.begin(), drafts.begin() + a);
+      out.push_back(next[static_cast<size_t>(a)]);  // the full model's own next token
+      if (n == 0) {
+        pending.push_back(out.back());  // the draft ran nothing this step
+      } else if (a < n) {
+        // Drafts a .. n - 2 ran on the draft's cache and were rejected.
+        if (n - 1 - a > 0) {
+          BLOCKKV_RETURN_IF_ERROR(drafter.Rollback(n - 1 - a));
+          ++spec.rollbacks;
+        }
+        pending.assign(1, out.back());
+      } else {
+        pending.assign({drafts.back(), out.back()});
+      }
+    }
+    spec.generated += std::ssize(out);
+    BLOCKKV_RETURN_IF_ERROR(target.Reset());
+    BLOCKKV_RETURN_IF_ERROR(drafter.Reset());
+    const std::vector<int32_t>& greedy = report.outputs[r];
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (i >= greedy.size() || out[i] != greedy[i]) {
+        return InternalError(
+            "speculative decoding's tokens differ from greedy decoding's: request " +
+            std::to_string(r) + ", token " + std::to_string(i) + ": speculative " +
+            std::to_string(out[i]) + ", greedy " +
+            (i < greedy.size() ? std::to_string(greedy[i]) : std::string("none")));
+      }
+    }
+  }
+  spec.seconds = Seconds(start);
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<DemoReport> Demo(const DemoOptions& options) {
@@ -189,6 +345,11 @@ Result<DemoReport> Demo(const DemoOptions& options) {
     return InvalidArgumentError(
         "requests, prompt groups, system length, output length and "
         "block size must be > 0");
+  }
+  if (options.draft_tokens < 0 || options.draft_layers < 0) {
+    return InvalidArgumentError("draft tokens (" + std::to_string(options.draft_tokens) +
+                                ") and draft layers (" + std::to_string(options.draft_layers) +
+                                ") must be >= 0");
   }
   DemoReport report;
   Result<Model> loaded = options.model_path.empty()
@@ -234,6 +395,9 @@ Result<DemoReport> Demo(const DemoOptions& options) {
   BLOCKKV_RETURN_IF_ERROR(engine->manager().CheckInvariants());
 
   report.min_margin = runner.min_margin();
+  if (options.draft_tokens > 0) {
+    BLOCKKV_RETURN_IF_ERROR(RunSpeculative(model, requests, options, report));
+  }
   if (!options.check) return report;
 
   report.checked = true;
@@ -306,6 +470,17 @@ std::string FormatDemo(const DemoReport& r, const DemoOptions& options, bool jso
       w.Key("max_logit_diff").Double(r.max_logit_diff);
     }
     w.Key("min_margin").Double(r.min_margin);
+    if (r.speculative.ran) {
+      const DemoReport::Speculative& sp = r.speculative;
+      w.Key("speculative").BeginObject();
+      w.Key("draft_layers").Int(sp.draft_layers).Key("draft_tokens").Int(sp.draft_tokens);
+      w.Key("drafted").Int(sp.drafted).Key("accepted").Int(sp.accepted);
+      w.Key("acceptance_rate").Double(sp.acceptance());
+      w.Key("target_forwards").Int(sp.target_forwards).Key("generated").Int(sp.generated);
+      w.Key("draft_rollbacks").Int(sp.rollbacks).Key("seconds").Double(sp.seconds);
+      w.Key("identical_to_greedy").Bool(true);
+      w.EndObject();
+    }
     if (!r.mismatch.empty()) w.Key("mismatch").String(r.mismatch);
     w.EndObject();
     return w.str();
@@ -343,6 +518,16 @@ std::string FormatDemo(const DemoReport& r, const DemoOptions& options, bool jso
         verdict.c_str(), static_cast<long long>(r.generated), r.max_logit_diff, r.min_margin);
   } else {
     add("check         %s\n", verdict.c_str());
+  }
+  if (r.speculative.ran) {
+    const DemoReport::Speculative& sp = r.speculative;
+    add("speculative   k=%d drafts from the first %d layers: %.1f%% of %lld accepted, %.2f "
+        "tokens per full-model forward, %lld draft rollbacks; identical to greedy (%lld tokens)\n",
+        sp.draft_tokens, sp.draft_layers, 100 * sp.acceptance(), static_cast<long long>(sp.drafted),
+        sp.target_forwards > 0
+            ? static_cast<double>(sp.generated) / static_cast<double>(sp.target_forwards)
+            : 0.0,
+        static_cast<long long>(sp.rollbacks), static_cast<long long>(sp.generated));
   }
   if (!r.outputs.empty()) {
     text += "request 0     ";

@@ -222,6 +222,18 @@ Result<Model> Model::Random(const ModelConfig& config, uint64_t seed) {
   return model;
 }
 
+Result<Model> Model::FirstLayers(int32_t n_layers) const {
+  if (n_layers < 1 || n_layers > config_.n_layers) {
+    return InvalidArgumentError("a draft of " + std::to_string(n_layers) +
+                                " layers: the model has " + std::to_string(config_.n_layers) +
+                                " (1 <= layers <= " + std::to_string(config_.n_layers) + ")");
+  }
+  Model draft = *this;
+  draft.config_.n_layers = n_layers;
+  draft.layers_.resize(static_cast<size_t>(n_layers));
+  return draft;
+}
+
 std::string Model::Describe() const {
   const ModelConfig& c = config_;
   return std::to_string(c.n_layers) + " layers, dim " + std::to_string(c.dim) + ", " +

@@ -106,6 +106,11 @@ class Model {
   // Writes the llama2.c format (wq, wk rows permuted back to interleaved pairs); for tests.
   Status SaveLlama2c(const std::string& path) const;
 
+  // A cheaper copy for speculative decoding's drafts: the first `n_layers` layers, then the same
+  // final norm and classifier (an early exit). kInvalidArgument unless 1 <= n_layers <= the
+  // model's layers.
+  Result<Model> FirstLayers(int32_t n_layers) const;
+
   const ModelConfig& config() const { return config_; }
   std::string Describe() const;  // "4 layers, dim 128, 2 heads / 1 KV head x 64, ..."
 

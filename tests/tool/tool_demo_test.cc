@@ -39,6 +39,52 @@ TEST(Demo, PagedRunEqualsDenseThroughTheHostTier) {
   EXPECT_EQ(r->outputs.size(), 5u);
 }
 
+// Speculative decoding with rollback (issue 21): drafts from the model's first layer, verified
+// by all four, give exactly the paged run's greedy tokens; the demo fails otherwise.
+TEST(Demo, SpeculativeDecodingEqualsGreedyWithRollbacks) {
+  DemoOptions options = Tiny();
+  options.draft_layers = 1;
+  Result<DemoReport> r = Demo(options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const DemoReport::Speculative& spec = r->speculative;
+  EXPECT_TRUE(spec.ran);
+  EXPECT_EQ(spec.generated, 5 * 8);
+  EXPECT_EQ(spec.draft_layers, 1);
+  EXPECT_EQ(spec.draft_tokens, 4);
+  EXPECT_GT(spec.drafted, 0);
+  EXPECT_LE(spec.accepted, spec.drafted);
+  EXPECT_GT(spec.rollbacks, 0);  // a one-layer draft is wrong often
+  // Every full-model forward yields one token of its own, plus the drafts it accepted.
+  EXPECT_EQ(spec.generated, spec.target_forwards + spec.accepted);
+  const std::string text = FormatDemo(*r, options, false);
+  EXPECT_NE(text.find("identical to greedy (40 tokens)"), std::string::npos) << text;
+  const std::string json = FormatDemo(*r, options, true);
+  EXPECT_NE(json.find("\"acceptance_rate\""), std::string::npos) << json;
+}
+
+// The whole model as its own draft: every draft is accepted, nothing is rolled back, and each
+// full-model forward yields k + 1 tokens.
+TEST(Demo, SpeculativeDecodingWithTheModelAsItsOwnDraftAcceptsEverything) {
+  DemoOptions options = Tiny();
+  options.draft_layers = 4;
+  options.check = false;
+  Result<DemoReport> r = Demo(options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->speculative.accepted, r->speculative.drafted);
+  EXPECT_EQ(r->speculative.rollbacks, 0);
+  // Per request: the prefill's token, then 7 more in forwards of up to 5 (5, then 2).
+  EXPECT_EQ(r->speculative.target_forwards, 5 * 3);
+}
+
+TEST(Demo, SpeculativeDecodingRejectsADraftDeeperThanTheModel) {
+  DemoOptions options = Tiny();
+  options.draft_layers = 5;
+  Result<DemoReport> r = Demo(options);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
+  EXPECT_NE(r.status().message().find("a draft of 5 layers: the model has 4"), std::string::npos)
+      << r.status();
+}
+
 TEST(Demo, PagedRunEqualsDenseWhenPreemptionRecomputes) {
   DemoOptions options = Tiny();
   options.engine.host_blocks = 0;
