@@ -14,6 +14,9 @@
 //
 // Every 64 steps the sequences are flushed and prefilled again with the timer paused, so the
 // pool never runs out and the state stays the same from one run to the next.
+//
+// speculative_step/blockkv_k4: the fused step with 4 drafts per sequence and random accept
+// counts (PostForward(batch, accepted)), reported per committed token.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -51,8 +54,14 @@ std::vector<int64_t> Prompts(int n) {
   return prompts;
 }
 
-int32_t PoolBlocks(int n) {
-  return static_cast<int32_t>(int64_t{n} * ((kMaxPrompt + kStepsPerRound) / kBlockSize + 2));
+// Blocks a sequence may hold: its prompt and a round of steps of `step_tokens` tokens each.
+int32_t MaxBlocks(int step_tokens = 1) {
+  return static_cast<int32_t>((kMaxPrompt + int64_t{kStepsPerRound} * step_tokens) / kBlockSize +
+                              2);
+}
+
+int32_t PoolBlocks(int n, int step_tokens = 1) {
+  return static_cast<int32_t>(int64_t{n} * MaxBlocks(step_tokens));
 }
 
 // ---- blockkv ----------------------------------------------------------------------------------
@@ -69,19 +78,20 @@ struct Engine {
   bool prefix_cache = false;
   std::vector<std::vector<blockkv::TokenId>> prompt_tokens;
 
-  explicit Engine(int n, bool with_prefix_cache = false)
+  // step_tokens: the most tokens a sequence adds per step (sizes its table and the pool).
+  explicit Engine(int n, bool with_prefix_cache = false, int step_tokens = 1)
       : prompts(Prompts(n)), prefix_cache(with_prefix_cache) {
     blockkv::SetLogLevel(blockkv::LogLevel::kWarning);
     blockkv::KVCacheConfig kv;
     kv.block_size = kBlockSize;
     kv.cache_shape = {1, 1, 8};  // bookkeeping is what is measured: keep the storage tiny
-    kv.max_blocks_per_allocation_group = (kMaxPrompt + kStepsPerRound) / kBlockSize + 2;
+    kv.max_blocks_per_allocation_group = MaxBlocks(step_tokens);
     blockkv::StateManagerConfig config;
     config.max_tracked_sequences = n;
     config.max_ragged_sequence_count = n;
-    config.max_ragged_batch_size = std::max<int>(n, static_cast<int>(kMaxPrompt));
+    config.max_ragged_batch_size = std::max<int>(n * step_tokens, static_cast<int>(kMaxPrompt));
     config.memory_config.mode = blockkv::AllocationMode::kAllocate;
-    config.memory_config.size = PoolBlocks(n);
+    config.memory_config.size = PoolBlocks(n, step_tokens);
     config.prefix_cache.enabled = prefix_cache;
     auto m = blockkv::StateManager::Create(config, {kv}, blockkv::CpuDevice());
     Check(m.status(), "StateManager::Create");
@@ -162,6 +172,66 @@ struct ManagerOnly : Engine {
   }
 };
 
+// Speculative decoding (issue 21): each sequence runs its verified token plus kDrafts drafts
+// (ScheduleBatch of kDrafts + 1 tokens) and keeps a random 1 .. kDrafts + 1 of them
+// (PostForward(batch, accepted)), so most steps give blocks back. Compared per committed token
+// with decode_step/blockkv_fused, the plain step that commits one token per sequence.
+constexpr int kDrafts = 4;
+
+struct Speculative : Engine {
+  explicit Speculative(int n) : Engine(n, /*with_prefix_cache=*/false, kDrafts + 1) {
+    lengths.assign(static_cast<size_t>(n), kDrafts + 1);
+    draft_tokens.assign(static_cast<size_t>(n) * (kDrafts + 1), 7);
+    std::mt19937_64 rng(21);
+    std::uniform_int_distribution<int64_t> keep(1, kDrafts + 1);
+    accepted.resize(kStepsPerRound);
+    for (auto& counts : accepted) {
+      counts.resize(static_cast<size_t>(n));
+      for (int64_t& a : counts) a = keep(rng);
+    }
+  }
+  void Step() {
+    Check(manager->ScheduleBatch({.uids = uids, .lengths = lengths}, draft_tokens, *batch),
+          "ScheduleBatch");
+    const std::vector<int64_t>& kept = accepted[static_cast<size_t>(step % kStepsPerRound)];
+    Check(manager->PostForward(*batch, kept), "PostForward");
+    committed += std::accumulate(kept.begin(), kept.end(), int64_t{0});
+    ++step;
+  }
+  void Flush() {
+    Engine::Flush();
+    step = 0;
+  }
+  std::vector<int64_t> lengths;
+  std::vector<TokenId> draft_tokens;
+  std::vector<std::vector<int64_t>> accepted;  // [kStepsPerRound, n], each in [1, kDrafts + 1]
+  int step = 0;
+  int64_t committed = 0;  // tokens kept over the timed steps
+};
+
+void BM_SpeculativeStep(benchmark::State& state) {
+  const int n = static_cast<int>(state.range(0));
+  Speculative impl(n);
+  int steps = 0;
+  for (auto _ : state) {
+    impl.Step();
+    if (++steps == kStepsPerRound) {
+      state.PauseTiming();
+      impl.Flush();
+      impl.Prefill();
+      steps = 0;
+      state.ResumeTiming();
+    }
+  }
+  state.counters["us_per_step"] =
+      benchmark::Counter(static_cast<double>(state.iterations()) * 1e-6,
+                         benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  // Comparable with decode_step's ns_per_seq, which commits one token per sequence.
+  state.counters["ns_per_committed_token"] =
+      benchmark::Counter(static_cast<double>(impl.committed) * 1e-9,
+                         benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+}
+
 // ---- baseline ---------------------------------------------------------------------------------
 
 struct Baseline {
@@ -176,9 +246,7 @@ struct Baseline {
   int32_t max_blocks;
 
   explicit Baseline(int sequences)
-      : n(sequences),
-        prompts(Prompts(sequences)),
-        max_blocks(static_cast<int32_t>((kMaxPrompt + kStepsPerRound) / kBlockSize + 2)) {
+      : n(sequences), prompts(Prompts(sequences)), max_blocks(MaxBlocks()) {
     const auto s = static_cast<size_t>(n);
     input_ids.resize(s);
     slot_mapping.resize(s);
@@ -284,6 +352,7 @@ BENCHMARK_TEMPLATE(BM_DecodeStep, ManagerOnly)
     ->Name("decode_step/blockkv_manager_only")
     ->Apply(DecodeStepArgs);
 BENCHMARK_TEMPLATE(BM_DecodeStep, Baseline)->Name("decode_step/baseline")->Apply(DecodeStepArgs);
+BENCHMARK(BM_SpeculativeStep)->Name("speculative_step/blockkv_k4")->Apply(DecodeStepArgs);
 
 }  // namespace
 
