@@ -19,6 +19,75 @@ const char* AllocationModeName(AllocationMode mode) {
   return "invalid";
 }
 
+const char* KVCacheTypeName(KVCacheType type) {
+  switch (type) {
+    case KVCacheType::kDense:
+      return "dense";
+    case KVCacheType::kLocal:
+      return "local";
+    case KVCacheType::kState:
+      return "state";
+    case KVCacheType::kMla:
+      return "mla";
+  }
+  return "invalid";
+}
+
+namespace {
+
+// The fields of the group kinds: each kind's own are checked, the others' must be 0.
+Status ValidateKind(const KVCacheConfig& c) {
+  switch (c.type) {
+    case KVCacheType::kDense:
+      break;
+    case KVCacheType::kLocal:
+      return UnimplementedError(
+          "KVCacheType LOCAL: not supported yet as a group kind, see issue 21 (a sliding window "
+          "is given per call today: AttentionOptions.sliding_window, "
+          "PrefixCacheConfig.sliding_windows, StateManager FreeLeadingBlocks, over a DENSE "
+          "group)");
+    case KVCacheType::kState:
+      return UnimplementedError(
+          StrCat("KVCacheType STATE: not supported yet, see issue 21 (state_bytes ", c.state_bytes,
+                 " per sequence)"));
+    case KVCacheType::kMla: {
+      BLOCKKV_RETURN_IF_ERROR(internal::CheckPositive("KVCacheConfig", "latent_dim", c.latent_dim));
+      if (c.rope_dim < 0) {
+        return InvalidArgumentError(
+            StrCat("KVCacheConfig.rope_dim must be >= 0, got ", c.rope_dim));
+      }
+      const auto row = internal::CheckedAdd(c.latent_dim, c.rope_dim);
+      if (c.cache_shape[1] != 1 || !row || c.cache_shape[2] != *row) {
+        return InvalidArgumentError(StrCat(
+            "KVCacheConfig of type MLA: cache_shape must be (num_layers, 1, latent_dim + rope_dim) "
+            "= (",
+            c.cache_shape[0], ", 1, ", row ? StrCat(*row) : std::string("overflow"), "), got (",
+            c.cache_shape[0], ", ", c.cache_shape[1], ", ", c.cache_shape[2], ")"));
+      }
+      if (c.state_bytes != 0) {
+        return InvalidArgumentError(
+            StrCat("KVCacheConfig.state_bytes is for STATE groups; an MLA "
+                   "group must leave it 0, got ",
+                   c.state_bytes));
+      }
+      return Status::Ok();
+    }
+    default:
+      return InvalidArgumentError(
+          StrCat("KVCacheConfig.type is not a known type (value ", static_cast<int>(c.type), ")"));
+  }
+  if (c.latent_dim != 0 || c.rope_dim != 0 || c.state_bytes != 0) {
+    return InvalidArgumentError(StrCat(
+        "KVCacheConfig of type ", KVCacheTypeName(c.type),
+        ": latent_dim and rope_dim are for MLA groups, state_bytes for STATE groups; they must be "
+        "0, got latent_dim=",
+        c.latent_dim, " rope_dim=", c.rope_dim, " state_bytes=", c.state_bytes));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status KVCacheConfig::Validate() const {
   auto positive = [](const char* field, int64_t value) {
     return internal::CheckPositive("KVCacheConfig", field, value);
@@ -30,6 +99,7 @@ Status KVCacheConfig::Validate() const {
   BLOCKKV_RETURN_IF_ERROR(positive("cache_shape[2] (head_size)", cache_shape[2]));
   BLOCKKV_RETURN_IF_ERROR(
       positive("max_blocks_per_allocation_group", max_blocks_per_allocation_group));
+  BLOCKKV_RETURN_IF_ERROR(ValidateKind(*this));
   if (!IsValidDType(cache_dtype)) {
     return InvalidArgumentError(StrCat("KVCacheConfig.cache_dtype is not a known dtype (value ",
                                        static_cast<int>(cache_dtype), ")"));
@@ -49,19 +119,19 @@ Result<int64_t> KVCacheConfig::bytes_per_block() const {
                                        static_cast<int>(cache_dtype), ")"));
   }
   const auto bytes =
-      internal::CheckedProduct({num_caches(), block_size, 2, num_kv_heads(), head_size(),
+      internal::CheckedProduct({num_caches(), block_size, kv_planes(), num_kv_heads(), head_size(),
                                 static_cast<int64_t>(ElementSize(cache_dtype))});
   if (!bytes) {
-    return InvalidArgumentError(
-        StrCat("KVCacheConfig bytes per block overflows int64: num_caches=", num_caches(),
-               " block_size=", block_size, " num_kv_heads=", num_kv_heads(),
-               " head_size=", head_size(), " dtype=", DTypeName(cache_dtype)));
+    return InvalidArgumentError(StrCat(
+        "KVCacheConfig bytes per block overflows int64: num_caches=", num_caches(),
+        " block_size=", block_size, " num_kv_heads=", num_kv_heads(), " head_size=", head_size(),
+        " planes=", kv_planes(), " dtype=", DTypeName(cache_dtype)));
   }
   return *bytes;
 }
 
 int64_t KVCacheConfig::elements_per_layer_block() const {
-  return int64_t{block_size} * 2 * num_kv_heads() * head_size();
+  return int64_t{block_size} * kv_planes() * num_kv_heads() * head_size();
 }
 
 Status MemoryConfig::Validate() const {

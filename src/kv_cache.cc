@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <string>
 #include <utility>
 
 #include "blockkv/log.h"
@@ -128,10 +129,14 @@ Result<std::unique_ptr<BlockedKVCache>> BlockedKVCache::Create(std::vector<KVCac
   if (!groups.ok()) return groups.status();
   for (size_t g = 0; g < configs.size(); ++g) {
     const KVCacheConfig& c = configs[g];
+    const std::string row =
+        c.type == KVCacheType::kMla
+            ? StrCat(c.head_size(), "] (MLA: latent ", c.latent_dim, " + rope ", c.rope_dim, ")")
+            : StrCat("2, ", c.num_kv_heads(), ", ", c.head_size(), "]");
     Log(LogLevel::kInfo,
         StrCat("KV cache group ", g, " on ", device->name(), ": shape [", c.num_caches(), ", ",
-               plan->num_blocks, ", ", c.block_size, ", 2, ", c.num_kv_heads(), ", ", c.head_size(),
-               "] ", DTypeName(c.cache_dtype), ", ", plan->num_blocks, " blocks, ",
+               plan->num_blocks, ", ", c.block_size, ", ", row, " ", DTypeName(c.cache_dtype), ", ",
+               plan->num_blocks, " blocks, ",
                internal::HumanBytes(static_cast<long double>((*groups)[g].storage.size()))));
   }
   return std::unique_ptr<BlockedKVCache>(
@@ -244,6 +249,10 @@ Result<TensorView> BlockedKVCache::GetGroupStorage(int group) const {
   BLOCKKV_RETURN_IF_ERROR(CheckGroup(group));
   const Group& g = groups_[group];
   const KVCacheConfig& c = g.config;
+  if (c.type == KVCacheType::kMla) {
+    return ContiguousView(g.storage.data(), c.cache_dtype, device_->kind(), device_->ordinal(),
+                          {c.num_caches(), plan_.num_blocks, c.block_size, c.head_size()});
+  }
   return ContiguousView(
       g.storage.data(), c.cache_dtype, device_->kind(), device_->ordinal(),
       {c.num_caches(), plan_.num_blocks, c.block_size, 2, c.num_kv_heads(), c.head_size()});
@@ -258,6 +267,10 @@ Result<TensorView> BlockedKVCache::GetCache(int64_t cache_id, int group) const {
   }
   const int64_t layer_bytes = plan_.num_blocks * LayerBlockBytes(c);
   char* base = static_cast<char*>(groups_[group].storage.data()) + cache_id * layer_bytes;
+  if (c.type == KVCacheType::kMla) {
+    return ContiguousView(base, c.cache_dtype, device_->kind(), device_->ordinal(),
+                          {plan_.num_blocks, c.block_size, c.head_size()});
+  }
   return ContiguousView(base, c.cache_dtype, device_->kind(), device_->ordinal(),
                         {plan_.num_blocks, c.block_size, 2, c.num_kv_heads(), c.head_size()});
 }

@@ -20,7 +20,27 @@ enum class AllocationMode {
 // "reserve" / "allocate".
 const char* AllocationModeName(AllocationMode mode);
 
+// What the layers of a cache group keep per token (DeepSpeed's KVCacheType, extended by issue 21).
+enum class KVCacheType {
+  kDense,  // K and V per KV head: [num_blocks, block_size, 2, num_kv_heads, head_size] per layer
+  kLocal,  // sliding-window attention: not a group kind yet (Validate: kUnimplemented)
+  kState,  // a fixed state per sequence (Mamba, linear attention): not yet (kUnimplemented)
+  kMla,    // multi-head latent attention (DeepSeek-V2/V3): one latent vector and one rotary key
+           // per token, shared by every head, no K/V split:
+           // [num_blocks, block_size, latent_dim + rope_dim] per layer
+};
+
+// "dense", "local", "state", "mla" (DeepSpeed's values for the first two).
+const char* KVCacheTypeName(KVCacheType type);
+
 // One cache group: a set of layers sharing one block pool and one shape.
+//
+// An MLA group (type = kMla) states its shape twice, so that code reading cache_shape alone
+// (num_kv_heads · head_size elements per token and plane) still sizes it right:
+//   cache_shape = {num_layers, 1, latent_dim + rope_dim}, latent_dim > 0, rope_dim >= 0
+// and it has one plane where a dense group has two (kv_planes() == 1). Each token's row holds the
+// latent c_kv in [0, latent_dim) and the rotary key k_pe in [latent_dim, latent_dim + rope_dim).
+// DeepSeek-V3: {61, 1, 576}, latent_dim 512, rope_dim 64.
 struct KVCacheConfig {
   int32_t block_size = 128;  // tokens per block
   int32_t num_allocation_groups = 1;
@@ -28,19 +48,27 @@ struct KVCacheConfig {
   std::array<int64_t, 3> cache_shape{};
   DType cache_dtype = DType::kFloat16;
   int32_t max_blocks_per_allocation_group = 64;
+  KVCacheType type = KVCacheType::kDense;  // DeepSpeed's field name
+  int64_t latent_dim = 0;                  // kMla: the latent c_kv's width (DeepSeek-V3: 512)
+  int64_t rope_dim = 0;                    // kMla: the rotary key k_pe's width (DeepSeek-V3: 64)
+  int64_t state_bytes = 0;                 // kState (not supported yet): bytes per sequence
 
   int64_t num_caches() const { return cache_shape[0]; }
   int64_t num_kv_heads() const { return cache_shape[1]; }
   int64_t head_size() const { return cache_shape[2]; }
+  // Planes per token and KV head: 2 (K and V) for dense groups, 1 for MLA (the latent row).
+  int64_t kv_planes() const { return type == KVCacheType::kMla ? 1 : 2; }
 
   // Every field > 0, a known dtype, and bytes_per_block() representable in int64.
-  // kInvalidArgument names the field and its value.
+  // kInvalidArgument names the field and its value. kMla: latent_dim > 0, rope_dim >= 0 and
+  // cache_shape[1] == 1, cache_shape[2] == latent_dim + rope_dim; latent_dim, rope_dim and
+  // state_bytes are 0 for the kinds that do not use them. kLocal and kState: kUnimplemented.
   Status Validate() const;
 
-  // num_caches · block_size · 2 · num_kv_heads · head_size · ElementSize(cache_dtype): the bytes
-  // one block takes across all layers of this group. kInvalidArgument on overflow.
+  // num_caches · block_size · kv_planes · num_kv_heads · head_size · ElementSize(cache_dtype):
+  // the bytes one block takes across all layers of this group. kInvalidArgument on overflow.
   Result<int64_t> bytes_per_block() const;
-  // block_size · 2 · num_kv_heads · head_size: elements of one block of one layer.
+  // block_size · kv_planes · num_kv_heads · head_size: elements of one block of one layer.
   // REQUIRES: Validate() is OK.
   int64_t elements_per_layer_block() const;
 };

@@ -11,7 +11,10 @@
 // Layout of cache group g: one contiguous, row-major allocation of shape
 //   [num_caches, num_blocks, block_size, 2, num_kv_heads, head_size]
 // Token t of a sequence lives in block table[t / block_size] at offset t % block_size; K is plane
-// 0, V plane 1. Every group has the same num_blocks (as in DeepSpeed).
+// 0, V plane 1. Every group has the same num_blocks (as in DeepSpeed). An MLA group
+// (KVCacheType::kMla) has no K/V split and one row per token:
+//   [num_caches, num_blocks, block_size, latent_dim + rope_dim]
+// (the latent c_kv first, then the rotary k_pe); its layer views are 3-D.
 //
 // Ownership: an engine either calls Reserve/Free here directly or drives a StateManager built over
 // this cache, never both at once. Not thread-safe: one thread schedules.
@@ -84,9 +87,11 @@ class BlockedKVCache {
   Status CopyBlocks(std::span<const BlockId> src, std::span<const BlockId> dst, int group = 0);
 
   // Layer `cache_id` of `group`: [num_blocks, block_size, 2, num_kv_heads, head_size],
-  // contiguous. kOutOfRange for a bad cache_id or group.
+  // contiguous; an MLA group's: [num_blocks, block_size, latent_dim + rope_dim]. kOutOfRange for
+  // a bad cache_id or group.
   Result<TensorView> GetCache(int64_t cache_id, int group = 0) const;
-  // The whole group: [num_caches, num_blocks, block_size, 2, num_kv_heads, head_size].
+  // The whole group: [num_caches, num_blocks, block_size, 2, num_kv_heads, head_size]; an MLA
+  // group's: [num_caches, num_blocks, block_size, latent_dim + rope_dim].
   Result<TensorView> GetGroupStorage(int group = 0) const;
 
   std::vector<int32_t> free_blocks() const;                            // one entry per group
@@ -106,6 +111,7 @@ class BlockedKVCache {
     KVCacheConfig config;
     BlockedAllocator allocator;
     DeviceBuffer storage;  // [num_caches, num_blocks, block_size, 2, num_kv_heads, head_size]
+                           // (MLA: [num_caches, num_blocks, block_size, latent + rope])
     // [num_blocks] once an OffloadStore lent a block (empty before): 1 while a store holds the
     // reserved block, which Free then refuses.
     std::vector<uint8_t> lent;
