@@ -17,8 +17,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <iterator>
 #include <limits>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -70,6 +72,12 @@ int ResolveThreads(int requested) {
 
 // The layer cache: [num_blocks, block_size, 2, Hkv, D], a supported dtype and head size.
 Status CheckCache(const TensorView& cache) {
+  if (cache.ndim == 3) {
+    return InvalidArgumentError(
+        StrCat("layer_cache of shape ", Shape(cache),
+               " is an MLA layer [num_blocks, block_size, latent_dim + rope_dim]: use "
+               "MlaAppendKV / MlaPagedAttention"));
+  }
   if (cache.ndim != 5 || cache.shape[2] != 2) {
     return InvalidArgumentError(
         StrCat("layer_cache must be [num_blocks, block_size, 2, "
@@ -204,6 +212,21 @@ PagedKV CacheView(const TensorView& cache, float kv_scale) {
                  .kv_scale = cache.dtype == DType::kFloat8E4M3 ? kv_scale : 1.0f};
 }
 
+// An MLA layer [num_blocks, block_size, L + R] seen as one KV head of head_size L + R.
+PagedKV MlaCacheView(const TensorView& cache) {
+  return PagedKV{.data = cache.data,
+                 .block_stride = cache.stride(0),
+                 .token_stride = cache.stride(1),
+                 .plane_stride = 0,
+                 .head_stride = 0,
+                 .num_blocks = static_cast<int32_t>(cache.shape[0]),
+                 .block_size = static_cast<int32_t>(cache.shape[1]),
+                 .num_kv_heads = 1,
+                 .head_size = static_cast<int32_t>(cache.shape[2]),
+                 .dtype = cache.dtype,
+                 .kv_scale = 1.0f};
+}
+
 // The paged view of `cache` over the batch's group `group`, host or device arrays.
 Result<PagedKV> BatchView(const TensorView& cache, const RaggedBatch& batch, int group,
                           float kv_scale, bool on_device) {
@@ -211,7 +234,7 @@ Result<PagedKV> BatchView(const TensorView& cache, const RaggedBatch& batch, int
   BLOCKKV_ASSIGN_OR_RETURN(TensorView tokens_to_seq, batch.tokens_to_seq(on_device));
   BLOCKKV_ASSIGN_OR_RETURN(TensorView indptr, batch.kv_indptr(group, on_device));
   BLOCKKV_ASSIGN_OR_RETURN(TensorView indices, batch.kv_indices(group, on_device));
-  PagedKV view = CacheView(cache, kv_scale);
+  PagedKV view = cache.ndim == 3 ? MlaCacheView(cache) : CacheView(cache, kv_scale);
   view.form = internal::TableForm::kBatch;
   view.descriptors = static_cast<const int32_t*>(descriptors.data);
   view.tokens_to_seq = static_cast<const int32_t*>(tokens_to_seq.data);
@@ -264,8 +287,8 @@ Status CheckOwnCache(const TensorView& cache, const RaggedBatch& batch, int grou
   const int64_t layer_bytes = storage.strides[0] * static_cast<int64_t>(ElementSize(storage.dtype));
   bool same = at >= begin && at + layer_bytes <= end && (at - begin) % layer_bytes == 0 &&
               cache.dtype == storage.dtype && cache.device == storage.device &&
-              cache.device_ordinal == storage.device_ordinal;
-  for (int d = 0; d < 5 && same; ++d) {
+              cache.device_ordinal == storage.device_ordinal && storage.ndim == cache.ndim + 1;
+  for (int d = 0; d < cache.ndim && same; ++d) {
     same = cache.shape[d] == storage.shape[d + 1] && cache.strides[d] == storage.strides[d + 1];
   }
   if (!same) {
@@ -375,7 +398,7 @@ Status CsrViews(const CsrPageTable& t, const TensorView& cache, float kv_scale, 
                 PagedKV* host, PagedKV* device, const int32_t** positions) {
   BLOCKKV_RETURN_IF_ERROR(CheckNumSeqs(t.num_seqs));
   const int64_t s = t.num_seqs;
-  *device = CacheView(cache, kv_scale);
+  *device = cache.ndim == 3 ? MlaCacheView(cache) : CacheView(cache, kv_scale);
   device->form = internal::TableForm::kCsr;
   device->qo_indptr = t.qo_indptr;
   device->kv_indptr = t.kv_indptr;
@@ -417,7 +440,7 @@ Status SlotViews(const SlotMappingPageTable& t, const TensorView& cache, float k
                                        t.max_blocks_per_seq, " must be >= 0"));
   }
   const int64_t s = t.num_seqs;
-  *device = CacheView(cache, kv_scale);
+  *device = cache.ndim == 3 ? MlaCacheView(cache) : CacheView(cache, kv_scale);
   device->form = internal::TableForm::kSlots;
   device->qo_indptr = t.query_start_loc;
   device->kv_indices = t.block_tables;
@@ -699,6 +722,253 @@ Status AttendOverTable(const TensorView& q, const TensorView& layer_cache_in, co
                       device, TableRows(host));
 }
 
+// ---- MLA --------------------------------------------------------------------------------------
+
+// An MLA layer [num_blocks, block_size, L + R] of a supported dtype on the host, and the options
+// every MLA call shares.
+Status CheckMlaCommon(const TensorView& cache, int num_threads) {
+  if (cache.ndim != 3) {
+    return InvalidArgumentError(
+        StrCat("layer_cache must be an MLA layer [num_blocks, block_size, latent_dim + rope_dim], "
+               "got shape ",
+               Shape(cache)));
+  }
+  if (!IsActivationDType(cache.dtype)) {
+    return InvalidArgumentError(StrCat("layer_cache dtype ", DTypeName(cache.dtype),
+                                       " is not supported by the MLA kernels (fp32, fp16, bf16)"));
+  }
+  if (cache.shape[2] < 1 || cache.shape[2] > kMlaMaxRowDim) {
+    return InvalidArgumentError(StrCat("layer_cache's row of ", cache.shape[2],
+                                       " elements (latent_dim + rope_dim) must be in [1, ",
+                                       kMlaMaxRowDim, "]"));
+  }
+  if (cache.stride(2) != 1) {
+    return InvalidArgumentError(
+        StrCat("layer_cache's last dimension must be contiguous, stride ", cache.stride(2)));
+  }
+  if (cache.shape[0] < 0 || cache.shape[0] > std::numeric_limits<int32_t>::max() ||
+      cache.shape[1] < 1 || cache.shape[1] > std::numeric_limits<int32_t>::max()) {
+    return InvalidArgumentError(StrCat("layer_cache shape ", Shape(cache), " is out of range"));
+  }
+  if (cache.data == nullptr && cache.shape[0] > 0) {
+    return InvalidArgumentError("layer_cache has no data");
+  }
+  if (num_threads < 0) {
+    return InvalidArgumentError(StrCat("num_threads must be >= 0, got ", num_threads));
+  }
+  if (cache.device != DeviceKind::kCpu) {
+    return UnimplementedError(StrCat("the MLA kernels run on the CPU only so far (the CUDA kernel ",
+                                     "is a later issue); layer_cache is on ",
+                                     DeviceKindName(cache.device), ":", cache.device_ordinal));
+  }
+  return Status::Ok();
+}
+
+// A [rows, dims...] activation of an MLA kernel on the cache's device, in the cache's dtype.
+Status CheckMlaTensor(const char* name, const TensorView& t, std::initializer_list<int64_t> dims,
+                      const TensorView& cache, const Rows& rows) {
+  const auto want_ndim = static_cast<int>(dims.size()) + 1;
+  bool ok = t.ndim == want_ndim &&
+            (rows.padded < 0 ? t.shape[0] >= rows.tokens
+                             : t.shape[0] == rows.tokens || t.shape[0] == rows.padded);
+  int i = 1;
+  for (const int64_t d : dims) ok = ok && t.shape[i++] == d;
+  if (!ok) {
+    std::string want = "[T";
+    for (const int64_t d : dims) want += StrCat(", ", d);
+    want += rows.padded < 0 ? StrCat("] with T >= ", rows.tokens, " (the table's tokens)")
+                            : StrCat("] with T = ", rows.tokens, " (or padded ", rows.padded, ")");
+    return InvalidArgumentError(StrCat(name, " must be ", want, ", got shape ", Shape(t)));
+  }
+  if (t.dtype != cache.dtype) {
+    return InvalidArgumentError(StrCat(name, " dtype ", DTypeName(t.dtype),
+                                       " and layer_cache dtype ", DTypeName(cache.dtype),
+                                       " differ (the MLA kernels take one dtype throughout)"));
+  }
+  if (t.device != cache.device || t.device_ordinal != cache.device_ordinal) {
+    return InvalidArgumentError(StrCat(name, " is on ", DeviceKindName(t.device), ":",
+                                       t.device_ordinal, " but layer_cache on ",
+                                       DeviceKindName(cache.device), ":", cache.device_ordinal));
+  }
+  const int64_t last = t.shape[t.ndim - 1];
+  if (t.numel() == 0) return Status::Ok();
+  // Rows (and heads) must not overlap: work items write different rows in parallel.
+  bool strides_ok = t.stride(t.ndim - 1) == 1;
+  int64_t inner = last;
+  for (int d = t.ndim - 2; d >= 0 && strides_ok; --d) {
+    strides_ok = t.stride(d) >= inner;
+    inner = t.shape[d] * t.stride(d);
+  }
+  if (!strides_ok) {
+    std::string strides;
+    for (int d = 0; d < t.ndim; ++d) strides += StrCat(d == 0 ? "" : ", ", t.stride(d));
+    return InvalidArgumentError(StrCat(name, " must have a contiguous last dimension and rows ",
+                                       "and heads that do not overlap, got strides [", strides,
+                                       "]"));
+  }
+  if (t.data == nullptr) return InvalidArgumentError(StrCat(name, " has no data"));
+  return Status::Ok();
+}
+
+// The bytes any view spans ([begin, begin) when it has no element).
+std::pair<const std::byte*, const std::byte*> SpanOf(const TensorView& t) {
+  const auto* begin = static_cast<const std::byte*>(t.data);
+  if (t.numel() == 0) return {begin, begin};
+  int64_t last = 1;
+  for (int d = 0; d < t.ndim; ++d) last += (t.shape[d] - 1) * t.stride(d);
+  return {begin, begin + last * static_cast<int64_t>(ElementSize(t.dtype))};
+}
+
+Status CheckMlaDisjoint(const char* a_name, const TensorView& a, const char* b_name,
+                        const TensorView& b) {
+  const auto [a_begin, a_end] = SpanOf(a);
+  const auto [b_begin, b_end] = SpanOf(b);
+  if (a_begin < b_end && b_begin < a_end) {
+    return InvalidArgumentError(StrCat(a_name, " and ", b_name, " overlap in memory"));
+  }
+  return Status::Ok();
+}
+
+// The batch's cache group is an MLA group of latent_dim `latent` (its rope_dim then follows).
+Status CheckMlaGroup(const RaggedBatch& batch, int group, int64_t latent) {
+  const KVCacheConfig& config = batch.manager().kv_cache().config(group);
+  if (config.type != KVCacheType::kMla) {
+    return InvalidArgumentError(StrCat("cache group ", group, " of the batch is of type ",
+                                       KVCacheTypeName(config.type), ", not mla"));
+  }
+  if (config.latent_dim != latent) {
+    return InvalidArgumentError(StrCat("the tensors' latent width ", latent, " is not cache group ",
+                                       group, "'s latent_dim ", config.latent_dim, " (rope_dim ",
+                                       config.rope_dim, ")"));
+  }
+  return Status::Ok();
+}
+
+// MlaAppendKV over checked views of the table: the tensors, the blocks written, the backend.
+// *latent: c_kv's width, for the batch's group check.
+Status CheckMlaAppend(const TensorView& cache, const TensorView& c_kv, const TensorView& k_pe,
+                      const PagedKV& host, const Rows& rows) {
+  const int64_t row = cache.shape[2];
+  const int64_t latent = c_kv.ndim == 2 ? c_kv.shape[1] : 0;
+  if (latent < 1 || latent > row) {
+    return InvalidArgumentError(StrCat("c_kv must be [T, latent_dim] with latent_dim in [1, ", row,
+                                       "] (layer_cache's row), got shape ", Shape(c_kv)));
+  }
+  BLOCKKV_RETURN_IF_ERROR(CheckMlaTensor("c_kv", c_kv, {latent}, cache, rows));
+  BLOCKKV_RETURN_IF_ERROR(CheckMlaTensor("k_pe", k_pe, {row - latent}, cache, rows));
+  for (int32_t i = 0; i < host.num_seqs; ++i) {
+    BLOCKKV_RETURN_IF_ERROR(CheckBlocks(host, i, host.Seen(i), host.Length(i)));
+  }
+  return Status::Ok();
+}
+
+void RunMlaAppend(const TensorView& c_kv, const TensorView& k_pe, const PagedKV& host,
+                  int num_threads) {
+  if (host.num_tokens == 0) return;
+  const Activations ca{.data = c_kv.data,
+                       .token_stride = c_kv.stride(0),
+                       .head_stride = 0,
+                       .num_heads = 1,
+                       .dtype = c_kv.dtype};
+  const Activations pa{.data = k_pe.data,
+                       .token_stride = k_pe.stride(0),
+                       .head_stride = 0,
+                       .num_heads = 1,
+                       .dtype = k_pe.dtype};
+  internal::MlaAppendCpu(host, ca, pa, static_cast<int32_t>(c_kv.shape[1]),
+                         ResolveThreads(num_threads));
+}
+
+Status CheckMlaAttention(const TensorView& q_nope, const TensorView& q_pe, const TensorView& cache,
+                         const TensorView& out, const MlaAttentionOptions& options,
+                         const PagedKV& host, const Rows& rows) {
+  const int64_t row = cache.shape[2];
+  const int64_t heads = q_nope.ndim == 3 ? q_nope.shape[1] : 0;
+  const int64_t latent = q_nope.ndim == 3 ? q_nope.shape[2] : 0;
+  if (heads < 1 || heads > internal::kMaxHeads || latent < 1 || latent > row) {
+    return InvalidArgumentError(StrCat("q_nope must be [T, heads, latent_dim] with heads in [1, ",
+                                       internal::kMaxHeads, "] and latent_dim in [1, ", row,
+                                       "] (layer_cache's row), got shape ", Shape(q_nope)));
+  }
+  BLOCKKV_RETURN_IF_ERROR(CheckMlaTensor("q_nope", q_nope, {heads, latent}, cache, rows));
+  BLOCKKV_RETURN_IF_ERROR(CheckMlaTensor("q_pe", q_pe, {heads, row - latent}, cache, rows));
+  BLOCKKV_RETURN_IF_ERROR(CheckMlaTensor("out", out, {heads, latent}, cache, rows));
+  BLOCKKV_RETURN_IF_ERROR(CheckMlaDisjoint("out", out, "q_nope", q_nope));
+  BLOCKKV_RETURN_IF_ERROR(CheckMlaDisjoint("out", out, "q_pe", q_pe));
+  if (!std::isfinite(options.scale) || options.scale <= 0.0f) {
+    return InvalidArgumentError(
+        StrCat("MlaAttentionOptions.scale must be the model's softmax scale, finite and > 0, got ",
+               options.scale));
+  }
+  for (int32_t i = 0; i < host.num_seqs; ++i) {
+    BLOCKKV_RETURN_IF_ERROR(CheckBlocks(host, i, 0, host.Length(i)));
+  }
+  return Status::Ok();
+}
+
+void RunMlaAttention(const TensorView& q_nope, const TensorView& q_pe, const TensorView& out,
+                     const MlaAttentionOptions& options, const PagedKV& host) {
+  if (host.num_tokens == 0) return;
+  const Activations qa = ActivationsOf(q_nope);
+  const Activations pa{.data = q_pe.data,
+                       .token_stride = q_pe.stride(0),
+                       .head_stride = q_pe.stride(1),
+                       .num_heads = static_cast<int32_t>(q_pe.shape[1]),
+                       .dtype = q_pe.dtype};
+  const internal::AttentionParams params{.scale = options.scale,
+                                         .causal = options.causal,
+                                         .sliding_window = 0,
+                                         .num_threads = ResolveThreads(options.num_threads)};
+  internal::MlaAttentionCpu(host, qa, pa, ActivationsOf(out), static_cast<int32_t>(q_nope.shape[2]),
+                            params);
+}
+
+// The batch's host view of an MLA layer, after the batch checks.
+Status MlaBatchView(const TensorView& cache, const RaggedBatch& batch, int group, PagedKV* host) {
+  PagedKV device;
+  return BatchViews(cache, batch, group, /*kv_scale=*/1.0f, host, &device);
+}
+
+template <class Table>
+Status MlaTableView(const Table& table, const TensorView& cache, PagedKV* host) {
+  HostArrays arrays(cache, nullptr);  // a host cache: the arrays are read in place
+  PagedKV device;
+  return CheckedTableViews(table, cache, /*kv_scale=*/1.0f, arrays, host, &device);
+}
+
+template <class Table>
+Status MlaAppendOverTable(const TensorView& cache_in, const TensorView& c_kv_in,
+                          const TensorView& k_pe_in, const Table& table,
+                          const MlaAppendOptions& options) {
+  const TensorView cache = CanonicalStrides(cache_in);
+  const TensorView c_kv = CanonicalStrides(c_kv_in);
+  const TensorView k_pe = CanonicalStrides(k_pe_in);
+  BLOCKKV_RETURN_IF_ERROR(CheckMlaCommon(cache, options.num_threads));
+  PagedKV host;
+  BLOCKKV_RETURN_IF_ERROR(MlaTableView(table, cache, &host));
+  BLOCKKV_RETURN_IF_ERROR(CheckDistinctSlots(host));
+  BLOCKKV_RETURN_IF_ERROR(CheckMlaAppend(cache, c_kv, k_pe, host, TableRows(host)));
+  RunMlaAppend(c_kv, k_pe, host, options.num_threads);
+  return Status::Ok();
+}
+
+template <class Table>
+Status MlaAttendOverTable(const TensorView& q_nope_in, const TensorView& q_pe_in,
+                          const TensorView& cache_in, const Table& table, const TensorView& out_in,
+                          const MlaAttentionOptions& options) {
+  const TensorView cache = CanonicalStrides(cache_in);
+  const TensorView q_nope = CanonicalStrides(q_nope_in);
+  const TensorView q_pe = CanonicalStrides(q_pe_in);
+  const TensorView out = CanonicalStrides(out_in);
+  BLOCKKV_RETURN_IF_ERROR(CheckMlaCommon(cache, options.num_threads));
+  PagedKV host;
+  BLOCKKV_RETURN_IF_ERROR(MlaTableView(table, cache, &host));
+  BLOCKKV_RETURN_IF_ERROR(
+      CheckMlaAttention(q_nope, q_pe, cache, out, options, host, TableRows(host)));
+  RunMlaAttention(q_nope, q_pe, out, options, host);
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status AppendKV(const TensorView& layer_cache_in, const TensorView& k, const TensorView& v,
@@ -747,6 +1017,60 @@ Status PagedAttention(const TensorView& q, const TensorView& layer_cache,
                       const SlotMappingPageTable& table, const TensorView& out,
                       const AttentionOptions& options) {
   return AttendOverTable(q, layer_cache, table, out, options);
+}
+
+Status MlaAppendKV(const TensorView& layer_cache_in, const TensorView& c_kv_in,
+                   const TensorView& k_pe_in, const RaggedBatch& batch,
+                   const MlaAppendOptions& options) {
+  const TensorView cache = CanonicalStrides(layer_cache_in);
+  const TensorView c_kv = CanonicalStrides(c_kv_in);
+  const TensorView k_pe = CanonicalStrides(k_pe_in);
+  BLOCKKV_RETURN_IF_ERROR(CheckMlaCommon(cache, options.num_threads));
+  PagedKV host;
+  BLOCKKV_RETURN_IF_ERROR(MlaBatchView(cache, batch, options.group, &host));
+  BLOCKKV_RETURN_IF_ERROR(CheckMlaAppend(cache, c_kv, k_pe, host, BatchRows(batch)));
+  BLOCKKV_RETURN_IF_ERROR(CheckMlaGroup(batch, options.group, c_kv.shape[1]));
+  RunMlaAppend(c_kv, k_pe, host, options.num_threads);
+  return Status::Ok();
+}
+
+Status MlaAppendKV(const TensorView& layer_cache, const TensorView& c_kv, const TensorView& k_pe,
+                   const CsrPageTable& table, const MlaAppendOptions& options) {
+  return MlaAppendOverTable(layer_cache, c_kv, k_pe, table, options);
+}
+
+Status MlaAppendKV(const TensorView& layer_cache, const TensorView& c_kv, const TensorView& k_pe,
+                   const SlotMappingPageTable& table, const MlaAppendOptions& options) {
+  return MlaAppendOverTable(layer_cache, c_kv, k_pe, table, options);
+}
+
+Status MlaPagedAttention(const TensorView& q_nope_in, const TensorView& q_pe_in,
+                         const TensorView& layer_cache_in, const RaggedBatch& batch,
+                         const TensorView& out_in, const MlaAttentionOptions& options) {
+  const TensorView cache = CanonicalStrides(layer_cache_in);
+  const TensorView q_nope = CanonicalStrides(q_nope_in);
+  const TensorView q_pe = CanonicalStrides(q_pe_in);
+  const TensorView out = CanonicalStrides(out_in);
+  BLOCKKV_RETURN_IF_ERROR(CheckMlaCommon(cache, options.num_threads));
+  PagedKV host;
+  BLOCKKV_RETURN_IF_ERROR(MlaBatchView(cache, batch, options.group, &host));
+  BLOCKKV_RETURN_IF_ERROR(
+      CheckMlaAttention(q_nope, q_pe, cache, out, options, host, BatchRows(batch)));
+  BLOCKKV_RETURN_IF_ERROR(CheckMlaGroup(batch, options.group, q_nope.shape[2]));
+  RunMlaAttention(q_nope, q_pe, out, options, host);
+  return Status::Ok();
+}
+
+Status MlaPagedAttention(const TensorView& q_nope, const TensorView& q_pe,
+                         const TensorView& layer_cache, const CsrPageTable& table,
+                         const TensorView& out, const MlaAttentionOptions& options) {
+  return MlaAttendOverTable(q_nope, q_pe, layer_cache, table, out, options);
+}
+
+Status MlaPagedAttention(const TensorView& q_nope, const TensorView& q_pe,
+                         const TensorView& layer_cache, const SlotMappingPageTable& table,
+                         const TensorView& out, const MlaAttentionOptions& options) {
+  return MlaAttendOverTable(q_nope, q_pe, layer_cache, table, out, options);
 }
 
 }  // namespace blockkv

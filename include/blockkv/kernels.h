@@ -118,4 +118,70 @@ Status PagedAttention(const TensorView& q, const TensorView& layer_cache,
                       const SlotMappingPageTable& table, const TensorView& out,
                       const AttentionOptions& options = {});
 
+// ---- MLA: multi-head latent attention (DeepSeek-V2/V3, Kimi K2) ------------------------------
+//
+// One layer of an MLA cache group (KVCacheType::kMla) is [num_blocks, block_size, L + R]: per
+// token the latent c_kv (L = latent_dim, 512 for DeepSeek-V3) followed by the rotary key k_pe
+// (R = rope_dim, 64), shared by every head. Attention runs in the absorbed form: the caller has
+// folded W_UK into the queries (q_nope_absorbed = q_nope · W_UKᵀ, per head, in the latent space)
+// and applies W_UV · W_O to the output. For query token t (position p) and head h, over the keys
+// s it sees (causal: positions 0..p of its sequence; else all of them):
+//   score[s]   = (q_nope[t, h] · c_kv[s] + q_pe[t, h] · k_pe[s]) · scale
+//   out[t, h]  = Σ_s softmax(score)[s] · c_kv[s]            (the values are the latent vectors)
+//
+//   auto layer = manager->GetCache(l, /*group=*/0);             // [N, block_size, 576]
+//   Status s = MlaAppendKV(*layer, c_kv, k_pe, *batch);         // [T, 512], [T, 64]
+//   s = MlaPagedAttention(q_nope, q_pe, *layer, *batch, out, {.scale = softmax_scale});
+//
+// Supported: fp32, fp16 or bf16, the cache and every activation of one dtype (no fp8 yet);
+// L + R <= kMlaMaxRowDim; heads <= 65535; fp32 arithmetic. The batch is a RaggedBatch whose
+// cache group `group` is an MLA group with these latent_dim and rope_dim, or a page table of the
+// caller's (page_table.h, the table checks of AppendKV) over any [N, block_size, L + R] tensor.
+// Strides of extent-1 dimensions are ignored; the last dimension of each tensor must be
+// contiguous. Every argument is checked before anything is written (kInvalidArgument naming the
+// value and the limit); CUDA tensors are kUnimplemented (the CUDA kernel is a later issue).
+inline constexpr int64_t kMlaMaxRowDim = 4096;
+
+struct MlaAppendOptions {
+  int group = 0;        // cache group (RaggedBatch)
+  int num_threads = 0;  // CPU: 0 = hardware concurrency; at most 256 are used
+};
+
+// Writes token j of batch sequence i (position seen_i + j) into its slot:
+// layer_cache[block, offset, 0:L] = c_kv[row], layer_cache[block, offset, L:L+R] = k_pe[row].
+//   layer_cache: [num_blocks, block_size, L + R]
+//   c_kv:        [T, L]    the compressed latent of each new token (after its norm)
+//   k_pe:        [T, R]    its rotary key, already rotated (R may be 0: a [T, 0] tensor)
+// kFailedPrecondition when the batch is not finalized or a slot's block was released.
+Status MlaAppendKV(const TensorView& layer_cache, const TensorView& c_kv, const TensorView& k_pe,
+                   const RaggedBatch& batch, const MlaAppendOptions& options = {});
+Status MlaAppendKV(const TensorView& layer_cache, const TensorView& c_kv, const TensorView& k_pe,
+                   const CsrPageTable& table, const MlaAppendOptions& options = {});
+Status MlaAppendKV(const TensorView& layer_cache, const TensorView& c_kv, const TensorView& k_pe,
+                   const SlotMappingPageTable& table, const MlaAppendOptions& options = {});
+
+struct MlaAttentionOptions {
+  // The model's softmax scale, required (> 0): it depends on the heads' qk dimensions before
+  // absorption (DeepSeek-V3: 1 / sqrt(128 + 64), times YaRN's mscale²), not on L + R.
+  float scale = 0.0f;
+  bool causal = true;   // query at position p sees keys [0, p]; false: every key of its sequence
+  int group = 0;        // cache group (RaggedBatch)
+  int num_threads = 0;  // CPU: 0 = hardware concurrency; at most 256 are used
+};
+
+// out[t, h] as above, for every real token; rows of padding untouched. REQUIRES: the step's
+// latents were appended (MlaAppendKV) before.
+//   q_nope: [T, H, L]   queries absorbed into the latent space
+//   q_pe:   [T, H, R]   their rotary part, already rotated
+//   out:    [T, H, L]   must not overlap q_nope or q_pe
+Status MlaPagedAttention(const TensorView& q_nope, const TensorView& q_pe,
+                         const TensorView& layer_cache, const RaggedBatch& batch,
+                         const TensorView& out, const MlaAttentionOptions& options);
+Status MlaPagedAttention(const TensorView& q_nope, const TensorView& q_pe,
+                         const TensorView& layer_cache, const CsrPageTable& table,
+                         const TensorView& out, const MlaAttentionOptions& options);
+Status MlaPagedAttention(const TensorView& q_nope, const TensorView& q_pe,
+                         const TensorView& layer_cache, const SlotMappingPageTable& table,
+                         const TensorView& out, const MlaAttentionOptions& options);
+
 }  // namespace blockkv

@@ -18,6 +18,14 @@ void AppendKVCpu(const PagedKV& cache, const Activations& k, const Activations& 
 void PagedAttentionCpu(const PagedKV& cache, const Activations& q, const Activations& out,
                        const AttentionParams& params);
 
+// MLA (kernels_cpu_mla.cc). `cache` is an MLA layer viewed as one KV head of head_size L + R
+// (plane_stride and head_stride 0); c_kv / k_pe are [T, 1, L] / [T, 1, R] Activations (R may be
+// 0), q_nope / out [T, H, L], q_pe [T, H, R]. Every dtype is the cache's.
+void MlaAppendCpu(const PagedKV& cache, const Activations& c_kv, const Activations& k_pe,
+                  int32_t latent_dim, int num_threads);
+void MlaAttentionCpu(const PagedKV& cache, const Activations& q_nope, const Activations& q_pe,
+                     const Activations& out, int32_t latent_dim, const AttentionParams& params);
+
 // Device memory of CUDA device `device` (defined only when BLOCKKV_HAVE_CUDA), launched on
 // `stream` (null: the legacy default stream) and not waited for. kInvalidArgument when a tensor
 // is not aligned for the vector loads (4 elements); kInternal carries CUDA's error text.
