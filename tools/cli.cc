@@ -180,10 +180,12 @@ int Failed(const Command& c, const Status& status) {
 constexpr FlagSpec kPlanFlags[] = {
     {"model", "NAME",
      "a preset: Llama-3-8B, Llama-3-70B, Llama-2-13B, Mistral-7B, Qwen2.5-7B, GPT-NeoX-20B, "
-     "Phi-3-mini"},
+     "Phi-3-mini, DeepSeek-V3, Gemma-2-9B, gpt-oss-20b"},
     {"layers", "N", "layers (instead of, or overriding, --model)"},
     {"kv-heads", "N", "KV heads"},
     {"head-size", "N", "head size"},
+    {"latent-dim", "N", "MLA: latent width per token (instead of --kv-heads, --head-size)"},
+    {"rope-dim", "N", "MLA: rotary key width per token (default 0)"},
     {"memory", "SIZE|host|cuda:N", "memory for the cache: 80GiB, 40GB, host, cuda:0 (required)"},
     {"slack", "SIZE", "bytes kept free (default 1GiB)"},
     {"block-size", "N", "tokens per block (default 16)"},
@@ -204,8 +206,10 @@ int RunPlan(const Command& c, Flags& flags, const CliOptions& cli) {
     options.shape = *preset;
   } else {
     options.shape.name = "custom";
-    if (!flags.Has("layers") || !flags.Has("kv-heads") || !flags.Has("head-size")) {
-      return BadArguments(c, "give --model, or --layers, --kv-heads and --head-size");
+    const bool mla = flags.Has("latent-dim");
+    if (!flags.Has("layers") || (!mla && (!flags.Has("kv-heads") || !flags.Has("head-size")))) {
+      return BadArguments(
+          c, "give --model, or --layers with --kv-heads and --head-size (or MLA's --latent-dim)");
     }
   }
   if (!flags.Has("memory")) return BadArguments(c, "--memory is required");
@@ -215,6 +219,17 @@ int RunPlan(const Command& c, Flags& flags, const CliOptions& cli) {
   flags.Int("layers", 1, &options.shape.layers);
   flags.Int("kv-heads", 1, &options.shape.kv_heads);
   flags.Int("head-size", 1, &options.shape.head_size);
+  if (flags.Has("latent-dim") || flags.Has("rope-dim")) {
+    if (flags.Has("kv-heads") || flags.Has("head-size")) {
+      return BadArguments(c,
+                          "an MLA shape (--latent-dim, --rope-dim) takes no --kv-heads or "
+                          "--head-size");
+    }
+    flags.Int("latent-dim", 1, &options.shape.latent_dim, 1 << 20);
+    flags.Int("rope-dim", 0, &options.shape.rope_dim, 1 << 20);
+    options.shape.kv_heads = 1;
+    options.shape.head_size = options.shape.latent_dim + options.shape.rope_dim;
+  }
   flags.Size("slack", &options.slack);
   flags.Int("block-size", 1, &options.block_size);
   flags.Int("tp", 1, &options.tp);
@@ -368,7 +383,8 @@ int RunDemo(const Command& c, Flags& flags, const CliOptions& cli) {
 
 constexpr Command kCommands[] = {
     {"plan", "How many KV-cache blocks, tokens and sequences of a model fit in memory.",
-     "plan (--model NAME | --layers N --kv-heads N --head-size N) --memory SIZE [flags]",
+     "plan (--model NAME | --layers N (--kv-heads N --head-size N | --latent-dim N "
+     "[--rope-dim N])) --memory SIZE [flags]",
      kPlanFlags, RunPlan},
     {"simulate",
      "Replays requests through the state manager, prefix cache and a continuous-batching loop "

@@ -40,8 +40,16 @@ struct ModelShape {
   int64_t head_size = 0;
   int64_t max_context = 4096;  // the default --context
   int64_t sliding_window = 0;  // 0: full attention
+  // Hybrid models (Gemma 2, gpt-oss): how many of the layers slide over `sliding_window` tokens;
+  // the others attend to everything. 0: all of them (when sliding_window > 0).
+  int64_t window_layers = 0;
+  // MLA models (DeepSeek-V3): one latent row of latent_dim + rope_dim per token and layer,
+  // shared by every head (kv_heads 1, head_size latent_dim + rope_dim, the same on every tp rank).
+  int64_t latent_dim = 0;  // 0: not MLA
+  int64_t rope_dim = 0;
 };
-// Llama-3-8B, Llama-3-70B, Llama-2-13B, Mistral-7B, Qwen2.5-7B, GPT-NeoX-20B, Phi-3-mini.
+// Llama-3-8B, Llama-3-70B, Llama-2-13B, Mistral-7B, Qwen2.5-7B, GPT-NeoX-20B, Phi-3-mini,
+// DeepSeek-V3, Gemma-2-9B, gpt-oss-20b.
 std::span<const ModelShape> ModelPresets();
 // Case-insensitive; nullptr when there is no such preset.
 const ModelShape* FindModelPreset(std::string_view name);
@@ -78,6 +86,10 @@ struct PlanReport {
   int64_t tokens = 0;       // num_blocks · block_size
   int64_t blocks_per_sequence = 0;
   int64_t sequences = 0;  // of `context` tokens
+  // Hybrid models: the fraction of the cache that holds blocks only full-attention layers need
+  // (window layers keep every block too, as one group with one block table; a per-kind allocator
+  // would free them). 0 otherwise.
+  double window_waste = 0;
 };
 
 // kInvalidArgument for shapes, block sizes and tp that no machine could plan (exit code 2).

@@ -27,10 +27,13 @@ bool EqualsIgnoreCase(std::string_view a, std::string_view b) {
 // From each model's Hugging Face config.json (num_hidden_layers, num_key_value_heads,
 // hidden_size / num_attention_heads, max_position_embeddings, sliding_window).
 // Phi-3-mini-4k's config lists sliding_window 2047, which its released kernels ignore; it is
-// planned as full attention.
+// planned as full attention. DeepSeek-V3: 61 layers of MLA, kv_lora_rank 512 + qk_rope_head_dim
+// 64, max_position_embeddings 163840. Gemma-2-9B: 42 layers alternating a 4096-token window and
+// full attention (21 each), 8 KV heads of 256. gpt-oss-20b: 24 layers alternating a 128-token
+// window and full attention (12 each), 8 KV heads of 64, 131072 positions.
 constexpr int64_t kNoWindow = 0;
-const std::array<ModelShape, 7>& Presets() {
-  static const std::array<ModelShape, 7> presets = {{
+const std::array<ModelShape, 10>& Presets() {
+  static const std::array<ModelShape, 10> presets = {{
       {"Llama-3-8B", 32, 8, 128, 8192, kNoWindow},
       {"Llama-3-70B", 80, 8, 128, 8192, kNoWindow},
       {"Llama-2-13B", 40, 40, 128, 4096, kNoWindow},
@@ -38,6 +41,9 @@ const std::array<ModelShape, 7>& Presets() {
       {"Qwen2.5-7B", 28, 4, 128, 32768, kNoWindow},
       {"GPT-NeoX-20B", 44, 64, 96, 2048, kNoWindow},
       {"Phi-3-mini", 32, 32, 96, 4096, kNoWindow},
+      {"DeepSeek-V3", 61, 1, 576, 163840, kNoWindow, 0, 512, 64},
+      {"Gemma-2-9B", 42, 8, 256, 8192, 4096, 21},
+      {"gpt-oss-20b", 24, 8, 64, 131072, 128, 12},
   }};
   return presets;
 }
@@ -142,6 +148,17 @@ Result<MemorySpec> ParseMemory(std::string_view text) {
 
 Status CheckPlanOptions(const PlanOptions& options) {
   const ModelShape& s = options.shape;
+  if (s.latent_dim < 0 || s.rope_dim < 0 || (s.latent_dim == 0 && s.rope_dim > 0)) {
+    return InvalidArgumentError("an MLA shape needs --latent-dim > 0 and --rope-dim >= 0");
+  }
+  if (s.latent_dim > 0 && (s.kv_heads != 1 || s.head_size != s.latent_dim + s.rope_dim)) {
+    return InvalidArgumentError(
+        "an MLA shape (--latent-dim) has no KV heads of its own: leave out --kv-heads and "
+        "--head-size");
+  }
+  if (s.window_layers < 0 || s.window_layers > s.layers) {
+    return InvalidArgumentError("the window layers must be in [0, layers]");
+  }
   if (s.layers <= 0 || s.kv_heads <= 0 || s.head_size <= 0) {
     return InvalidArgumentError(
         "the shape needs --layers, --kv-heads and --head-size > 0 (or "
@@ -193,6 +210,11 @@ Result<PlanReport> Plan(const PlanOptions& options) {
   config.block_size = options.block_size;
   config.cache_shape = {shape.layers, report.kv_heads_per_rank, shape.head_size};
   config.cache_dtype = options.dtype;
+  if (shape.latent_dim > 0) {  // one latent row per token, on every rank
+    config.type = KVCacheType::kMla;
+    config.latent_dim = shape.latent_dim;
+    config.rope_dim = shape.rope_dim;
+  }
   // RESERVE keeps MemoryConfig::size bytes free and must be > 0; with --slack 0 the same
   // quotient comes from one more available byte kept free.
   MemoryConfig memory;
@@ -215,9 +237,20 @@ Result<PlanReport> Plan(const PlanOptions& options) {
   // A sliding-window sequence holds only the blocks its window touches: ceil(W / bs), plus one
   // when the window straddles a block boundary.
   report.blocks_per_sequence = CeilDiv(report.context, options.block_size);
+  const int64_t window_blocks =
+      std::min(report.blocks_per_sequence, CeilDiv(shape.sliding_window, options.block_size) + 1);
+  const bool hybrid = shape.window_layers > 0 && shape.window_layers < shape.layers;
   if (shape.sliding_window > 0 && report.context > shape.sliding_window) {
-    report.blocks_per_sequence =
-        std::min(report.blocks_per_sequence, CeilDiv(shape.sliding_window, options.block_size) + 1);
+    if (hybrid) {
+      // One group, one block table: a block holds every layer, so the window layers keep the
+      // whole context too. What they hold past their window is the waste a per-kind allocator
+      // (vLLM's hybrid allocator, LOCAL groups here: issue 21) would free.
+      report.window_waste = static_cast<double>(shape.window_layers) *
+                            static_cast<double>(report.blocks_per_sequence - window_blocks) /
+                            static_cast<double>(shape.layers * report.blocks_per_sequence);
+    } else {
+      report.blocks_per_sequence = window_blocks;
+    }
   }
   report.sequences = report.num_blocks / report.blocks_per_sequence;
   return report;
@@ -242,6 +275,14 @@ std::string FormatPlan(const PlanReport& r, bool json) {
         .Int(s.head_size)
         .Key("sliding_window")
         .Int(s.sliding_window)
+        .Key("window_layers")
+        .Int(s.sliding_window > 0 && s.window_layers == 0 ? s.layers : s.window_layers)
+        .Key("window_waste")
+        .Double(r.window_waste)
+        .Key("latent_dim")
+        .Int(s.latent_dim)
+        .Key("rope_dim")
+        .Int(s.rope_dim)
         .Key("dtype")
         .String(dtype)
         .Key("block_size")
@@ -275,32 +316,56 @@ std::string FormatPlan(const PlanReport& r, bool json) {
   }
   char text[2048];
   std::string window;
+  const bool hybrid = s.window_layers > 0 && s.window_layers < s.layers;
   if (s.sliding_window > 0) {
     window = ", sliding window " + std::to_string(s.sliding_window);
+    if (hybrid) {
+      window = ", " + std::to_string(s.window_layers) + " of them with a sliding window of " +
+               std::to_string(s.sliding_window);
+    }
+  }
+  std::string heads = std::to_string(s.kv_heads) + " KV heads x " + std::to_string(s.head_size);
+  if (s.latent_dim > 0) {
+    heads = "MLA latent " + std::to_string(s.latent_dim) + " + rope " + std::to_string(s.rope_dim) +
+            " per token (no K/V split, shared by every head)";
   }
   std::string ranks;
   if (o.tp > 1) {
     ranks = "; tp " + std::to_string(o.tp) + ": " + std::to_string(r.kv_heads_per_rank) +
             " KV head" + (r.kv_heads_per_rank == 1 ? "" : "s") + " per rank, numbers per rank";
+    if (s.latent_dim > 0) {
+      ranks = "; tp " + std::to_string(o.tp) +
+              ": the latent is replicated on every rank, "
+              "numbers per rank";
+    }
   }
   std::snprintf(text, sizeof(text),
-                "model      %s: %lld layers, %lld KV heads x %lld, %s, block %d tokens%s%s\n"
+                "model      %s: %lld layers, %s, %s, block %d tokens%s%s\n"
                 "memory     %s available (%s), %s kept free\n"
                 "per token  %s\n"
                 "per block  %s (%lld bytes)\n"
                 "blocks     %lld (%s)\n"
                 "tokens     %lld\n"
                 "sequences  %lld of %lld tokens (%lld blocks each)\n",
-                s.name.c_str(), static_cast<long long>(s.layers),
-                static_cast<long long>(s.kv_heads), static_cast<long long>(s.head_size),
-                dtype.c_str(), o.block_size, window.c_str(), ranks.c_str(),
-                FormatBytes(r.available_bytes).c_str(), o.memory.text.c_str(),
-                FormatBytes(o.slack).c_str(), FormatBytes(r.bytes_per_token).c_str(),
-                FormatBytes(r.bytes_per_block).c_str(), static_cast<long long>(r.bytes_per_block),
-                static_cast<long long>(r.num_blocks), FormatBytes(r.cache_bytes).c_str(),
-                static_cast<long long>(r.tokens), static_cast<long long>(r.sequences),
-                static_cast<long long>(r.context), static_cast<long long>(r.blocks_per_sequence));
-  return text;
+                s.name.c_str(), static_cast<long long>(s.layers), heads.c_str(), dtype.c_str(),
+                o.block_size, window.c_str(), ranks.c_str(), FormatBytes(r.available_bytes).c_str(),
+                o.memory.text.c_str(), FormatBytes(o.slack).c_str(),
+                FormatBytes(r.bytes_per_token).c_str(), FormatBytes(r.bytes_per_block).c_str(),
+                static_cast<long long>(r.bytes_per_block), static_cast<long long>(r.num_blocks),
+                FormatBytes(r.cache_bytes).c_str(), static_cast<long long>(r.tokens),
+                static_cast<long long>(r.sequences), static_cast<long long>(r.context),
+                static_cast<long long>(r.blocks_per_sequence));
+  std::string out = text;
+  if (hybrid) {
+    char note[512];
+    std::snprintf(note, sizeof(note),
+                  "assumes    one cache group for all layers (LOCAL groups are not implemented, "
+                  "issue 21): the %lld window layers keep every block too; %.1f%% of the cache "
+                  "holds blocks only the full-attention layers need\n",
+                  static_cast<long long>(s.window_layers), 100.0 * r.window_waste);
+    out += note;
+  }
+  return out;
 }
 
 }  // namespace blockkv::tool

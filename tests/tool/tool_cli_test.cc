@@ -56,6 +56,9 @@ TEST(Cli, BadArgumentsExitTwoWithUsage) {
   EXPECT_RUN("plan --model Llama-3-8B --memory 80GiB --tp 3", 2, "cannot split 8 KV heads");
   EXPECT_RUN("plan --model Llama-9 --memory 80GiB", 2, "unknown model 'Llama-9'");
   EXPECT_RUN("plan --layers 32 --memory 80GiB", 2, "--kv-heads and --head-size");
+  EXPECT_RUN("plan --layers 61 --latent-dim 512 --kv-heads 8 --memory 80GiB", 2,
+             "takes no --kv-heads or --head-size");
+  EXPECT_RUN("plan --layers 61 --latent-dim 0 --memory 80GiB", 2, "--latent-dim");
   EXPECT_RUN("plan --model Llama-3-8B --memory 80GiB --block-size 0", 2, "--block-size '0'");
   EXPECT_RUN("plan --model Llama-3-8B --memory 80GiB --dtype fp64", 2, "--dtype");
   EXPECT_RUN("plan --model Llama-3-8B --memory", 2, "--memory needs a value");
@@ -80,6 +83,14 @@ TEST(Cli, PlanPrintsTextAndJson) {
   EXPECT_RUN("plan --layers 32 --kv-heads 8 --head-size 128 --memory=80GiB --context 8192", 0,
              "sequences  79 of 8192 tokens");
   EXPECT_RUN("plan --model Llama-3-8B --memory host --slack 0", 0, "available (host)");
+}
+
+TEST(Cli, PlanTakesACustomMlaShape) {
+  // 61 x 16 x (512 + 64) x 2 bytes = 1,124,352 per block, as the DeepSeek-V3 preset.
+  EXPECT_RUN("plan --layers 61 --latent-dim 512 --rope-dim 64 --dtype bf16 --memory 80GiB", 0,
+             "per block  1.07 MiB (1124352 bytes)");
+  EXPECT_RUN("plan --model DeepSeek-V3 --dtype bf16 --memory 80GiB", 0, "(1124352 bytes)");
+  EXPECT_RUN("plan --model gpt-oss-20b --memory 80GiB", 0, "49.9% of the cache");
 }
 
 TEST(Cli, RuntimeFailuresExitOneWithTheStatus) {

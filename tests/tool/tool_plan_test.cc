@@ -92,7 +92,9 @@ TEST(Plan, CustomShapeFp8AndReplicatedHeads) {
 }
 
 TEST(Plan, PresetsAreFoundWhateverTheCase) {
-  EXPECT_EQ(ModelPresets().size(), 7u);
+  EXPECT_EQ(ModelPresets().size(), 10u);
+  EXPECT_EQ(FindModelPreset("deepseek-v3")->latent_dim, 512);
+  EXPECT_EQ(FindModelPreset("GEMMA-2-9B")->window_layers, 21);
   ASSERT_NE(FindModelPreset("qwen2.5-7b"), nullptr);
   EXPECT_EQ(FindModelPreset("qwen2.5-7b")->kv_heads, 4);
   EXPECT_EQ(FindModelPreset("gpt-neox-20b")->head_size, 96);
@@ -153,6 +155,74 @@ TEST(Plan, JsonHasEveryNumber) {
   EXPECT_NE(json.find("\"num_blocks\": 40448"), std::string::npos) << json;
   EXPECT_NE(json.find("\"sequences\": 79"), std::string::npos) << json;
   EXPECT_NE(json.find("\"bytes_per_block\": 2097152"), std::string::npos) << json;
+}
+
+TEST(Plan, DeepSeekV3PlansOneLatentRowPerTokenAndLayer) {
+  // MLA: 61 layers x 16 tokens x (512 + 64) x 2 bytes (bf16) = 1,124,352 bytes per block, no K/V
+  // split (70,272 bytes per token, where 128 heads of K and V would take 61 x 2 x 128 x 192 x 2
+  // = 5,996,544). 79 GiB / 1,124,352 = 75,443.6 -> 75,443 blocks = 1,207,088 tokens; a sequence
+  // of 163,840 tokens (the model's maximum) takes 10,240 blocks: 7 sequences.
+  PlanOptions options = Preset("DeepSeek-V3", 80 * kGiB, 1 * kGiB);
+  options.dtype = DType::kBFloat16;
+  Result<PlanReport> r = Plan(options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->bytes_per_token, 70272);
+  EXPECT_EQ(r->bytes_per_block, 1124352);
+  EXPECT_EQ(r->num_blocks, 75443);
+  EXPECT_EQ(r->tokens, 1207088);
+  EXPECT_EQ(r->blocks_per_sequence, 10240);
+  EXPECT_EQ(r->sequences, 7);
+  // The latent is shared by every head: tp 8 replicates it, each rank plans the same.
+  options.tp = 8;
+  Result<PlanReport> tp = Plan(options);
+  ASSERT_TRUE(tp.ok()) << tp.status();
+  EXPECT_EQ(tp->bytes_per_block, 1124352);
+  EXPECT_EQ(tp->num_blocks, 75443);
+  const std::string text = FormatPlan(*tp, false);
+  EXPECT_NE(text.find("MLA latent 512 + rope 64"), std::string::npos) << text;
+  EXPECT_NE(text.find("replicated on every rank"), std::string::npos) << text;
+  const std::string json = FormatPlan(*tp, true);
+  EXPECT_NE(json.find("\"latent_dim\": 512"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"rope_dim\": 64"), std::string::npos) << json;
+}
+
+TEST(Plan, CustomMlaShapeMustNotNameKvHeads) {
+  PlanOptions options = Preset("DeepSeek-V3", 80 * kGiB, 1 * kGiB);
+  options.shape.kv_heads = 128;
+  EXPECT_EQ(CheckPlanOptions(options).code(), StatusCode::kInvalidArgument);
+  options = Preset("DeepSeek-V3", 80 * kGiB, 1 * kGiB);
+  options.shape.latent_dim = 0;  // rope without a latent
+  EXPECT_EQ(CheckPlanOptions(options).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(Plan, HybridGemma2PlansEveryLayerFullAndSaysWhatItWastes) {
+  // 42 layers x 16 x 2 x 8 x 256 x 2 bytes = 5,505,024 per block. Context 8,192 = 512 blocks;
+  // the 21 window layers need 4,096 / 16 + 1 = 257 of them: 21 x 255 / (42 x 512) = 24.9% of the
+  // cache is theirs to free (vLLM's hybrid-allocator RFC: 25% for Gemma-2).
+  Result<PlanReport> r = Plan(Preset("Gemma-2-9B", 80 * kGiB, 1 * kGiB));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->bytes_per_block, 5505024);
+  EXPECT_EQ(r->blocks_per_sequence, 512);  // not shortened: one table for every layer
+  EXPECT_DOUBLE_EQ(r->window_waste, 21.0 * 255 / (42 * 512));
+  const std::string text = FormatPlan(*r, false);
+  EXPECT_NE(text.find("21 of them with a sliding window of 4096"), std::string::npos) << text;
+  EXPECT_NE(text.find("LOCAL groups are not implemented, issue 21"), std::string::npos) << text;
+  EXPECT_NE(text.find("24.9%"), std::string::npos) << text;
+}
+
+TEST(Plan, HybridGptOss20bWastesHalfItsCacheAtFullContext) {
+  // 24 layers x 16 x 2 x 8 x 64 x 2 = 786,432 bytes per block; 131,072 tokens = 8,192 blocks,
+  // the 12 window layers need 128 / 16 + 1 = 9: 12 x 8,183 / (24 x 8,192) = 49.9%.
+  Result<PlanReport> r = Plan(Preset("gpt-oss-20b", 80 * kGiB, 1 * kGiB));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->bytes_per_block, 786432);
+  EXPECT_EQ(r->blocks_per_sequence, 8192);
+  EXPECT_DOUBLE_EQ(r->window_waste, 12.0 * 8183 / (24 * 8192));
+  EXPECT_NE(FormatPlan(*r, false).find("49.9%"), std::string::npos);
+  // A short context that fits the window wastes nothing.
+  PlanOptions options = Preset("gpt-oss-20b", 80 * kGiB, 1 * kGiB);
+  options.context = 128;
+  EXPECT_EQ(Plan(options)->window_waste, 0.0);
 }
 
 }  // namespace
