@@ -181,6 +181,8 @@ Status StateManager::Impl::Rollback(SeqId uid, int64_t n) {
   }
   TrimTo(*seq, end);
   seq->seen_tokens_ = end;
+  // What it still holds of its prefix hit (a snapshot checks cached <= seen).
+  seq->cached_prefix_tokens_ = std::min(seq->cached_prefix_tokens_, end);
   return Status::Ok();
 }
 

@@ -54,7 +54,8 @@ class alignas(64) Sequence {
   // unique within the manager. Between two equal values the tables only grew, so a consumer
   // that copied a prefix of a table may copy just what was appended.
   uint64_t table_version() const { return table_version_; }
-  // Tokens taken from the prefix cache when the sequence was first scheduled (0 without a hit).
+  // Tokens taken from the prefix cache when the sequence was first scheduled (0 without a hit;
+  // never more than seen_tokens: a Rollback below it lowers it).
   int64_t cached_prefix_tokens() const { return cached_prefix_tokens_; }
   // True between PreemptSequence and ResumeSequence: its blocks are in the offload tiers and
   // its table entries are kNoBlock.

@@ -9,7 +9,7 @@
 // after every operation each sequence's KV reads back exactly its accepted tokens, every
 // prefix hit's blocks hold the prompt's tokens, no published block (BlockStored) carries a
 // rejected token, blocks per sequence and free blocks are the model's, and CheckInvariants()
-// passes.
+// passes. Now and then the whole manager goes through SaveSnapshot / LoadSnapshot and goes on.
 #include "blockkv/state_manager.h"
 
 #include "blockkv/ragged_batch.h"
@@ -332,6 +332,30 @@ TEST(Rollback, PublishedBlocksStayValidCacheEntries) {
   ASSERT_OK(m->CheckInvariants());
 }
 
+// Rolling back below a prefix hit lowers cached_prefix_tokens to what the sequence still holds;
+// the manager then saves and loads (LoadSnapshot refuses cached > seen).
+TEST(Rollback, BelowAPrefixHitLowersCachedPrefixTokensAndSnapshotsLoad) {
+  auto m = Make(Config(16, /*prefix=*/true), {Group(4)});
+  ASSERT_TRUE(m->AddSequence(1, Iota(9)).ok());
+  ASSERT_OK(Step(*m, 1, Iota(9), 9));
+  ASSERT_TRUE(m->AddSequence(2, Iota(9)).ok());
+  const SeqId uids[] = {2};
+  const int64_t lengths[] = {9};
+  ASSERT_OK(m->Schedule({.uids = uids, .lengths = lengths}));
+  ASSERT_EQ(m->GetSequence(2)->cached_prefix_tokens(), 8);
+  WriteKV(*m, 2, std::vector<TokenId>{8});
+  ASSERT_OK(m->PostForward(uids));
+  ASSERT_OK(m->Rollback(2, 6));
+  EXPECT_EQ(m->GetSequence(2)->seen_tokens(), 3);
+  EXPECT_EQ(m->GetSequence(2)->cached_prefix_tokens(), 3);
+  Result<std::vector<std::byte>> bytes = m->SaveSnapshot();
+  ASSERT_OK(bytes);
+  ASSERT_OK(m->LoadSnapshot(*bytes));
+  EXPECT_EQ(m->GetSequence(2)->seen_tokens(), 3);
+  EXPECT_EQ(ReadKV(*m, 2), Iota(3));
+  ASSERT_OK(m->CheckInvariants());
+}
+
 // A sliding-window group whose leading blocks were released keeps a whole block before the new
 // end; rolling back further is a clear error.
 TEST(Rollback, SlidingWindowKeepsABlockBeforeTheNewEnd) {
@@ -453,9 +477,12 @@ class RollbackModel {
       } else if (op < 96) {
         what = "flush";
         FlushOne();
-      } else {
+      } else if (op < 98) {
         what = "rollback in flight";
         RollbackInFlight();
+      } else {
+        what = "snapshot round trip";
+        SnapshotRoundTrip();
       }
       if (::testing::Test::HasFailure()) {
         return ::testing::AssertionFailure() << "step " << step << " (" << what << ")";
@@ -469,6 +496,7 @@ class RollbackModel {
   int64_t rejected() const { return rejected_; }
   int64_t rollbacks() const { return rollbacks_; }
   int64_t copies() const { return copies_; }
+  int64_t snapshots() const { return snapshots_; }
 
  private:
   int Pick(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng_); }
@@ -643,6 +671,15 @@ class RollbackModel {
     ASSERT_OK(m_->PostForward(uids, none));
   }
 
+  // A snapshot after rollbacks loads back (LoadSnapshot checks every sequence's published
+  // blocks and chain against the cache) and the run goes on from it.
+  void SnapshotRoundTrip() {
+    Result<std::vector<std::byte>> bytes = m_->SaveSnapshot();
+    ASSERT_OK(bytes);
+    ASSERT_OK(m_->LoadSnapshot(*bytes));
+    ++snapshots_;
+  }
+
   ::testing::AssertionResult Agrees() {
     if (Status s = m_->CheckInvariants(); !s.ok()) {
       return ::testing::AssertionFailure() << "CheckInvariants: " << s;
@@ -686,6 +723,7 @@ class RollbackModel {
   int64_t rejected_ = 0;
   int64_t rollbacks_ = 0;
   int64_t copies_ = 0;
+  int64_t snapshots_ = 0;
 };
 
 TEST(RollbackModel, RandomSpeculationRollbackForksAndPrefixHitsMatchTheReference) {
@@ -705,6 +743,7 @@ TEST(RollbackModel, RandomSpeculationRollbackForksAndPrefixHitsMatchTheReference
     // The run exercised what it is for.
     EXPECT_GT(model.rejected(), 0) << setup.name;
     EXPECT_GT(model.rollbacks(), 0) << setup.name;
+    EXPECT_GT(model.snapshots(), 0) << setup.name;
     if (setup.prefix) {
       EXPECT_GT(model.hits(), 0) << setup.name;
       EXPECT_GT(model.copies(), 0) << setup.name;
