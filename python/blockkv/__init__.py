@@ -59,6 +59,8 @@ from ._blockkv import (
     Tensor,
     append_kv,
     built_with_cuda,
+    mla_append_kv,
+    mla_paged_attention,
     paged_attention,
     set_log_level,
 )
@@ -95,6 +97,8 @@ __all__ = [
     "Tensor",
     "append_kv",
     "built_with_cuda",
+    "mla_append_kv",
+    "mla_paged_attention",
     "paged_attention",
     "set_log_level",
     "split_kv",
@@ -121,10 +125,17 @@ DSSequenceDescriptor = SequenceDescriptor
 
 
 class KVCacheType(Enum):
-    """DeepSpeed's KVCacheType. Informational, as there: KVCacheConfig(type=...) accepts it."""
+    """What a cache group's layers keep per token: DeepSpeed's KVCacheType, extended (issue 21).
+
+    DENSE: K and V per KV head. MLA: one latent row (latent_dim + rope_dim) per token, shared by
+    every head (DeepSeek-V2/V3). LOCAL (sliding window) and STATE (per-sequence state) are not
+    group kinds yet: KVCacheConfig raises NotImplementedError for them.
+    """
 
     DENSE = "dense"
     LOCAL = "local"
+    STATE = "state"
+    MLA = "mla"
 
 
 class SchedulingError(RuntimeError):

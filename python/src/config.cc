@@ -50,18 +50,29 @@ std::array<int64_t, 3> ToCacheShape(py::handle obj) {
   return shape;
 }
 
-// KVCacheType ("dense" / "local") is informational in DeepSpeed: no code path reads it.
-void CheckCacheType(py::handle type) {
-  if (type.is_none()) return;
+// KVCacheConfig.type: None (DENSE), a blockkv.KVCacheType or DeepSpeed's (their .value is the
+// name), or the name itself: "dense", "local", "state", "mla". DeepSpeed stores the type without
+// reading it; blockkv lays out MLA groups by it, and refuses LOCAL and STATE (Validate:
+// NotImplementedError) rather than accept a kind it would plan and store as DENSE.
+KVCacheType ToCacheType(py::handle type) {
+  if (type.is_none()) return KVCacheType::kDense;
   py::object value = py::hasattr(type, "value") && !py::isinstance<py::str>(type)
                          ? type.attr("value")
                          : py::reinterpret_borrow<py::object>(type);
   if (py::isinstance<py::str>(value)) {
     const auto name = value.cast<std::string>();
-    if (name == "dense" || name == "local") return;
+    for (const KVCacheType t :
+         {KVCacheType::kDense, KVCacheType::kLocal, KVCacheType::kState, KVCacheType::kMla}) {
+      if (name == KVCacheTypeName(t)) return t;
+    }
   }
   Throw(PyExc_ValueError, "unknown KV cache type " + std::string(py::repr(type)) +
-                              R"(: expected "dense" or "local")");
+                              R"(: expected "dense", "local", "state" or "mla")");
+}
+
+// blockkv.KVCacheType(name): the Python enum of __init__.py.
+py::object CacheTypeToPython(KVCacheType type) {
+  return py::module_::import("blockkv").attr("KVCacheType")(KVCacheTypeName(type));
 }
 
 // The C++ PrefixCacheConfig has no Validate (StateManager::Create checks the windows against the
@@ -121,6 +132,12 @@ std::string Repr(const KVCacheConfig& c) {
          std::string(DTypeName(c.cache_dtype)) +
          "', num_allocation_groups=" + std::to_string(c.num_allocation_groups) +
          ", max_blocks_per_allocation_group=" + std::to_string(c.max_blocks_per_allocation_group) +
+         (c.type == KVCacheType::kDense ? std::string()
+                                        : ", type='" + std::string(KVCacheTypeName(c.type)) + "'") +
+         (c.type == KVCacheType::kMla ? ", latent_dim=" + std::to_string(c.latent_dim) +
+                                            ", rope_dim=" + std::to_string(c.rope_dim)
+                                      : std::string()) +
+         (c.state_bytes != 0 ? ", state_bytes=" + std::to_string(c.state_bytes) : std::string()) +
          ")";
 }
 
@@ -387,9 +404,13 @@ void BindKVCacheConfig(py::module_& m) {
              [](py::handle cache_shape, Int<int32_t, "block_size"> block_size,
                 py::handle cache_dtype, Int<int32_t, "num_allocation_groups"> num_allocation_groups,
                 Int<int32_t, "max_blocks_per_allocation_group"> max_blocks_per_allocation_group,
-                py::handle type) {
-               CheckCacheType(type);
+                py::handle type, Int<int64_t, "latent_dim"> latent_dim,
+                Int<int64_t, "rope_dim"> rope_dim, Int<int64_t, "state_bytes"> state_bytes) {
                KVCacheConfig c;
+               c.type = ToCacheType(type);
+               c.latent_dim = latent_dim;
+               c.rope_dim = rope_dim;
+               c.state_bytes = state_bytes;
                c.cache_shape = ToCacheShape(cache_shape);
                c.block_size = block_size;
                c.cache_dtype = ToDType(cache_dtype);
@@ -400,7 +421,12 @@ void BindKVCacheConfig(py::module_& m) {
              }),
          py::kw_only(), py::arg("cache_shape"), py::arg("block_size") = 128,
          py::arg("cache_dtype") = "fp16", py::arg("num_allocation_groups") = 1,
-         py::arg("max_blocks_per_allocation_group") = 64, py::arg("type") = py::none())
+         py::arg("max_blocks_per_allocation_group") = 64, py::arg("type") = py::none(),
+         py::arg("latent_dim") = 0, py::arg("rope_dim") = 0, py::arg("state_bytes") = 0,
+         R"(One cache group. type: KVCacheType.DENSE (K and V per KV head), or MLA: one latent row
+per token and layer, cache_shape = (num_layers, 1, latent_dim + rope_dim), e.g. DeepSeek-V3's
+KVCacheConfig(type=KVCacheType.MLA, cache_shape=(61, 1, 576), latent_dim=512, rope_dim=64,
+cache_dtype="bf16"). LOCAL and STATE raise NotImplementedError (issue 21).)")
       .def_property(
           "block_size", [](const KVCacheConfig& c) { return c.block_size; },
           Int32Setter(&KVCacheConfig::block_size, "block_size"))
@@ -432,6 +458,25 @@ void BindKVCacheConfig(py::module_& m) {
           [](const KVCacheConfig& c) { return c.max_blocks_per_allocation_group; },
           Int32Setter(&KVCacheConfig::max_blocks_per_allocation_group,
                       "max_blocks_per_allocation_group"))
+      .def_property(
+          "type", [](const KVCacheConfig& c) { return CacheTypeToPython(c.type); },
+          [](KVCacheConfig& c, py::handle v) {
+            const KVCacheType type = ToCacheType(v);
+            SetValidated(c, [&](KVCacheConfig& copy) { copy.type = type; });
+          },
+          "The group's kind: a blockkv.KVCacheType (DeepSpeed's field)")
+      .def_property(
+          "latent_dim", [](const KVCacheConfig& c) { return c.latent_dim; },
+          Int64Setter(&KVCacheConfig::latent_dim, "latent_dim"),
+          "MLA: the latent c_kv's width (DeepSeek-V3: 512); 0 otherwise")
+      .def_property(
+          "rope_dim", [](const KVCacheConfig& c) { return c.rope_dim; },
+          Int64Setter(&KVCacheConfig::rope_dim, "rope_dim"),
+          "MLA: the rotary key k_pe's width (DeepSeek-V3: 64); 0 otherwise")
+      .def_property(
+          "state_bytes", [](const KVCacheConfig& c) { return c.state_bytes; },
+          Int64Setter(&KVCacheConfig::state_bytes, "state_bytes"),
+          "STATE (not supported yet): bytes per sequence; 0 otherwise")
       .def_property_readonly(
           "bytes_per_block",
           [](const KVCacheConfig& c) { return ValueOrThrow(c.bytes_per_block()); },
@@ -441,7 +486,9 @@ void BindKVCacheConfig(py::module_& m) {
              return a.block_size == b.block_size && a.cache_shape == b.cache_shape &&
                     a.cache_dtype == b.cache_dtype &&
                     a.num_allocation_groups == b.num_allocation_groups &&
-                    a.max_blocks_per_allocation_group == b.max_blocks_per_allocation_group;
+                    a.max_blocks_per_allocation_group == b.max_blocks_per_allocation_group &&
+                    a.type == b.type && a.latent_dim == b.latent_dim && a.rope_dim == b.rope_dim &&
+                    a.state_bytes == b.state_bytes;
            })
       .def("__repr__", py::overload_cast<const KVCacheConfig&>(&Repr));
   AddValueMethods(
@@ -449,7 +496,9 @@ void BindKVCacheConfig(py::module_& m) {
       [](const KVCacheConfig& c) {
         return py::make_tuple(c.block_size, c.cache_shape[0], c.cache_shape[1], c.cache_shape[2],
                               std::string(DTypeName(c.cache_dtype)), c.num_allocation_groups,
-                              c.max_blocks_per_allocation_group);
+                              c.max_blocks_per_allocation_group,
+                              std::string(KVCacheTypeName(c.type)), c.latent_dim, c.rope_dim,
+                              c.state_bytes);
       },
       [](const py::tuple& state) {
         KVCacheConfig c;
@@ -459,6 +508,12 @@ void BindKVCacheConfig(py::module_& m) {
         c.cache_dtype = ToDType(state[4]);
         c.num_allocation_groups = state[5].cast<int32_t>();
         c.max_blocks_per_allocation_group = state[6].cast<int32_t>();
+        if (state.size() >= 11) {
+          c.type = ToCacheType(state[7]);
+          c.latent_dim = state[8].cast<int64_t>();
+          c.rope_dim = state[9].cast<int64_t>();
+          c.state_bytes = state[10].cast<int64_t>();
+        }
         return c;
       });
 }

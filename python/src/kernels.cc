@@ -229,6 +229,53 @@ void PagedAttentionPy(py::handle q, py::handle layer_cache, py::handle batch, py
       table);
 }
 
+void MlaAppendKVPy(py::handle layer_cache, py::handle c_kv, py::handle k_pe, py::handle batch,
+                   int group, int num_threads) {
+  const OwnedTensor cache = ImportTensor(layer_cache);
+  const OwnedTensor latent = ImportTensor(c_kv);
+  const OwnedTensor rope = ImportTensor(k_pe);
+  const AnyTable table = ToTable(batch, cache.view);
+  const MlaAppendOptions options{.group = group, .num_threads = num_threads};
+  std::visit(
+      [&](const auto& t) {
+        if constexpr (std::is_pointer_v<std::decay_t<decltype(t)>>) {
+          ThrowIfError(LockedWithoutGil(t->lock, [&] {
+            return MlaAppendKV(cache.view, latent.view, rope.view, *t->batch, options);
+          }));
+        } else {
+          CallWithoutGil(
+              [&] { return MlaAppendKV(cache.view, latent.view, rope.view, t, options); });
+        }
+      },
+      table);
+}
+
+void MlaPagedAttentionPy(py::handle q_nope, py::handle q_pe, py::handle layer_cache,
+                         py::handle batch, py::handle out, float scale, bool causal, int group,
+                         int num_threads) {
+  const OwnedTensor nope = ImportTensor(q_nope);
+  const OwnedTensor pe = ImportTensor(q_pe);
+  const OwnedTensor cache = ImportTensor(layer_cache);
+  const OwnedTensor output = ImportTensor(out);
+  const AnyTable table = ToTable(batch, cache.view);
+  const MlaAttentionOptions options{
+      .scale = scale, .causal = causal, .group = group, .num_threads = num_threads};
+  std::visit(
+      [&](const auto& t) {
+        if constexpr (std::is_pointer_v<std::decay_t<decltype(t)>>) {
+          ThrowIfError(LockedWithoutGil(t->lock, [&] {
+            return MlaPagedAttention(nope.view, pe.view, cache.view, *t->batch, output.view,
+                                     options);
+          }));
+        } else {
+          CallWithoutGil([&] {
+            return MlaPagedAttention(nope.view, pe.view, cache.view, t, output.view, options);
+          });
+        }
+      },
+      table);
+}
+
 }  // namespace
 
 void BindKernels(py::module_& m) {
@@ -280,6 +327,25 @@ own), within sliding_window (W > 0: (p - W, p]), or all of the sequence (causal=
 scale 0: 1/sqrt(D). Padded rows of out are not written. Append the step's keys first
 (append_kv). ValueError (nothing written) for an unsupported or inconsistent argument, a batch not
 finalized or a block a query needs that was released.)doc");
+  m.def("mla_append_kv", &MlaAppendKVPy, py::arg("layer_cache"), py::arg("c_kv"), py::arg("k_pe"),
+        py::arg("batch"), py::kw_only(), py::arg("group") = 0, py::arg("num_threads") = 0,
+        R"doc(Writes the batch's new MLA latents into their cache slots (MlaAppendKV).
+layer_cache: one layer of an MLA group, [num_blocks, block_size, L + R] (get_cache of a group of
+KVCacheType.MLA); c_kv: [T, L] each new token's latent (L = latent_dim), k_pe: [T, R] its rotary
+key, already rotated (R = rope_dim; may be 0). One dtype throughout: fp32, fp16 or bf16. batch: a
+RaggedBatchWrapper (its group must be MLA with this latent_dim) or a page table of the caller's.
+CPU only (NotImplementedError for CUDA tensors). ValueError (nothing written) for an unsupported or
+inconsistent argument.)doc");
+  m.def("mla_paged_attention", &MlaPagedAttentionPy, py::arg("q_nope"), py::arg("q_pe"),
+        py::arg("layer_cache"), py::arg("batch"), py::arg("out"), py::kw_only(), py::arg("scale"),
+        py::arg("causal") = true, py::arg("group") = 0, py::arg("num_threads") = 0,
+        R"doc(MLA decode/prefill attention in the absorbed form (MlaPagedAttention).
+For query token t and head h over the keys s it sees (causal: positions <= its own):
+score[s] = (q_nope[t, h] . c_kv[s] + q_pe[t, h] . k_pe[s]) * scale; out[t, h] = softmax(score) .
+c_kv. q_nope: [T, H, L] queries already absorbed into the latent space (q_nope @ W_UK^T), q_pe:
+[T, H, R] rotated, out: [T, H, L] (apply W_UV and W_O after). scale is required: the model's
+softmax scale (DeepSeek-V3: 1/sqrt(192) times YaRN's mscale^2). fp32 arithmetic; CPU only.
+ValueError (nothing written) for an unsupported or inconsistent argument.)doc");
 }
 
 }  // namespace blockkv::python

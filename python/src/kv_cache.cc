@@ -286,7 +286,8 @@ void BindBlockedKVCache(py::module_& m) {
           },
           py::arg("cache_id"), py::arg("cache_group") = 0,
           "Layer `cache_id` of the group: a blockkv.Tensor [num_blocks, block_size, 2, "
-          "num_kv_heads, head_size] to pass to torch.from_dlpack / numpy.from_dlpack.")
+          "num_kv_heads, head_size] (an MLA group's: [num_blocks, block_size, latent_dim + "
+          "rope_dim]) to pass to torch.from_dlpack / numpy.from_dlpack.")
       .def(
           "get_group_storage",
           [](const Cache& c, CacheGroupArg cache_group) {
@@ -295,7 +296,8 @@ void BindBlockedKVCache(py::module_& m) {
             return MakeTensor(view, c->cache);
           },
           py::arg("cache_group") = 0,
-          "The whole group: [num_caches, num_blocks, block_size, 2, num_kv_heads, head_size].")
+          "The whole group: [num_caches, num_blocks, block_size, 2, num_kv_heads, head_size] "
+          "(MLA: [num_caches, num_blocks, block_size, latent_dim + rope_dim]).")
       .def(
           "offload",
           [](const Cache& c, py::handle blocks, CacheGroupArg cache_group, py::handle tier) {

@@ -2,6 +2,9 @@
 """KVCacheConfig, MemoryConfig, AllocationMode and StateManagerConfig: DeepSpeed's names and
 defaults, its config scenarios (test_manager_configs.py), and validation on assignment."""
 
+import copy
+import pickle
+
 import blockkv
 import numpy as np
 import pytest
@@ -97,9 +100,30 @@ def test_kv_cache_config_assignment_and_equality():
     assert "block_size=16" in repr(c)
 
 
-def test_kv_cache_type_is_accepted_and_informational():
-    blockkv.KVCacheConfig(cache_shape=(1, 1, 8), type=blockkv.KVCacheType.DENSE)
-    blockkv.KVCacheConfig(cache_shape=(1, 1, 8), type="local")
+def test_kv_cache_type_dense_and_mla_are_group_kinds_local_and_state_not_yet():
+    c = blockkv.KVCacheConfig(cache_shape=(1, 1, 8), type=blockkv.KVCacheType.DENSE)
+    assert c.type == blockkv.KVCacheType.DENSE and c.bytes_per_block == 128 * 2 * 8 * 2
+    assert blockkv.KVCacheConfig(cache_shape=(1, 1, 8)).type == blockkv.KVCacheType.DENSE
+    # DeepSeek-V3: one latent row of 512 + 64 per token and layer, no K/V split.
+    mla = blockkv.KVCacheConfig(cache_shape=(61, 1, 576), type="mla", latent_dim=512, rope_dim=64,
+                                cache_dtype="bf16", block_size=64)
+    assert mla.type == blockkv.KVCacheType.MLA
+    assert (mla.latent_dim, mla.rope_dim, mla.state_bytes) == (512, 64, 0)
+    assert mla.bytes_per_block == 61 * 64 * 576 * 2
+    assert "type='mla', latent_dim=512, rope_dim=64" in repr(mla)
+    assert copy.deepcopy(mla) == mla and pickle.loads(pickle.dumps(mla)) == mla
+    assert mla != blockkv.KVCacheConfig(cache_shape=(61, 1, 576), cache_dtype="bf16",
+                                        block_size=64)
+    with pytest.raises(ValueError, match=r"\(61, 1, 576\), got \(61, 1, 512\)"):
+        blockkv.KVCacheConfig(cache_shape=(61, 1, 512), type="mla", latent_dim=512, rope_dim=64)
+    with pytest.raises(ValueError, match="latent_dim"):
+        blockkv.KVCacheConfig(cache_shape=(1, 1, 8), latent_dim=8)
+    with pytest.raises(ValueError):
+        mla.rope_dim = 32  # the shape no longer adds up; nothing changes
+    assert mla.rope_dim == 64
+    for kind in ("local", blockkv.KVCacheType.LOCAL, "state"):
+        with pytest.raises(NotImplementedError, match="see issue 21|issue 21"):
+            blockkv.KVCacheConfig(cache_shape=(1, 1, 8), type=kind)
     with pytest.raises(ValueError):
         blockkv.KVCacheConfig(cache_shape=(1, 1, 8), type="sparse")
 
