@@ -13,6 +13,10 @@
 //                        caller's own table; the RaggedBatch's arrays, qo_indptr 0..B) instead
 //                        of the RaggedBatch: the table path's checks against the batch path's.
 //   BM_AppendDecode      AppendKV of one token per sequence (for scale; a few rows per token).
+//   BM_MlaDecode         MlaPagedAttention (issue 21) for B sequences of one new token each over
+//                        DeepSeek-V3's latent rows (512 + 64, bf16), as many cached bytes as
+//                        BM_DecodePaged reads at the same context arg (so 4096 / 1152 times
+//                        its tokens); args: dense context, heads (16: tp 8; 128: tp 1), threads.
 // Shape: B = 16, Hq = 32, Hkv = 8, D = 128, bf16, block size 16; args: context, threads.
 // bytes_per_second counts the K/V bytes read (B · context · Hkv · D · 2 planes · 2 bytes).
 #include <benchmark/benchmark.h>
@@ -252,6 +256,100 @@ void BM_AppendDecode(benchmark::State& state) {
       static_cast<double>(state.iterations()) * kBatch, benchmark::Counter::kIsRate);
 }
 
+// MLA: B sequences of `context − 1` tokens of latent rows grown together, one new token each.
+constexpr int32_t kLatent = 512;
+constexpr int32_t kRope = 64;
+
+struct MlaDecodeSetup {
+  std::unique_ptr<blockkv::StateManager> manager;
+  std::unique_ptr<blockkv::RaggedBatch> batch;
+  blockkv::TensorView cache;
+
+  explicit MlaDecodeSetup(int64_t context) {
+    blockkv::StateManagerConfig config;
+    config.max_context = context + 1;
+    config.max_ragged_batch_size = 4096;
+    config.max_ragged_sequence_count = kBatch;
+    config.max_tracked_sequences = kBatch;
+    const int64_t blocks_per_seq = context / kBlockSize + 1;
+    config.memory_config = {.mode = blockkv::AllocationMode::kAllocate,
+                            .size = kBatch * blocks_per_seq};
+    const blockkv::KVCacheConfig kv{
+        .block_size = kBlockSize,
+        .cache_shape = {1, 1, kLatent + kRope},
+        .cache_dtype = DType::kBFloat16,
+        .max_blocks_per_allocation_group = static_cast<int32_t>(blocks_per_seq),
+        .type = blockkv::KVCacheType::kMla,
+        .latent_dim = kLatent,
+        .rope_dim = kRope};
+    auto created = blockkv::StateManager::Create(config, {kv}, blockkv::CpuDevice(16LL << 30));
+    Check(created.status(), "StateManager::Create");
+    manager = std::move(*created);
+    std::vector<SeqId> uids(kBatch);
+    for (int32_t i = 0; i < kBatch; ++i) uids[static_cast<size_t>(i)] = i;
+    for (int64_t done = 0; done < context - 1;) {
+      const int64_t step = std::min<int64_t>(kBlockSize, context - 1 - done);
+      Check(manager->Schedule({.uids = uids, .lengths = std::vector<int64_t>(kBatch, step)}),
+            "Schedule");
+      Check(manager->PostForward(uids), "PostForward");
+      done += step;
+    }
+    Check(manager->Schedule({.uids = uids, .lengths = std::vector<int64_t>(kBatch, 1)}),
+          "Schedule decode");
+    auto b = blockkv::RaggedBatch::Create(*manager);
+    Check(b.status(), "RaggedBatch::Create");
+    batch = std::move(*b);
+    const std::vector<TokenId> token = {1};
+    for (SeqId uid : uids)
+      Check(batch->InsertSequence(*manager->GetSequence(uid), token), "Insert");
+    Check(batch->Finalize(), "Finalize");
+    cache = *manager->GetCache(0);
+    FillRandom(cache.data, cache.numel());
+  }
+};
+
+void BM_MlaDecode(benchmark::State& state) {
+  const int64_t dense_context = state.range(0);
+  const auto heads = static_cast<int32_t>(state.range(1));
+  // The same cached bytes as BM_DecodePaged at dense_context: Hkv · D · 2 planes per token there,
+  // L + R here.
+  const int64_t context = dense_context * kKVHeads * kHeadSize * 2 / (kLatent + kRope);
+  MlaDecodeSetup setup(context);
+  std::vector<uint16_t> q_nope(size_t{kBatch} * heads * kLatent);
+  std::vector<uint16_t> q_pe(size_t{kBatch} * heads * kRope);
+  std::vector<uint16_t> out(q_nope.size());
+  FillRandom(q_nope.data(), static_cast<int64_t>(q_nope.size()));
+  FillRandom(q_pe.data(), static_cast<int64_t>(q_pe.size()));
+  auto view = [&](std::vector<uint16_t>& v, int64_t d) {
+    return blockkv::ContiguousView(v.data(), DType::kBFloat16, blockkv::DeviceKind::kCpu, 0,
+                                   {kBatch, heads, d});
+  };
+  const blockkv::MlaAttentionOptions options{.scale = 0.0722f,
+                                             .num_threads = static_cast<int>(state.range(2))};
+  for (auto _ : state) {
+    Check(blockkv::MlaPagedAttention(view(q_nope, kLatent), view(q_pe, kRope), setup.cache,
+                                     *setup.batch, view(out, kLatent), options),
+          "MlaPagedAttention");
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * kBatch * context *
+                          (kLatent + kRope) * 2);
+  state.counters["context"] = static_cast<double>(context);
+  state.counters["heads"] = static_cast<double>(heads);
+  state.counters["threads"] = static_cast<double>(state.range(2));
+}
+
+void MlaArgs(benchmark::internal::Benchmark* b) {
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  for (int64_t heads : {16, 128}) {
+    for (int threads : {1, hw}) {
+      b->Args({4096, heads, threads});
+      if (hw == 1) break;
+    }
+  }
+  b->Unit(benchmark::kMicrosecond)->UseRealTime();
+}
+
 void Args(benchmark::internal::Benchmark* b) {
   const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   for (int64_t context : {1024, 4096, 8192}) {
@@ -268,6 +366,7 @@ BENCHMARK(BM_DecodePageTable)->Apply(Args);
 BENCHMARK(BM_DecodeContiguous)->Apply(Args);
 BENCHMARK(BM_Memcpy)->Apply(Args);
 BENCHMARK(BM_AppendDecode)->Args({4096, 1})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_MlaDecode)->Apply(MlaArgs);
 
 }  // namespace
 
