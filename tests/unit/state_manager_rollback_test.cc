@@ -4,7 +4,8 @@
 // cache are never written through, a decode step of k + 1 tokens), then a model-based random
 // test: random steps of k drafts with random accept counts (through ScheduleBatch +
 // PostForward(batch, accepted) and AppendTokens + Schedule + PostForward(uids, accepted)),
-// random Rollback calls, forks, flushes and prompts that hit the prefix cache, against a
+// random Rollback calls, forks, flushes and prompts that hit the prefix cache, and in two more
+// setups preemption to the host tier and FreeLeadingBlocks (sliding windows), against a
 // reference of each sequence's tokens. Every forward writes each token's id into its KV slot;
 // after every operation each sequence's KV reads back exactly its accepted tokens, every
 // prefix hit's blocks hold the prompt's tokens, no published block (BlockStored) carries a
@@ -80,11 +81,11 @@ void WriteKV(const StateManager& m, SeqId uid, std::span<const TokenId> tokens) 
   }
 }
 
-// The KV `uid` holds for positions [0, seen) in every group, as token ids.
-std::vector<TokenId> ReadKV(const StateManager& m, SeqId uid, int group = 0) {
+// The KV `uid` holds for positions [from, seen) of `group`, as token ids.
+std::vector<TokenId> ReadKV(const StateManager& m, SeqId uid, int group = 0, int64_t from = 0) {
   const Sequence& seq = *m.GetSequence(uid);
   std::vector<TokenId> out;
-  for (int64_t p = 0; p < seq.seen_tokens(); ++p) {
+  for (int64_t p = from; p < seq.seen_tokens(); ++p) {
     out.push_back(static_cast<TokenId>(*Slot(m, seq, p, group)));
   }
   return out;
@@ -449,12 +450,19 @@ struct ModelSetup {
   std::vector<KVCacheConfig> groups;
   int32_t num_blocks;
   bool prefix;
+  bool offload = false;  // preempt / resume through a host tier (and the prefix cache's host level)
+  bool window = false;   // FreeLeadingBlocks (one cache group)
 };
 
 class RollbackModel {
  public:
-  RollbackModel(const ModelSetup& setup, uint64_t seed)
-      : setup_(setup), rng_(seed), m_(Make(Config(setup.num_blocks, setup.prefix), setup.groups)) {
+  RollbackModel(const ModelSetup& setup, uint64_t seed) : setup_(setup), rng_(seed) {
+    StateManagerConfig config = Config(setup.num_blocks, setup.prefix);
+    if (setup.offload) {
+      config.offload = true;
+      config.offload_config.host_blocks = setup.num_blocks;
+    }
+    m_ = Make(config, setup.groups);
     batch_ = std::move(RaggedBatch::Create(*m_)).value();
   }
 
@@ -465,24 +473,30 @@ class RollbackModel {
       if (op < 12) {
         what = "add";
         Add();
-      } else if (op < 62) {
+      } else if (op < 58) {
         what = "speculative step";
         SpeculativeStep();
-      } else if (op < 80) {
+      } else if (op < 76) {
         what = "rollback";
         RollbackOne();
-      } else if (op < 88) {
+      } else if (op < 84) {
         what = "fork";
         ForkOne();
-      } else if (op < 96) {
+      } else if (op < 90) {
         what = "flush";
         FlushOne();
-      } else if (op < 98) {
+      } else if (op < 92) {
         what = "rollback in flight";
         RollbackInFlight();
-      } else {
+      } else if (op < 94) {
         what = "snapshot round trip";
         SnapshotRoundTrip();
+      } else if (op < 97) {
+        what = "preempt or resume";
+        if (setup_.offload) PreemptOrResume();
+      } else {
+        what = "free leading blocks";
+        if (setup_.window) FreeLeading();
       }
       if (::testing::Test::HasFailure()) {
         return ::testing::AssertionFailure() << "step " << step << " (" << what << ")";
@@ -497,6 +511,8 @@ class RollbackModel {
   int64_t rollbacks() const { return rollbacks_; }
   int64_t copies() const { return copies_; }
   int64_t snapshots() const { return snapshots_; }
+  int64_t preemptions() const { return preemptions_; }
+  int64_t window_refusals() const { return window_refusals_; }
 
  private:
   int Pick(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng_); }
@@ -506,6 +522,17 @@ class RollbackModel {
     auto it = model_.begin();
     std::advance(it, Pick(0, static_cast<int>(model_.size()) - 1));
     return it->first;
+  }
+  // A sequence that is not preempted, or -1.
+  SeqId Resident() {
+    for (int tries = 0; tries < 4; ++tries) {
+      if (const SeqId uid = AnySequence(); uid >= 0 && !preempted_.contains(uid)) return uid;
+    }
+    return -1;
+  }
+  int64_t Released(SeqId uid) const {
+    const auto it = released_.find(uid);
+    return it == released_.end() ? 0 : it->second;
   }
 
   void Add() {
@@ -547,7 +574,7 @@ class RollbackModel {
   void SpeculativeStep() {
     std::set<SeqId> chosen;
     for (int n = Pick(1, 3); n > 0; --n) {
-      if (const SeqId uid = AnySequence(); uid >= 0) chosen.insert(uid);
+      if (const SeqId uid = Resident(); uid >= 0) chosen.insert(uid);
     }
     if (chosen.empty()) return;
     const std::vector<SeqId> uids(chosen.begin(), chosen.end());
@@ -617,8 +644,14 @@ class RollbackModel {
       table_before.insert(table_before.end(), t.begin(), t.end());
     }
     const Status s = m_->Rollback(uid, n);
-    if (n > std::ssize(mine)) {
+    const int64_t end = std::ssize(mine) - n;
+    if (preempted_.contains(uid)) {
+      ASSERT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+    } else if (n > std::ssize(mine)) {
       ASSERT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+    } else if (Released(uid) > 0 && end / m_->kv_block_size(0) <= Released(uid)) {
+      ASSERT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;  // the window's blocks are gone
+      ++window_refusals_;
     } else if (s.code() == StatusCode::kResourceExhausted) {
       // Only a private copy can fail, and only with no block to take.
       ASSERT_TRUE(std::find(free_before.begin(), free_before.end(), 0) != free_before.end()) << s;
@@ -627,7 +660,6 @@ class RollbackModel {
       ++rollbacks_;
       for (int g = 0; g < m_->num_groups(); ++g) {
         const int32_t bs = m_->kv_block_size(g);
-        const int64_t end = std::ssize(mine) - n;
         if (end % bs != 0 && m_->GetSequence(uid)->block_table(g)[end / bs] !=
                                  table_before[static_cast<size_t>(end / bs)]) {
           ++copies_;
@@ -646,11 +678,16 @@ class RollbackModel {
     if (parent < 0 || model_.size() >= 12) return;
     const SeqId child = next_uid_++;
     const Status s = m_->Fork(parent, child);
+    if (preempted_.contains(parent)) {
+      ASSERT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+      return;
+    }
     if (!s.ok()) {
       ASSERT_EQ(s.code(), StatusCode::kResourceExhausted) << s;
       return;
     }
     model_[child] = model_[parent];
+    if (Released(parent) > 0) released_[child] = Released(parent);
   }
 
   void FlushOne() {
@@ -658,10 +695,12 @@ class RollbackModel {
     if (uid < 0) return;
     ASSERT_OK(m_->FlushSequence(uid));
     model_.erase(uid);
+    preempted_.erase(uid);
+    released_.erase(uid);
   }
 
   void RollbackInFlight() {
-    const SeqId uid = AnySequence();
+    const SeqId uid = Resident();
     if (uid < 0) return;
     const SeqId uids[] = {uid};
     const int64_t lengths[] = {1};
@@ -675,9 +714,42 @@ class RollbackModel {
   // blocks and chain against the cache) and the run goes on from it.
   void SnapshotRoundTrip() {
     Result<std::vector<std::byte>> bytes = m_->SaveSnapshot();
+    if (!preempted_.empty()) {  // a snapshot does not hold the offload tiers
+      ASSERT_EQ(bytes.status().code(), StatusCode::kFailedPrecondition) << bytes.status();
+      return;
+    }
     ASSERT_OK(bytes);
     ASSERT_OK(m_->LoadSnapshot(*bytes));
     ++snapshots_;
+  }
+
+  // Preempts a resident sequence to the host tier, or resumes a preempted one; waits for the copy
+  // so that the KV can be read back.
+  void PreemptOrResume() {
+    const SeqId uid = AnySequence();
+    if (uid < 0) return;
+    const bool resume = preempted_.contains(uid);
+    Result<OffloadTicket> ticket = resume ? m_->ResumeSequence(uid) : m_->PreemptSequence(uid);
+    if (!ticket.ok()) {
+      ASSERT_EQ(ticket.status().code(), StatusCode::kResourceExhausted) << ticket.status();
+      return;
+    }
+    ASSERT_OK(ticket->Wait());
+    if (resume) {
+      preempted_.erase(uid);
+    } else {
+      preempted_.insert(uid);
+      ++preemptions_;
+    }
+  }
+
+  // Releases a resident sequence's oldest held block when one lies wholly before seen_tokens.
+  void FreeLeading() {
+    const SeqId uid = Resident();
+    if (uid < 0) return;
+    if ((Released(uid) + 1) * m_->kv_block_size(0) > std::ssize(model_[uid])) return;
+    ASSERT_OK(m_->FreeLeadingBlocks(uid, 1));
+    ++released_[uid];
   }
 
   ::testing::AssertionResult Agrees() {
@@ -694,10 +766,22 @@ class RollbackModel {
         MODEL_CHECK(seq->seen_tokens() == std::ssize(tokens))
             << "sequence " << uid << ": " << seq->seen_tokens() << " vs " << tokens.size();
         MODEL_CHECK(seq->in_flight_tokens() == 0) << "sequence " << uid;
+        MODEL_CHECK(seq->preempted() == preempted_.contains(uid)) << "sequence " << uid;
         MODEL_CHECK(seq->cur_allocated_blocks(g) == (std::ssize(tokens) + bs - 1) / bs)
             << "sequence " << uid << " group " << g << " holds " << seq->cur_allocated_blocks(g);
-        MODEL_CHECK(ReadKV(*m_, uid, g) == tokens) << "KV of sequence " << uid << " group " << g;
-        held.insert(seq->block_table(g).begin(), seq->block_table(g).end());
+        if (seq->preempted()) continue;  // its blocks are in the host tier
+        MODEL_CHECK(seq->released_blocks(g) == Released(uid)) << "sequence " << uid;
+        const int64_t from = Released(uid) * bs;
+        MODEL_CHECK(
+            ReadKV(*m_, uid, g, from) ==
+            std::vector<TokenId>(tokens.begin() + std::min(from, std::ssize(tokens)), tokens.end()))
+            << "KV of sequence " << uid << " group " << g;
+        for (const BlockId b : seq->block_table(g)) {
+          if (b != kNoBlock) held.insert(b);
+        }
+      }
+      if (m_->offload_store() != nullptr) {  // copies not yet applied hold their blocks
+        for (const BlockId b : m_->offload_store()->held_blocks(g)) held.insert(b);
       }
       MODEL_CHECK(m_->free_blocks()[static_cast<size_t>(g)] == setup_.num_blocks - std::ssize(held))
           << "group " << g << ": " << m_->free_blocks()[static_cast<size_t>(g)] << " free, "
@@ -724,6 +808,10 @@ class RollbackModel {
   int64_t rollbacks_ = 0;
   int64_t copies_ = 0;
   int64_t snapshots_ = 0;
+  int64_t preemptions_ = 0;
+  int64_t window_refusals_ = 0;
+  std::set<SeqId> preempted_;
+  std::map<SeqId, int64_t> released_;  // leading blocks FreeLeadingBlocks released (group 0)
 };
 
 TEST(RollbackModel, RandomSpeculationRollbackForksAndPrefixHitsMatchTheReference) {
@@ -736,6 +824,16 @@ TEST(RollbackModel, RandomSpeculationRollbackForksAndPrefixHitsMatchTheReference
        .num_blocks = 60,
        .prefix = true},
       {.name = "no prefix, block 1", .groups = {Group(1, 64)}, .num_blocks = 96, .prefix = false},
+      {.name = "prefix, offload, block 4",
+       .groups = {Group(4)},
+       .num_blocks = 40,
+       .prefix = true,
+       .offload = true},
+      {.name = "sliding window, block 4",
+       .groups = {Group(4)},
+       .num_blocks = 48,
+       .prefix = false,
+       .window = true},
   };
   for (const ModelSetup& setup : setups) {
     RollbackModel model(setup, seed);
@@ -744,13 +842,20 @@ TEST(RollbackModel, RandomSpeculationRollbackForksAndPrefixHitsMatchTheReference
     EXPECT_GT(model.rejected(), 0) << setup.name;
     EXPECT_GT(model.rollbacks(), 0) << setup.name;
     EXPECT_GT(model.snapshots(), 0) << setup.name;
+    if (setup.offload) {
+      EXPECT_GT(model.preemptions(), 0) << setup.name;
+    }
+    if (setup.window) {
+      EXPECT_GT(model.window_refusals(), 0) << setup.name;
+    }
     if (setup.prefix) {
       EXPECT_GT(model.hits(), 0) << setup.name;
       EXPECT_GT(model.copies(), 0) << setup.name;
     }
     std::cout << setup.name << ": " << model.hits() << " prefix hits, " << model.rejected()
               << " rejected tokens, " << model.rollbacks() << " rollbacks, " << model.copies()
-              << " private copies\n";
+              << " private copies, " << model.snapshots() << " snapshots, " << model.preemptions()
+              << " preemptions, " << model.window_refusals() << " window refusals\n";
   }
 }
 
