@@ -10,11 +10,13 @@
 // head), and each tile of kTile key positions is converted to fp32 once per item (gathered across
 // block boundaries through the sequence's table) into a buffer whose rows are padded with zeros to
 // a multiple of kPad floats, as are the queries and accumulators: the SIMD loops need no tails.
-// Per tile: scores of kRowBlock rows at a time against each key (every key vector loaded once for
-// the block), the online softmax of FlashAttention per row (m, l, acc · e^(m − m')), then
-// acc += p · c_kv with kRowBlock accumulators of a column range held in registers while the keys
-// stream by. With H heads, a key costs H · (2L + R) multiply-adds against 2(L + R) bytes (bf16)
-// read: decode is compute-bound from a few heads on, unlike dense attention's K/V streaming.
+// Per tile: scores of kRowBlock rows against two keys at a time (each key vector loaded once for
+// the rows, each query vector once for the two keys), the online softmax of FlashAttention per
+// row (m, l, acc · e^(m − m'), Highway's Exp over the tile), then acc += p · c_kv with kRowBlock
+// rows' accumulators of two column vectors held in registers while the keys stream by. Measured
+// in docs/benchmarks.md ("MLA decode"): together 379 -> 246 ms at 16 heads. With H heads, a
+// key costs H · (2L + R) multiply-adds against 2(L + R) bytes (bf16) read: decode is compute-bound
+// from a few heads on, unlike dense attention's K/V streaming.
 #ifndef BLOCKKV_KERNELS_CPU_MLA_SHARED_
 #define BLOCKKV_KERNELS_CPU_MLA_SHARED_
 
@@ -79,6 +81,7 @@ struct Scratch {
 #define HWY_TARGET_INCLUDE "kernels_cpu_mla.cc"
 #include <hwy/foreach_target.h>  // IWYU pragma: keep
 // foreach_target.h must come first.
+#include <hwy/contrib/math/math-inl.h>
 #include <hwy/highway.h>
 
 HWY_BEFORE_NAMESPACE();
@@ -147,21 +150,44 @@ void GatherTile(const PagedKV& c, int32_t seq, int64_t k0, int32_t count, int32_
   }
 }
 
-// scores[r, j] = q_r · kv_j for rows [r0, r0 + RB) and keys [0, count).
+// scores[r, j] = q_r · kv_j for rows [r0, r0 + RB) and keys [0, count), two keys at a time: each
+// query vector loaded serves two keys and each key vector RB rows (RB · 2 sums in flight).
 template <int RB>
 HWY_INLINE void BlockScores(const Scratch& s, int32_t r0, int32_t count, int32_t dp,
                             float* scores) {
   const DF df;
   const auto n = static_cast<int32_t>(hn::Lanes(df));
   const float* q = s.q.data() + int64_t{r0} * dp;
-  for (int32_t j = 0; j < count; ++j) {
+  int32_t j = 0;
+  for (; j + 2 <= count; j += 2) {
+    const float* k0 = s.kv.data() + int64_t{j} * dp;
+    const float* k1 = k0 + dp;
+    VF a[RB];
+    VF b[RB];
+    for (int32_t r = 0; r < RB; ++r) a[r] = b[r] = hn::Zero(df);
+    for (int32_t i = 0; i < dp; i += n) {
+      const VF x0 = hn::LoadU(df, k0 + i);
+      const VF x1 = hn::LoadU(df, k1 + i);
+      for (int32_t r = 0; r < RB; ++r) {
+        const VF qv = hn::LoadU(df, q + int64_t{r} * dp + i);
+        a[r] = hn::MulAdd(qv, x0, a[r]);
+        b[r] = hn::MulAdd(qv, x1, b[r]);
+      }
+    }
+    for (int32_t r = 0; r < RB; ++r) {
+      scores[int64_t{r0 + r} * kTile + j] = hn::GetLane(hn::SumOfLanes(df, a[r]));
+      scores[int64_t{r0 + r} * kTile + j + 1] = hn::GetLane(hn::SumOfLanes(df, b[r]));
+    }
+  }
+  if (j < count) {
     const float* k = s.kv.data() + int64_t{j} * dp;
     VF a[RB];
     for (VF& x : a) x = hn::Zero(df);
     for (int32_t i = 0; i < dp; i += n) {
       const VF kv = hn::LoadU(df, k + i);
-      for (int32_t r = 0; r < RB; ++r)
+      for (int32_t r = 0; r < RB; ++r) {
         a[r] = hn::MulAdd(hn::LoadU(df, q + int64_t{r} * dp + i), kv, a[r]);
+      }
     }
     for (int32_t r = 0; r < RB; ++r) {
       scores[int64_t{r0 + r} * kTile + j] = hn::GetLane(hn::SumOfLanes(df, a[r]));
@@ -169,21 +195,45 @@ HWY_INLINE void BlockScores(const Scratch& s, int32_t r0, int32_t count, int32_t
   }
 }
 
-// acc[r, 0:lp) += Σ_j p[r, j] · kv_j[0:lp) for rows [r0, r0 + RB): each column range of the RB
-// rows stays in registers while the keys stream by.
+// acc[r, 0:lp) += Σ_j p[r, j] · kv_j[0:lp) for rows [r0, r0 + RB): two column vectors of the RB
+// rows stay in registers while the keys stream by (each probability broadcast serves both).
 template <int RB>
 HWY_INLINE void BlockValues(Scratch& s, int32_t r0, int32_t count, int32_t dp, int32_t lp) {
   const DF df;
   const auto n = static_cast<int32_t>(hn::Lanes(df));
   float* acc = s.acc.data() + int64_t{r0} * lp;
   const float* p = s.scores.data() + int64_t{r0} * kTile;
-  for (int32_t i = 0; i < lp; i += n) {
+  int32_t i = 0;
+  for (; i + 2 * n <= lp; i += 2 * n) {
+    VF a[RB];
+    VF b[RB];
+    for (int32_t r = 0; r < RB; ++r) {
+      a[r] = hn::LoadU(df, acc + int64_t{r} * lp + i);
+      b[r] = hn::LoadU(df, acc + int64_t{r} * lp + i + n);
+    }
+    for (int32_t j = 0; j < count; ++j) {
+      const float* v = s.kv.data() + int64_t{j} * dp + i;
+      const VF v0 = hn::LoadU(df, v);
+      const VF v1 = hn::LoadU(df, v + n);
+      for (int32_t r = 0; r < RB; ++r) {
+        const VF pr = hn::Set(df, p[int64_t{r} * kTile + j]);
+        a[r] = hn::MulAdd(pr, v0, a[r]);
+        b[r] = hn::MulAdd(pr, v1, b[r]);
+      }
+    }
+    for (int32_t r = 0; r < RB; ++r) {
+      hn::StoreU(a[r], df, acc + int64_t{r} * lp + i);
+      hn::StoreU(b[r], df, acc + int64_t{r} * lp + i + n);
+    }
+  }
+  for (; i < lp; i += n) {
     VF a[RB];
     for (int32_t r = 0; r < RB; ++r) a[r] = hn::LoadU(df, acc + int64_t{r} * lp + i);
     for (int32_t j = 0; j < count; ++j) {
       const VF v = hn::LoadU(df, s.kv.data() + int64_t{j} * dp + i);
-      for (int32_t r = 0; r < RB; ++r)
+      for (int32_t r = 0; r < RB; ++r) {
         a[r] = hn::MulAdd(hn::Set(df, p[int64_t{r} * kTile + j]), v, a[r]);
+      }
     }
     for (int32_t r = 0; r < RB; ++r) hn::StoreU(a[r], df, acc + int64_t{r} * lp + i);
   }
@@ -209,8 +259,11 @@ HWY_INLINE void ForRowBlocks(int32_t rows, Fn fn) {
 }
 
 // The online-softmax step of row r over keys [k0, k0 + count): probabilities in place (0 past
-// what the row sees), m and l updated, acc rescaled.
+// what the row sees), m and l updated, acc rescaled. SIMD over the tile (Highway's Exp), as
+// kernels_cpu.cc's SoftmaxStep: one exp per row and key is a sizeable part of a tile's work.
 void SoftmaxRow(Scratch& s, int32_t r, int64_t k0, int32_t count, int32_t lp) {
+  const DF df;
+  const auto n = static_cast<int32_t>(hn::Lanes(df));
   float* sc = s.scores.data() + int64_t{r} * kTile;
   const auto at = static_cast<size_t>(r);
   const auto seen = static_cast<int32_t>(std::clamp<int64_t>(s.limit[at] - k0, 0, count));
@@ -218,21 +271,30 @@ void SoftmaxRow(Scratch& s, int32_t r, int64_t k0, int32_t count, int32_t lp) {
     std::fill_n(sc, count, 0.0f);
     return;
   }
-  float tile_max = sc[0];
-  for (int32_t j = 1; j < seen; ++j) tile_max = std::max(tile_max, sc[j]);
-  const float m_new = std::max(s.m[at], tile_max);
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  std::fill(sc + seen, sc + kTile, kNegInf);  // unseen keys, and the tile's unused tail
+  const VF neg_inf = hn::Set(df, kNegInf);
+  VF tile_max = neg_inf;
+  for (int32_t j = 0; j < kTile; j += n) tile_max = hn::Max(tile_max, hn::LoadU(df, sc + j));
+  const float m_new = std::max(s.m[at], hn::GetLane(hn::MaxOfLanes(df, tile_max)));
   const float alpha = std::exp(s.m[at] - m_new);  // 0 on the first tile (m = -inf)
-  float sum = 0.0f;
-  for (int32_t j = 0; j < seen; ++j) {
-    sc[j] = std::exp(sc[j] - m_new);
-    sum += sc[j];
+  const VF vm = hn::Set(df, m_new);
+  const VF floor = hn::Set(df, -87.0f);  // exp stays normal; masked lanes are zeroed below
+  VF sum = hn::Zero(df);
+  for (int32_t j = 0; j < kTile; j += n) {
+    const VF x = hn::LoadU(df, sc + j);
+    const VF p =
+        hn::IfThenElseZero(hn::Gt(x, neg_inf), hn::Exp(df, hn::Max(hn::Sub(x, vm), floor)));
+    hn::StoreU(p, df, sc + j);
+    sum = hn::Add(sum, p);
   }
-  std::fill(sc + seen, sc + count, 0.0f);
-  s.l[at] = s.l[at] * alpha + sum;
+  s.l[at] = s.l[at] * alpha + hn::GetLane(hn::SumOfLanes(df, sum));
   s.m[at] = m_new;
   if (alpha != 1.0f) {
     float* acc = s.acc.data() + int64_t{r} * lp;
-    for (int32_t i = 0; i < lp; ++i) acc[i] *= alpha;
+    const VF va = hn::Set(df, alpha);
+    for (int32_t i = 0; i < lp; i += n)
+      hn::StoreU(hn::Mul(hn::LoadU(df, acc + i), va), df, acc + i);
   }
 }
 
