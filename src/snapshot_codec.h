@@ -36,7 +36,7 @@ using Bytes = std::span<const std::byte>;
 using Tag = std::array<char, 4>;
 
 inline constexpr std::array<char, 8> kMagic = {'B', 'K', 'V', 'S', 'N', 'A', 'P', '\0'};
-inline constexpr uint32_t kFormatVersion = 1;
+inline constexpr uint32_t kFormatVersion = 2;  // 2: CONF holds each group's kind (issue 21)
 inline constexpr uint32_t kByteOrderMark = 0x01020304;
 inline constexpr size_t kHeaderBytes = 24;         // magic, version, mark, sections, 0
 inline constexpr size_t kSectionHeaderBytes = 16;  // tag, 0, payload length

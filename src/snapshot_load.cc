@@ -207,6 +207,17 @@ Status SnapshotCodec::ParseConfig(const StateManager::Impl& m, Decoder& d) {
     }
     BLOCKKV_RETURN_IF_ERROR(Expect<int32_t>(d, group + "max_blocks_per_allocation_group",
                                             c.max_blocks_per_allocation_group));
+    int32_t type = 0;
+    BLOCKKV_RETURN_IF_ERROR(d.Get(&type, group + "type"));
+    if (type != static_cast<int32_t>(c.type)) {
+      const bool known = type >= 0 && type <= static_cast<int32_t>(KVCacheType::kMla);
+      return Mismatch(group + "type", std::string(KVCacheTypeName(c.type)),
+                      known ? std::string(KVCacheTypeName(static_cast<KVCacheType>(type)))
+                            : StrCat("unknown (", type, ")"));
+    }
+    BLOCKKV_RETURN_IF_ERROR(Expect<int64_t>(d, group + "latent_dim", c.latent_dim));
+    BLOCKKV_RETURN_IF_ERROR(Expect<int64_t>(d, group + "rope_dim", c.rope_dim));
+    BLOCKKV_RETURN_IF_ERROR(Expect<int64_t>(d, group + "state_bytes", c.state_bytes));
     BLOCKKV_RETURN_IF_ERROR(Expect<int32_t>(d, group + "num_blocks", m.cache_->num_blocks()));
   }
   BLOCKKV_RETURN_IF_ERROR(

@@ -99,6 +99,10 @@ std::vector<std::byte> SnapshotCodec::EncodeConfig(const StateManager::Impl& m) 
     for (const int64_t dim : c.cache_shape) e.Put<int64_t>(dim);
     e.Put<int32_t>(static_cast<int32_t>(c.cache_dtype));
     e.Put<int32_t>(c.max_blocks_per_allocation_group);
+    e.Put<int32_t>(static_cast<int32_t>(c.type));  // format 2: the group's kind and its fields
+    e.Put<int64_t>(c.latent_dim);
+    e.Put<int64_t>(c.rope_dim);
+    e.Put<int64_t>(c.state_bytes);
     e.Put<int32_t>(m.cache_->num_blocks());
   }
   e.Put<int32_t>(m.config_.max_tracked_sequences);

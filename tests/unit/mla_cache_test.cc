@@ -261,5 +261,44 @@ TEST(MlaCacheTest, SnapshotOfAManagerWithAnMlaGroupRoundTripsByteExact) {
   }
 }
 
+// Two MLA groups of one shape that split the row differently are not the same cache: a snapshot
+// names the field, and the manager is left as it was.
+TEST(MlaCacheTest, SnapshotOfAnotherLatentSplitIsRefusedNamingTheField) {
+  std::vector<KVCacheConfig> groups = blockkv_test::SnapshotGroups();
+  groups[1] = SmallMla();
+  groups[1].block_size = 4;
+  groups[1].max_blocks_per_allocation_group = 16;
+  auto a = blockkv_test::MakeSnapshotManager(blockkv_test::SnapshotConfig(), groups);
+  blockkv_test::SnapshotWorkload(*a, 31).Run(60);
+  Result<std::vector<std::byte>> bytes = a->SaveSnapshot();
+  ASSERT_OK(bytes);
+
+  groups[1].latent_dim = 4;  // 4 + 4 where the snapshot holds 6 + 2: same shape, same bytes
+  groups[1].rope_dim = 4;
+  auto b = blockkv_test::MakeSnapshotManager(blockkv_test::SnapshotConfig(), groups);
+  blockkv_test::SnapshotWorkload(*b, 32).Run(30);
+  Result<std::vector<std::byte>> before = b->SaveSnapshot();
+  ASSERT_OK(before);
+  Status s = b->LoadSnapshot(*bytes);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("cache group 1 latent_dim: expected 4 (this manager), found 6"),
+            std::string::npos)
+      << s;
+  EXPECT_TRUE(*b->SaveSnapshot() == *before);
+
+  // A dense group of the MLA group's shape: the kind differs.
+  groups[1] = SmallMla();
+  groups[1].block_size = 4;
+  groups[1].max_blocks_per_allocation_group = 16;
+  groups[1].type = KVCacheType::kDense;
+  groups[1].latent_dim = groups[1].rope_dim = 0;
+  auto c = blockkv_test::MakeSnapshotManager(blockkv_test::SnapshotConfig(), groups);
+  s = c->LoadSnapshot(*bytes);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("cache group 1 type: expected dense (this manager), found mla"),
+            std::string::npos)
+      << s;
+}
+
 }  // namespace
 }  // namespace blockkv

@@ -647,7 +647,7 @@ TEST(SnapshotCorruptionTest, EachStructuralErrorIsDataLossNamingIt) {
   };
   const Case cases[] = {
       {"not a blockkv snapshot", [](Bytes& b) { b[0] = std::byte{'X'}; }},
-      {"format version 2; this build reads version 1", [](Bytes& b) { b[8] = std::byte{2}; }},
+      {"format version 3; this build reads version 2", [](Bytes& b) { b[8] = std::byte{3}; }},
       {"byte-order mark 0x0000000004030201", [&](Bytes& b) { put32(b, 12, 0x04030201); }},
       {"block id 40 of cache group 0 is outside [0, 40)",
        [&](Bytes& b) { put32(b, blks + 16, 40); }},
