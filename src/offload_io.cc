@@ -159,7 +159,10 @@ Result<std::unique_ptr<BlockFile>> OpenPosixBlockFile(const std::string& path) {
     const int error = errno;
     std::string message = StrCat("cannot open the disk tier file ", path, ": ",
                                  std::strerror(error), " (errno ", error, ")");
-    if (error == ENOENT) return NotFoundError(std::move(message));
+    if (error == ENOENT || error == ENOTDIR) return NotFoundError(std::move(message));
+    if (error == EACCES || error == EPERM || error == EROFS) {
+      return PermissionDeniedError(std::move(message));
+    }
     return UnavailableError(std::move(message));
   }
   struct stat st {};

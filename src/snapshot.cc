@@ -85,6 +85,10 @@ Status IoError(std::string_view what, const std::string& path, int err, bool rea
     case ENOENT:
     case ENOTDIR:
       return NotFoundError(std::move(message));
+    case EACCES:
+    case EPERM:
+    case EROFS:
+      return PermissionDeniedError(std::move(message));
     case ENOSPC:
     case EDQUOT:
     case EFBIG:

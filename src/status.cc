@@ -32,6 +32,8 @@ std::string_view StatusCodeName(StatusCode code) {
       return "UNIMPLEMENTED";
     case StatusCode::kInternal:
       return "INTERNAL";
+    case StatusCode::kPermissionDenied:
+      return "PERMISSION_DENIED";
   }
   return "UNKNOWN";
 }
@@ -80,6 +82,9 @@ Status DataLossError(std::string m) { return {StatusCode::kDataLoss, std::move(m
 Status UnavailableError(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
 Status UnimplementedError(std::string m) { return {StatusCode::kUnimplemented, std::move(m)}; }
 Status InternalError(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
+Status PermissionDeniedError(std::string m) {
+  return {StatusCode::kPermissionDenied, std::move(m)};
+}
 
 namespace internal {
 

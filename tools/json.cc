@@ -150,7 +150,7 @@ Status FileError(std::string_view what, const std::string& path, int error) {
     case EACCES:
     case EPERM:
     case EROFS:
-      return FailedPreconditionError(std::move(message));
+      return PermissionDeniedError(std::move(message));
     case EISDIR:
       return InvalidArgumentError(std::move(message));
     case ENOSPC:

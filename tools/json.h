@@ -63,7 +63,7 @@ class JsonWriter {
 std::string JsonEscape(std::string_view text);
 
 // Opens `path` for reading: kNotFound (missing), kInvalidArgument (a directory or not a regular
-// file), kFailedPrecondition (permission denied; status.h has no PERMISSION_DENIED), each
+// file), kPermissionDenied, each
 // naming the path and the reason.
 Result<std::FILE*> OpenInputFile(const std::string& path);
 // The Status of a failed open or write of `path` from its errno, with the same mapping.

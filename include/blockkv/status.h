@@ -14,6 +14,8 @@
 //   kOutOfRange         an index or id outside its valid range
 //   kResourceExhausted  not enough blocks / memory now (free something, retry later)
 //   kFailedPrecondition the state does not allow it (e.g. freeing a block that is free)
+//   kPermissionDenied   the process may not open or write a file it was given (fix the path or
+//                       its permissions)
 //   kNotFound, kAlreadyExists, kDataLoss, kUnavailable, kUnimplemented, kInternal
 #pragma once
 
@@ -39,6 +41,7 @@ enum class StatusCode {
   kUnavailable,
   kUnimplemented,
   kInternal,
+  kPermissionDenied,  // last: the codes before it keep their values
 };
 
 // "OK", "INVALID_ARGUMENT", ... as absl spells them.
@@ -90,6 +93,7 @@ Status DataLossError(std::string message);
 Status UnavailableError(std::string message);
 Status UnimplementedError(std::string message);
 Status InternalError(std::string message);
+Status PermissionDeniedError(std::string message);
 
 // Either a T or a non-OK Status. Accessing the value of a failed Result aborts.
 template <class T>

@@ -23,6 +23,8 @@ PyObject* ExceptionType(StatusCode code) {
       return g_resource_exhausted != nullptr ? g_resource_exhausted : PyExc_ValueError;
     case StatusCode::kUnimplemented:
       return PyExc_NotImplementedError;
+    case StatusCode::kPermissionDenied:
+      return PyExc_PermissionError;
     default:  // kUnavailable, kDataLoss, kInternal
       return PyExc_RuntimeError;
   }

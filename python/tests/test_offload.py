@@ -216,6 +216,13 @@ def test_a_disk_tier_that_does_not_read_back_is_refused_when_it_opens(path, erro
     assert os.path.exists(path)  # a device node is never removed
 
 
+def test_a_disk_tier_file_that_may_not_be_written_is_a_permission_error():
+    """It was NOT_FOUND before (a ValueError); root may write anything but a read-only sysfs file."""
+    path = "/sys/devices/system/cpu/online"
+    with pytest.raises(PermissionError, match=path):
+        offload_cache(num_blocks=4, host_blocks=1, disk_path=path, disk_blocks=2)
+
+
 def test_a_handle_of_another_cache_is_a_value_error_that_changes_nothing():
     a = offload_cache(num_blocks=4, host_blocks=2)
     b = offload_cache(num_blocks=4, host_blocks=2)

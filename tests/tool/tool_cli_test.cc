@@ -180,15 +180,18 @@ TEST(Cli, PlotFailuresAreNotInternal) {
   EXPECT_EQ(run.output.find("INTERNAL"), std::string::npos) << run.output;
 }
 
-TEST(Cli, PermissionDeniedIsFailedPrecondition) {
-  // status.h has no PERMISSION_DENIED; FAILED_PRECONDITION is the closest code (the file exists
-  // and the caller must change its mode). Root reads anything, so there is nothing to test.
-  if (geteuid() == 0) GTEST_SKIP() << "running as root";
+TEST(Cli, PermissionDeniedIsPermissionDenied) {
+  // Root may write anything but a read-only sysfs attribute; /sys is there on every machine.
+  const std::string sysfs = "/sys/devices/system/cpu/online";
+  EXPECT_RUN("simulate --requests 5 --plot " + sysfs, 1,
+             "PERMISSION_DENIED: cannot write " + sysfs);
+  // Reading: root reads anything, so only another user can be refused.
+  if (geteuid() == 0) return;
   const std::string path =
       WriteTemp("unreadable.jsonl", "{\"prompt_len\": 8, \"output_len\": 1}\n");
   ASSERT_EQ(chmod(path.c_str(), 0), 0);
-  EXPECT_RUN("simulate --trace " + path, 1, "FAILED_PRECONDITION: cannot open " + path);
-  EXPECT_RUN("demo --model " + path, 1, "FAILED_PRECONDITION: cannot open " + path);
+  EXPECT_RUN("simulate --trace " + path, 1, "PERMISSION_DENIED: cannot open " + path);
+  EXPECT_RUN("demo --model " + path, 1, "PERMISSION_DENIED: cannot open " + path);
 }
 
 TEST(Cli, DemoSizesAreCheckedBeforeAnythingIsAllocated) {

@@ -279,6 +279,21 @@ TEST(DiskTierProbeTest, AFileThatDoesNotReadBackIsRefusedWhenTheTierOpens) {
   }
 }
 
+// A file the process may not open for writing (root may write anything but a read-only sysfs
+// attribute, which /sys always has) is PERMISSION_DENIED, not NOT_FOUND or UNAVAILABLE.
+TEST(PosixBlockFileTest, AFileThatMayNotBeWrittenIsPermissionDenied) {
+  const std::string path = "/sys/devices/system/cpu/online";
+  const Result<std::unique_ptr<BlockFile>> file = OpenPosixBlockFile(path);
+  EXPECT_CODE(file, StatusCode::kPermissionDenied);
+  EXPECT_THAT(file.status().message(), HasSubstr(path));
+  auto cache = blockkv_test::MakeCache({blockkv_test::SmallGroup()}, kBlocks);
+  ASSERT_NE(cache, nullptr);
+  const Result<std::unique_ptr<OffloadStore>> store =
+      OffloadStore::Create(cache.get(), {.host_blocks = 4, .disk_path = path, .disk_blocks = 4});
+  EXPECT_CODE(store, StatusCode::kPermissionDenied);
+  EXPECT_EQ(cache->free_blocks()[0], kBlocks);
+}
+
 // The POSIX file removes a regular file it made, and nothing else (regression: its destructor
 // unlinked whatever path it was given, /dev/full included).
 TEST(PosixBlockFileTest, RemovesOnlyARegularFile) {

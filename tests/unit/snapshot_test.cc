@@ -468,6 +468,18 @@ TEST_F(SnapshotFileTest, MissingFileIsNotFoundAndADirectoryIsInvalidArgument) {
   EXPECT_EQ(Dump(*m, /*exact=*/true), before);
 }
 
+// Root may write anywhere but a read-only sysfs directory; /sys is mounted on every machine
+// these tests run on (a test that cannot reach the case fails rather than skips).
+TEST_F(SnapshotFileTest, SaveWhereWritingIsNotAllowedIsPermissionDenied) {
+  const std::string path = "/sys/devices/system/cpu/blockkv.snap";
+  auto m = RandomState(24, 50);
+  const std::string before = Dump(*m, /*exact=*/true);
+  const Status s = m->SaveSnapshot(path);
+  ASSERT_CODE(s, StatusCode::kPermissionDenied);
+  EXPECT_NE(s.message().find(path + ".tmp"), std::string::npos) << s;
+  EXPECT_EQ(Dump(*m, /*exact=*/true), before);
+}
+
 TEST_F(SnapshotFileTest, SaveIntoAMissingDirectoryIsNotFoundNamingThePath) {
   const std::string path = dir_ + "/no/such/dir/a.snap";
   const Status s = RandomState(23, 50)->SaveSnapshot(path);

@@ -46,6 +46,7 @@ TEST(StatusTest, FactoriesSetTheirCodes) {
       {UnavailableError("m"), StatusCode::kUnavailable},
       {UnimplementedError("m"), StatusCode::kUnimplemented},
       {InternalError("m"), StatusCode::kInternal},
+      {PermissionDeniedError("m"), StatusCode::kPermissionDenied},
   };
   for (const auto& [status, code] : cases) {
     EXPECT_FALSE(status.ok());
@@ -66,6 +67,7 @@ TEST(StatusTest, CodeNamesAreAbslSpellings) {
   EXPECT_EQ(StatusCodeName(StatusCode::kUnavailable), "UNAVAILABLE");
   EXPECT_EQ(StatusCodeName(StatusCode::kUnimplemented), "UNIMPLEMENTED");
   EXPECT_EQ(StatusCodeName(StatusCode::kInternal), "INTERNAL");
+  EXPECT_EQ(StatusCodeName(StatusCode::kPermissionDenied), "PERMISSION_DENIED");
 }
 
 TEST(StatusTest, ToStringAndStreamShowCodeAndMessage) {
