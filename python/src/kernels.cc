@@ -169,9 +169,10 @@ CUstream_st* ToStream(py::handle obj) {
   return reinterpret_cast<CUstream_st*>(handle.cast<uintptr_t>());
 }
 
-void AppendKVPy(py::handle layer_cache, py::handle k, py::handle v, py::handle batch, int group,
-                bool rotary, int64_t rotary_dim, double theta, py::handle q, float kv_scale,
-                int num_threads, py::handle stream) {
+void AppendKVPy(py::handle layer_cache, py::handle k, py::handle v, py::handle batch,
+                Int<int32_t, "group"> group, bool rotary, Int<int32_t, "rotary_dim"> rotary_dim,
+                double theta, py::handle q, float kv_scale, Int<int32_t, "num_threads"> num_threads,
+                py::handle stream) {
   const OwnedTensor cache = ImportTensor(layer_cache);
   const OwnedTensor keys = ImportTensor(k);
   const OwnedTensor values = ImportTensor(v);
@@ -181,7 +182,7 @@ void AppendKVPy(py::handle layer_cache, py::handle k, py::handle v, py::handle b
   AppendKVOptions options;
   options.group = group;
   options.rotary.enabled = rotary;
-  options.rotary.rotary_dim = ToInt32(rotary_dim, "rotary_dim");
+  options.rotary.rotary_dim = rotary_dim;
   options.rotary.theta = theta;
   options.q = queries ? &queries->view : nullptr;
   options.kv_scale = kv_scale;
@@ -201,8 +202,9 @@ void AppendKVPy(py::handle layer_cache, py::handle k, py::handle v, py::handle b
 }
 
 void PagedAttentionPy(py::handle q, py::handle layer_cache, py::handle batch, py::handle out,
-                      float scale, bool causal, int64_t sliding_window, int group, float kv_scale,
-                      int num_threads, py::handle stream) {
+                      float scale, bool causal, Int<int64_t, "sliding_window"> sliding_window,
+                      Int<int32_t, "group"> group, float kv_scale,
+                      Int<int32_t, "num_threads"> num_threads, py::handle stream) {
   const OwnedTensor queries = ImportTensor(q);
   const OwnedTensor cache = ImportTensor(layer_cache);
   const OwnedTensor output = ImportTensor(out);

@@ -207,6 +207,17 @@ def test_bad_input_raises_and_writes_nothing():
         ((engine.layer, k, v, engine.batch), {"num_threads": -1}),
         ((engine.layer, k, v, engine.batch), {"group": 1}),  # no such cache group
     ]
+    # Integers that do not fit the C++ parameter: a ValueError naming the value (pybind11's own
+    # conversion raised a TypeError that named neither).
+    for kwargs in ({"group": 2**31}, {"group": -2**63 - 1}, {"num_threads": 2**40},
+                   {"rotary": True, "rotary_dim": 2**32}):
+        name, value = [(n, x) for n, x in kwargs.items() if n != "rotary"][0]
+        with pytest.raises(ValueError, match=f"{name}.*{value}|{value}.*{name}"):
+            blockkv.append_kv(engine.layer, k, v, engine.batch, **kwargs)
+    for kwargs in ({"sliding_window": 2**63}, {"group": 2**40}, {"num_threads": -2**31 - 1}):
+        (name, value), = kwargs.items()
+        with pytest.raises(ValueError, match=f"{name}.*{value}|{value}.*{name}"):
+            blockkv.paged_attention(q, engine.layer, engine.batch, out, **kwargs)
     for args, kwargs in bad_append:
         with pytest.raises(ValueError):
             blockkv.append_kv(*args, **kwargs)
