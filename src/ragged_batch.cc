@@ -154,11 +154,7 @@ Status RaggedBatch::Impl::Init(const StateManager& manager) {
   const StateManagerConfig& config = manager.config();
   max_tokens = config.max_ragged_batch_size;
   max_seqs = config.max_ragged_sequence_count;
-  const int64_t padded_capacity = PaddedTokenCount(max_tokens);
-  if (padded_capacity > kInt32Max) {
-    return InvalidArgumentError(
-        StrCat("max_ragged_batch_size ", max_tokens, " pads to more tokens than int32 holds"));
-  }
+  const int64_t padded_capacity = PaddedTokenCount(max_tokens);  // <= int32 (config validated)
   const std::shared_ptr<Device>& device = manager.kv_cache().device();
   if (device != nullptr && device->kind() == DeviceKind::kCuda) mirror = device;
   input_ids.capacity = padded_capacity;

@@ -36,6 +36,13 @@ Status StateManagerConfig::Validate() const {
   BLOCKKV_RETURN_IF_ERROR(positive("max_ragged_batch_size", max_ragged_batch_size));
   BLOCKKV_RETURN_IF_ERROR(positive("max_ragged_sequence_count", max_ragged_sequence_count));
   BLOCKKV_RETURN_IF_ERROR(positive("max_context", max_context));
+  // The batch pads its token count (PaddedTokenCount); the padded capacity must be an int32 too.
+  // Checked here, before Create sizes anything from the other fields.
+  if (const int64_t padded = PaddedTokenCount(max_ragged_batch_size);
+      padded > std::numeric_limits<int32_t>::max()) {
+    return InvalidArgumentError(StrCat("max_ragged_batch_size ", max_ragged_batch_size, " pads to ",
+                                       padded, " tokens, more than int32 holds"));
+  }
   if (max_ragged_sequence_count > max_tracked_sequences) {
     return InvalidArgumentError(StrCat("max_ragged_sequence_count (", max_ragged_sequence_count,
                                        ") must be <= max_tracked_sequences (",

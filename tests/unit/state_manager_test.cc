@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -93,6 +94,20 @@ TEST(StateManagerConfig, RejectsSequenceCountAboveBatchOrTracked) {
   const Status s = over_tracked.Validate();
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("max_tracked_sequences (512)"), std::string::npos) << s;
+}
+
+// The batch pads its tokens; a capacity that pads past int32 is refused by the config, before
+// Create sizes the block tables from the other fields (the tool's `--max-seqs 1048576
+// --token-budget 2147483647` allocated 17 GB of tables before the batch refused it).
+TEST(StateManagerConfig, RejectsABatchSizeThatPadsPastInt32) {
+  StateManagerConfig c;
+  c.max_ragged_batch_size = std::numeric_limits<int32_t>::max();
+  const Status s = c.Validate();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("max_ragged_batch_size 2147483647 pads to"), std::string::npos) << s;
+  c.max_ragged_batch_size = std::numeric_limits<int32_t>::max() - 127;  // 128 · k: not padded
+  EXPECT_EQ(PaddedTokenCount(c.max_ragged_batch_size), c.max_ragged_batch_size);
+  EXPECT_TRUE(c.Validate().ok()) << c.Validate();
 }
 
 TEST(StateManagerCreate, RejectsOffloadWithoutATierAndSeveralAllocationGroups) {
