@@ -40,12 +40,12 @@ namespace {
 
 // Writes `value` at out[at, at + sizeof(T)) and returns the next offset.
 template <class T>
-size_t Put(std::vector<std::byte>& out, size_t at, const T& value) {
+size_t Put(std::span<std::byte> out, size_t at, const T& value) {
   std::memcpy(out.data() + at, &value, sizeof(T));
   return at + sizeof(T);
 }
 
-size_t PutBytes(std::vector<std::byte>& out, size_t at, std::string_view bytes) {
+size_t PutBytes(std::span<std::byte> out, size_t at, std::string_view bytes) {
   at = Put(out, at, static_cast<uint32_t>(bytes.size()));
   if (!bytes.empty()) std::memcpy(out.data() + at, bytes.data(), bytes.size());
   return at + bytes.size();
@@ -57,12 +57,21 @@ std::string_view BlockBytes(const BlockKeyExtras& extras, size_t index) {
 
 // The encoding H hashes, little-endian: a version byte, a has-parent byte, the parent key
 // (zeros without one), the adapter id, the token count and ids, the namespace (block 0 only) and
-// the block's extra bytes, each with a u32 length. Sized once, then written in place.
-void EncodeBlockKey(std::vector<std::byte>& out, const BlockHash* parent,
+// the block's extra bytes, each with a u32 length.
+std::string_view KeyNamespace(const BlockKeyExtras& extras, size_t index) {
+  return index == 0 ? std::string_view(extras.ns) : std::string_view();
+}
+
+size_t EncodedKeySize(std::span<const TokenId> tokens, const BlockKeyExtras& extras, size_t index) {
+  return 2 + 16 + 8 + 4 + tokens.size_bytes() + 4 + KeyNamespace(extras, index).size() + 4 +
+         BlockBytes(extras, index).size();
+}
+
+// REQUIRES: out.size() == EncodedKeySize(tokens, extras, index).
+void EncodeBlockKey(std::span<std::byte> out, const BlockHash* parent,
                     std::span<const TokenId> tokens, const BlockKeyExtras& extras, size_t index) {
-  const std::string_view ns = index == 0 ? std::string_view(extras.ns) : std::string_view();
+  const std::string_view ns = KeyNamespace(extras, index);
   const std::string_view bytes = BlockBytes(extras, index);
-  out.resize(2 + 16 + 8 + 4 + tokens.size_bytes() + 4 + ns.size() + 4 + bytes.size());
   size_t at = Put(out, 0, uint8_t{1});
   at = Put(out, at, static_cast<uint8_t>(parent != nullptr));
   at = Put(out, at, parent != nullptr ? parent->lo : uint64_t{0});
@@ -79,9 +88,18 @@ void EncodeBlockKey(std::vector<std::byte>& out, const BlockHash* parent,
 BlockHash HashBlock(const BlockHash* parent, std::span<const TokenId> tokens,
                     const BlockKeyExtras& extras, size_t block_index, uint64_t seed,
                     BlockHashFunction hash) {
-  std::vector<std::byte> bytes;
-  EncodeBlockKey(bytes, parent, tokens, extras, block_index);
-  return hash(bytes, seed);
+  // Encoded on the stack when it fits (blocks of up to ~500 tokens without extra bytes): nothing
+  // is allocated or shared, so PrefixCache::Hash is a const method that writes no member.
+  const size_t size = EncodedKeySize(tokens, extras, block_index);
+  std::array<std::byte, 2048> stack;  // NOLINT(cppcoreguidelines-pro-type-member-init): written
+  if (size <= stack.size()) {
+    const std::span<std::byte> key(stack.data(), size);
+    EncodeBlockKey(key, parent, tokens, extras, block_index);
+    return hash(key, seed);
+  }
+  std::vector<std::byte> heap(size);
+  EncodeBlockKey(heap, parent, tokens, extras, block_index);
+  return hash(heap, seed);
 }
 
 // ---- the index --------------------------------------------------------------------------------
@@ -168,8 +186,7 @@ PrefixCache::~PrefixCache() {
 
 BlockHash PrefixCache::Hash(const BlockHash* parent, std::span<const TokenId> block_tokens,
                             const BlockKeyExtras& extras, size_t index) const {
-  EncodeBlockKey(scratch_, parent, block_tokens, extras, index);
-  return config_.hash_function(scratch_, config_.hash_seed);
+  return HashBlock(parent, block_tokens, extras, index, config_.hash_seed, config_.hash_function);
 }
 
 int32_t PrefixCache::InternNamespace(std::string_view ns) {

@@ -236,7 +236,6 @@ class PrefixCache : public BlockPool::EvictionListener {
   std::deque<CacheEvent> events_;
   uint64_t dropped_events_ = 0;
   uint64_t last_chain_id_ = 0;
-  mutable std::vector<std::byte> scratch_;  // the bytes one Hash encodes
 };
 
 }  // namespace blockkv
