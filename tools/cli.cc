@@ -352,6 +352,8 @@ constexpr FlagSpec kDemoFlags[] = {
     {"token-budget", "N", "tokens per step (default 128)"},
     {"max-seqs", "N", "sequences per step (default 16)"},
     {"host-blocks", "N", "host tier for preemption (default: as many as --blocks; 0: none)"},
+    {"draft-tokens", "N", "speculative decoding: drafts per step, k (default 4; 0: skip it)"},
+    {"draft-layers", "N", "layers of the draft model, the first of the full one (default: half)"},
     {"no-check", nullptr, "skip the dense-cache comparison"},
     {"json", nullptr, "print JSON"},
     {"help", nullptr, "this text"},
@@ -368,6 +370,8 @@ int RunDemo(const Command& c, Flags& flags, const CliOptions& cli) {
   flags.Int("output-len", 1, &options.output_len, kInt32Max);
   EngineFlags(flags, &options.engine);
   flags.Int("host-blocks", 0, &options.engine.host_blocks);
+  flags.Int("draft-tokens", 0, &options.draft_tokens, kInt32Max);
+  flags.Int("draft-layers", 1, &options.draft_layers, kInt32Max);
   if (!flags.error().ok()) return BadArguments(c, flags.error().message());
   options.check = !flags.Has("no-check");
   if (cli.dry_run) return 0;

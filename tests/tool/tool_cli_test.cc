@@ -131,6 +131,18 @@ TEST(Cli, DemoChecksItself) {
   EXPECT_RUN("demo --requests 3 --system-len 16 --output-len 4", 0, "check         identical");
 }
 
+TEST(Cli, DemoDraftFlagsSetTheSpeculativeRun) {
+  const std::string demo = "demo --requests 2 --system-len 16 --output-len 8 ";
+  EXPECT_RUN(demo + "--draft-tokens 3 --draft-layers 1", 0,
+             "speculative   k=3 drafts from the first 1 layers");
+  const ToolRun skipped = Blockkv(demo + "--draft-tokens 0");
+  EXPECT_EQ(skipped.code, 0) << skipped.output;
+  EXPECT_EQ(skipped.output.find("speculative"), std::string::npos) << skipped.output;
+  EXPECT_RUN(demo + "--draft-layers 0", 2, "--draft-layers");
+  EXPECT_RUN(demo + "--draft-tokens -1", 2, "--draft-tokens");
+  EXPECT_RUN(demo + "--draft-layers 99", 1, "a draft of 99 layers: the model has");
+}
+
 // How often `text` occurs in `output`.
 size_t Count(const std::string& output, const std::string& text) {
   size_t n = 0;
