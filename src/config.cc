@@ -37,15 +37,22 @@ namespace {
 
 // The fields of the group kinds: each kind's own are checked, the others' must be 0.
 Status ValidateKind(const KVCacheConfig& c) {
+  if (c.type != KVCacheType::kLocal && c.local_window != 0) {
+    return InvalidArgumentError(StrCat("KVCacheConfig.local_window is for LOCAL groups; a ",
+                                       KVCacheTypeName(c.type), " group must leave it 0, got ",
+                                       c.local_window));
+  }
   switch (c.type) {
     case KVCacheType::kDense:
       break;
     case KVCacheType::kLocal:
-      return UnimplementedError(
-          "KVCacheType LOCAL: not supported yet as a group kind, see issue 21 (a sliding window "
-          "is given per call today: AttentionOptions.sliding_window, "
-          "PrefixCacheConfig.sliding_windows, StateManager FreeLeadingBlocks, over a DENSE "
-          "group)");
+      if (c.local_window <= 0) {
+        return InvalidArgumentError(
+            StrCat("KVCacheConfig of type LOCAL: local_window (the attention window in tokens) "
+                   "must be > 0, got ",
+                   c.local_window));
+      }
+      break;
     case KVCacheType::kState:
       return UnimplementedError(
           StrCat("KVCacheType STATE: not supported yet, see issue 21 (state_bytes ", c.state_bytes,

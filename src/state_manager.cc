@@ -133,6 +133,14 @@ Status CheckManagerConfig(const StateManagerConfig& config,
     if (Status s = kv_configs[g].Validate(); !s.ok()) {
       return {s.code(), StrCat("cache group ", g, ": ", s.message())};
     }
+    // A LOCAL group's window is its own: a second one for the prefix cache may only repeat it.
+    if (kv_configs[g].type == KVCacheType::kLocal && g < windows.size() && windows[g] != 0 &&
+        windows[g] != kv_configs[g].local_window) {
+      return InvalidArgumentError(StrCat("prefix_cache.sliding_windows[", g, "] is ", windows[g],
+                                         " but cache group ", g,
+                                         " is LOCAL with local_window=", kv_configs[g].local_window,
+                                         " (give 0 or the same window)"));
+    }
     if (kv_configs[g].num_allocation_groups != 1) {
       return UnimplementedError(
           StrCat("cache group ", g, ": num_allocation_groups=", kv_configs[g].num_allocation_groups,
@@ -270,6 +278,12 @@ StateManager::Impl::Impl(StateManagerConfig config, std::unique_ptr<BlockedKVCac
     pools_.emplace_back(cache_.get(), g);
     tables_.emplace_back(tracked * static_cast<size_t>(max_blocks_per_sequence(g)), kNoBlock);
     block_sizes_.emplace_back(kv_block_size(g));
+    const KVCacheConfig& c = cache_->config(g);
+    const std::vector<int64_t>& windows = config_.prefix_cache.sliding_windows;
+    windows_.push_back(c.type == KVCacheType::kLocal             ? c.local_window
+                       : static_cast<size_t>(g) < windows.size() ? windows[static_cast<size_t>(g)]
+                                                                 : 0);
+    if (c.type == KVCacheType::kLocal) local_groups_.push_back(g);
     token_limit_ = std::min(token_limit_, int64_t{max_blocks_per_sequence(g)} * kv_block_size(g));
   }
   sequences_.reset(new Sequence[tracked]);
@@ -420,6 +434,33 @@ inline void StateManager::Impl::Advance(Sequence& seq) {
   seq.in_flight_tokens_ = 0;
   // A resumed sequence's blocks are published once their copy is known to be good.
   if (prefix_ != nullptr && (resuming_ == 0 || RestoreDone(seq))) PublishFullBlocks(seq);
+  // Published first: a block that leaves the window stays in the prefix cache. A resume copy
+  // still in flight writes into its blocks: they go once it has settled (the next Schedule).
+  if (!local_groups_.empty() && (resuming_ == 0 || RestoreDone(seq))) [[unlikely]] {
+    ReleaseOutOfWindow(seq);
+  }
+}
+
+void StateManager::Impl::ReleaseOutOfWindow(Sequence& seq) {
+  bool changed = false;
+  for (const int g : local_groups_) {
+    Sequence::GroupState& state = seq.groups_[g];
+    // The blocks wholly before position seen - W (the next query sees (seen - W, seen]), as a
+    // prefix hit of `seen` tokens would keep (WindowStart).
+    const int64_t end = seq.seen_tokens_ - windows_[static_cast<size_t>(g)];
+    if (end <= 0) continue;
+    const auto out =
+        static_cast<int32_t>(std::min<int64_t>(block_sizes_[g].Index(end), state.allocated));
+    if (out <= state.released) continue;
+    BlockId* first = state.row + state.released;
+    const Status released = pools_[g].Release(
+        std::span<const BlockId>(first, static_cast<size_t>(out - state.released)));
+    BLOCKKV_CHECK(released.ok(), "a sequence held a block without a reference");
+    std::fill(first, state.row + out, kNoBlock);
+    state.released = out;
+    changed = true;
+  }
+  if (changed) seq.table_version_ = ++last_table_version_;
 }
 
 // Here, not in state_manager_rollback.cc: Advance is inline.

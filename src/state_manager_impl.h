@@ -144,6 +144,8 @@ class StateManager::Impl {
   Sequence* CreateInSlot(SeqId uid);  // REQUIRES: a free slot
   // After a forward: seen_tokens += in_flight_tokens, in_flight = 0, full blocks published.
   void Advance(Sequence& seq);
+  // LOCAL groups: releases the blocks lying wholly before seen_tokens - local_window.
+  void ReleaseOutOfWindow(Sequence& seq);
 
   // ---- speculative decoding (state_manager_rollback.cc) ----
   // kInvalidArgument unless accepted.size() == n (the uids or batch entries) or it is empty.
@@ -253,7 +255,11 @@ class StateManager::Impl {
   std::vector<Sequence::GroupState> group_states_;
   std::unique_ptr<internal::UidMap> by_uid_;      // uid -> slot
   std::vector<internal::BlockSize> block_sizes_;  // per group
-  int64_t token_limit_ = 0;                       // min(max_context, every table's token capacity)
+  // Per group: the attention window (a LOCAL group's local_window, else the prefix cache's
+  // sliding_windows entry; 0: full attention).
+  std::vector<int64_t> windows_;
+  std::vector<int> local_groups_;         // the LOCAL groups, whose blocks Advance releases
+  int64_t token_limit_ = 0;               // min(max_context, every table's token capacity)
   int64_t hit_step_ = 1;                  // a prefix hit is a multiple of every group's block size
   std::unique_ptr<PrefixCache> prefix_;   // when enabled
   std::unique_ptr<SequenceKeys[]> keys_;  // [max_tracked_sequences] when prefix_ is set

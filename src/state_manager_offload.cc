@@ -125,7 +125,9 @@ Result<OffloadTicket> StateManager::Impl::PreemptSequence(SeqId uid) {
   if (prefix_ != nullptr) {
     // Its blocks are no longer cached blocks of its own: publishing starts again from block 0
     // once it is resumed (the restored copies are published as duplicates of their keys).
-    for (SequenceKeys::Group& keys : keys_[seq->slot_].groups) keys.published = 0;
+    // A group with released leading entries publishes nothing more (its chain would start at a
+    // released block): nothing is left of its last publish either.
+    for (SequenceKeys::Group& keys : keys_[seq->slot_].groups) keys = {};
   }
   seq->preempted_ = true;
   seq->table_version_ = ++last_table_version_;

@@ -135,8 +135,7 @@ void StateManager::Impl::ForkKeys(const Sequence& from, const Sequence& to) {
 // ---- scheduling -------------------------------------------------------------------------------
 
 int64_t StateManager::Impl::SlidingWindow(int group) const {
-  const std::vector<int64_t>& windows = config_.prefix_cache.sliding_windows;
-  return static_cast<size_t>(group) < windows.size() ? windows[static_cast<size_t>(group)] : 0;
+  return windows_[static_cast<size_t>(group)];
 }
 
 int32_t StateManager::Impl::WindowStart(int group, int32_t blocks) const {

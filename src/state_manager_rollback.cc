@@ -129,14 +129,22 @@ Status StateManager::Impl::Rollback(SeqId uid, int64_t n) {
   const int64_t end = seen - n;
   // A group whose window released leading blocks must keep a whole block before the new end:
   // the block it writes next must be held, and publishing chains on from a held block.
+  // A LOCAL group's query at the new end sees (end - W, end]: none of it may have been released.
   for (int g = 0; g < num_groups(); ++g) {
     const int32_t released = seq->groups_[g].released;
-    if (released > 0 && block_sizes_[g].Index(end) <= released) {
-      const int64_t most = seen - (int64_t{released} + 1) * block_sizes_[g].value();
-      return FailedPreconditionError(
-          StrCat("Rollback: sequence ", uid, " released its first ", released, " blocks of group ",
-                 g, " (FreeLeadingBlocks); it can roll back at most ", std::max<int64_t>(0, most),
-                 " of its ", seen, " tokens, asked for ", n));
+    if (released == 0) continue;
+    const int64_t bs = block_sizes_[g].value();
+    int64_t least = (int64_t{released} + 1) * bs;  // the smallest end it can roll back to
+    if (cache_->config(g).type == KVCacheType::kLocal) {
+      least = std::max(least, int64_t{released} * bs + windows_[static_cast<size_t>(g)]);
+    }
+    if (end < least) {
+      return FailedPreconditionError(StrCat(
+          "Rollback: sequence ", uid, " released its first ", released, " blocks of group ", g,
+          cache_->config(g).type == KVCacheType::kLocal ? " (out of its local_window)"
+                                                        : " (FreeLeadingBlocks)",
+          "; it can roll back at most ", std::max<int64_t>(0, seen - least), " of its ", seen,
+          " tokens, asked for ", n));
     }
   }
   // Copy-on-write of the new partial last block where another holder (a fork, a prefix hit) or

@@ -23,7 +23,8 @@ const char* AllocationModeName(AllocationMode mode);
 // What the layers of a cache group keep per token (DeepSpeed's KVCacheType, extended by issue 21).
 enum class KVCacheType {
   kDense,  // K and V per KV head: [num_blocks, block_size, 2, num_kv_heads, head_size] per layer
-  kLocal,  // sliding-window attention: not a group kind yet (Validate: kUnimplemented)
+  kLocal,  // sliding-window attention: as kDense, over the last local_window tokens; the state
+           // manager releases a sequence's blocks that fall wholly out of the window
   kState,  // a fixed state per sequence (Mamba, linear attention): not yet (kUnimplemented)
   kMla,    // multi-head latent attention (DeepSeek-V2/V3): one latent vector and one rotary key
            // per token, shared by every head, no K/V split:
@@ -52,6 +53,9 @@ struct KVCacheConfig {
   int64_t latent_dim = 0;                  // kMla: the latent c_kv's width (DeepSeek-V3: 512)
   int64_t rope_dim = 0;                    // kMla: the rotary key k_pe's width (DeepSeek-V3: 64)
   int64_t state_bytes = 0;                 // kState (not supported yet): bytes per sequence
+  // kLocal: the attention window W in tokens (DeepSpeed's KVCacheType.LOCAL has no field for it;
+  // vLLM calls it sliding_window): the query at position p sees keys (p - W, p]. 0 otherwise.
+  int64_t local_window = 0;
 
   int64_t num_caches() const { return cache_shape[0]; }
   int64_t num_kv_heads() const { return cache_shape[1]; }
@@ -62,7 +66,8 @@ struct KVCacheConfig {
   // Every field > 0, a known dtype, and bytes_per_block() representable in int64.
   // kInvalidArgument names the field and its value. kMla: latent_dim > 0, rope_dim >= 0 and
   // cache_shape[1] == 1, cache_shape[2] == latent_dim + rope_dim; latent_dim, rope_dim and
-  // state_bytes are 0 for the kinds that do not use them. kLocal and kState: kUnimplemented.
+  // state_bytes are 0 for the kinds that do not use them. kLocal: local_window > 0 (0 for every
+  // other kind). kState: kUnimplemented.
   Status Validate() const;
 
   // num_caches · block_size · kv_planes · num_kv_heads · head_size · ElementSize(cache_dtype):

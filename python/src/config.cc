@@ -138,6 +138,8 @@ std::string Repr(const KVCacheConfig& c) {
                                             ", rope_dim=" + std::to_string(c.rope_dim)
                                       : std::string()) +
          (c.state_bytes != 0 ? ", state_bytes=" + std::to_string(c.state_bytes) : std::string()) +
+         (c.local_window != 0 ? ", local_window=" + std::to_string(c.local_window)
+                              : std::string()) +
          ")";
 }
 
@@ -405,9 +407,11 @@ void BindKVCacheConfig(py::module_& m) {
                 py::handle cache_dtype, Int<int32_t, "num_allocation_groups"> num_allocation_groups,
                 Int<int32_t, "max_blocks_per_allocation_group"> max_blocks_per_allocation_group,
                 py::handle type, Int<int64_t, "latent_dim"> latent_dim,
-                Int<int64_t, "rope_dim"> rope_dim, Int<int64_t, "state_bytes"> state_bytes) {
+                Int<int64_t, "rope_dim"> rope_dim, Int<int64_t, "state_bytes"> state_bytes,
+                Int<int64_t, "local_window"> local_window) {
                KVCacheConfig c;
                c.type = ToCacheType(type);
+               c.local_window = local_window;
                c.latent_dim = latent_dim;
                c.rope_dim = rope_dim;
                c.state_bytes = state_bytes;
@@ -423,10 +427,13 @@ void BindKVCacheConfig(py::module_& m) {
          py::arg("cache_dtype") = "fp16", py::arg("num_allocation_groups") = 1,
          py::arg("max_blocks_per_allocation_group") = 64, py::arg("type") = py::none(),
          py::arg("latent_dim") = 0, py::arg("rope_dim") = 0, py::arg("state_bytes") = 0,
+         py::arg("local_window") = 0,
          R"(One cache group. type: KVCacheType.DENSE (K and V per KV head), or MLA: one latent row
 per token and layer, cache_shape = (num_layers, 1, latent_dim + rope_dim), e.g. DeepSeek-V3's
 KVCacheConfig(type=KVCacheType.MLA, cache_shape=(61, 1, 576), latent_dim=512, rope_dim=64,
-cache_dtype="bf16"). LOCAL and STATE raise NotImplementedError (issue 21).)")
+cache_dtype="bf16"). LOCAL: sliding-window layers, KVCacheConfig(type=KVCacheType.LOCAL,
+cache_shape=..., local_window=4096); a StateManager releases the blocks that leave the window.
+STATE raises NotImplementedError (issue 21).)")
       .def_property(
           "block_size", [](const KVCacheConfig& c) { return c.block_size; },
           Int32Setter(&KVCacheConfig::block_size, "block_size"))
@@ -477,6 +484,10 @@ cache_dtype="bf16"). LOCAL and STATE raise NotImplementedError (issue 21).)")
           "state_bytes", [](const KVCacheConfig& c) { return c.state_bytes; },
           Int64Setter(&KVCacheConfig::state_bytes, "state_bytes"),
           "STATE (not supported yet): bytes per sequence; 0 otherwise")
+      .def_property(
+          "local_window", [](const KVCacheConfig& c) { return c.local_window; },
+          Int64Setter(&KVCacheConfig::local_window, "local_window"),
+          "LOCAL: the attention window in tokens (Gemma-2: 4096); 0 otherwise")
       .def_property_readonly(
           "bytes_per_block",
           [](const KVCacheConfig& c) { return ValueOrThrow(c.bytes_per_block()); },
@@ -488,7 +499,7 @@ cache_dtype="bf16"). LOCAL and STATE raise NotImplementedError (issue 21).)")
                     a.num_allocation_groups == b.num_allocation_groups &&
                     a.max_blocks_per_allocation_group == b.max_blocks_per_allocation_group &&
                     a.type == b.type && a.latent_dim == b.latent_dim && a.rope_dim == b.rope_dim &&
-                    a.state_bytes == b.state_bytes;
+                    a.state_bytes == b.state_bytes && a.local_window == b.local_window;
            })
       .def("__repr__", py::overload_cast<const KVCacheConfig&>(&Repr));
   AddValueMethods(
@@ -498,7 +509,7 @@ cache_dtype="bf16"). LOCAL and STATE raise NotImplementedError (issue 21).)")
                               std::string(DTypeName(c.cache_dtype)), c.num_allocation_groups,
                               c.max_blocks_per_allocation_group,
                               std::string(KVCacheTypeName(c.type)), c.latent_dim, c.rope_dim,
-                              c.state_bytes);
+                              c.state_bytes, c.local_window);
       },
       [](const py::tuple& state) {
         KVCacheConfig c;
@@ -514,6 +525,7 @@ cache_dtype="bf16"). LOCAL and STATE raise NotImplementedError (issue 21).)")
           c.rope_dim = state[9].cast<int64_t>();
           c.state_bytes = state[10].cast<int64_t>();
         }
+        if (state.size() >= 12) c.local_window = state[11].cast<int64_t>();
         return c;
       });
 }

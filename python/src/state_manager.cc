@@ -128,7 +128,8 @@ void BindSequence(py::module_& m) {
             return h.With([&](const Sequence& s) { return s.released_blocks(cache_group); });
           },
           py::arg("cache_group") = 0,
-          "Leading table entries released by free_leading_blocks (now -1)")
+          "Leading table entries released by free_leading_blocks or out of a LOCAL group's "
+          "local_window (now -1)")
       .def_property_readonly(
           "kv_blocks_ptr",
           [](const H& h) {

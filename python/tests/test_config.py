@@ -121,9 +121,8 @@ def test_kv_cache_type_dense_and_mla_are_group_kinds_local_and_state_not_yet():
     with pytest.raises(ValueError):
         mla.rope_dim = 32  # the shape no longer adds up; nothing changes
     assert mla.rope_dim == 64
-    for kind in ("local", blockkv.KVCacheType.LOCAL, "state"):
-        with pytest.raises(NotImplementedError, match="see issue 21|issue 21"):
-            blockkv.KVCacheConfig(cache_shape=(1, 1, 8), type=kind)
+    with pytest.raises(NotImplementedError, match="issue 21"):
+        blockkv.KVCacheConfig(cache_shape=(1, 1, 8), type="state")
     with pytest.raises(ValueError):
         blockkv.KVCacheConfig(cache_shape=(1, 1, 8), type="sparse")
 
@@ -203,3 +202,19 @@ def test_configs_copy_and_pickle():
     clone = copy.deepcopy(manager)
     clone.memory_config.size = 99
     assert manager.memory_config.size == 12
+
+
+def test_local_group_takes_its_window():
+    for kind in ("local", blockkv.KVCacheType.LOCAL):
+        c = blockkv.KVCacheConfig(cache_shape=(2, 1, 8), type=kind, local_window=4096)
+        assert c.type == blockkv.KVCacheType.LOCAL and c.local_window == 4096
+        assert "local_window=4096" in repr(c)
+        assert pickle.loads(pickle.dumps(c)) == c
+    assert c != blockkv.KVCacheConfig(cache_shape=(2, 1, 8), type="local", local_window=64)
+    with pytest.raises(ValueError, match="local_window .* must be > 0, got 0"):
+        blockkv.KVCacheConfig(cache_shape=(1, 1, 8), type="local")
+    with pytest.raises(ValueError, match="local_window is for LOCAL groups.*got 16"):
+        blockkv.KVCacheConfig(cache_shape=(1, 1, 8), local_window=16)
+    with pytest.raises(ValueError):
+        c.local_window = -1  # nothing changes
+    assert c.local_window == 4096

@@ -161,3 +161,23 @@ def test_deepspeed_descriptor_post_forward_takes_accepted():
     seq.pre_forward(1)
     seq.post_forward()  # DeepSpeed's call: keeps all
     assert seq.seen_tokens == 3
+
+
+def test_dense_and_local_groups_release_only_the_windows_blocks():
+    # Gemma-2 style: a full-attention group and a LOCAL group of window 6 in one manager.
+    dense = kv_config(block_size=4, max_blocks_per_allocation_group=16)
+    local = kv_config(block_size=4, max_blocks_per_allocation_group=16,
+                      type=blockkv.KVCacheType.LOCAL, local_window=6)
+    m = blockkv.StateManager(blockkv.StateManagerConfig(memory_config=allocate(16)),
+                             (dense, local), device="cpu")
+    step(m, 1, 10)
+    for _ in range(20):
+        step(m, 1, 1)
+    seq = m.get_sequence(1)
+    assert (seq.released_blocks(0), seq.released_blocks(1)) == (0, 6)  # (30 - 6) // 4
+    assert m.free_blocks == [8, 14]
+    assert (seq.kv_cache_ids(1)[0, :6] == -1).all()
+    with pytest.raises(ValueError, match="at most 0 of its 30 tokens"):
+        m.rollback(1, 1)
+    assert seq.seen_tokens == 30
+    m.check_invariants()

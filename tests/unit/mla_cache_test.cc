@@ -121,24 +121,43 @@ TEST(KVCacheTypeTest, OtherKindsFieldsMustStayZeroOnADenseGroup) {
   EXPECT_CODE(c.Validate(), StatusCode::kInvalidArgument);
 }
 
-TEST(KVCacheTypeTest, LocalAndStateAreUnimplementedNamingTheIssue) {
-  KVCacheConfig c{.block_size = 16, .cache_shape = {2, 1, 64}, .type = KVCacheType::kLocal};
+TEST(KVCacheTypeTest, StateIsUnimplementedNamingTheIssue) {
+  KVCacheConfig c{.block_size = 16,
+                  .cache_shape = {2, 1, 64},
+                  .type = KVCacheType::kState,
+                  .state_bytes = 4096};
   Status s = c.Validate();
-  EXPECT_EQ(s.code(), StatusCode::kUnimplemented);
-  EXPECT_NE(s.message().find("LOCAL"), std::string::npos) << s;
-  EXPECT_NE(s.message().find("issue 21"), std::string::npos) << s;
-  c.type = KVCacheType::kState;
-  c.state_bytes = 4096;
-  s = c.Validate();
   EXPECT_EQ(s.code(), StatusCode::kUnimplemented);
   EXPECT_NE(s.message().find("STATE: not supported yet, see issue 21"), std::string::npos) << s;
   c.type = static_cast<KVCacheType>(9);
   EXPECT_CODE(c.Validate(), StatusCode::kInvalidArgument);
-  // Nothing is planned or allocated for them either.
-  const KVCacheConfig local{
-      .block_size = 16, .cache_shape = {2, 1, 64}, .type = KVCacheType::kLocal};
-  EXPECT_CODE(PlanKVCache(std::span(&local, 1), MemoryConfig{}, int64_t{1} << 34),
+  // Nothing is planned or allocated for it either.
+  c.type = KVCacheType::kState;
+  EXPECT_CODE(PlanKVCache(std::span(&c, 1), MemoryConfig{}, int64_t{1} << 34),
               StatusCode::kUnimplemented);
+}
+
+TEST(KVCacheTypeTest, LocalNeedsItsWindowAndOnlyLocalHasOne) {
+  KVCacheConfig c{.block_size = 16, .cache_shape = {2, 1, 64}, .type = KVCacheType::kLocal};
+  Status s = c.Validate();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("local_window (the attention window in tokens) must be > 0, got 0"),
+            std::string::npos)
+      << s;
+  c.local_window = -3;
+  EXPECT_CODE(c.Validate(), StatusCode::kInvalidArgument);
+  c.local_window = 4096;
+  EXPECT_OK(c.Validate());
+  // A LOCAL block is a dense block: K and V per KV head.
+  EXPECT_EQ(c.kv_planes(), 2);
+  EXPECT_EQ(*c.bytes_per_block(), int64_t{2} * 16 * 2 * 64 * 2);
+  c.type = KVCacheType::kDense;
+  s = c.Validate();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("local_window is for LOCAL groups; a dense group must leave it 0, "
+                             "got 4096"),
+            std::string::npos)
+      << s;
 }
 
 TEST(KVCacheTypeTest, PlanSumsMlaAndDenseGroupsBlockBytes) {

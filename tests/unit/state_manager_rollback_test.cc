@@ -5,7 +5,8 @@
 // test: random steps of k drafts with random accept counts (through ScheduleBatch +
 // PostForward(batch, accepted) and AppendTokens + Schedule + PostForward(uids, accepted)),
 // random Rollback calls, forks, flushes and prompts that hit the prefix cache, and in two more
-// setups preemption to the host tier and FreeLeadingBlocks (sliding windows), against a
+// setups preemption to the host tier and FreeLeadingBlocks (sliding windows), and Gemma-2
+// style DENSE + LOCAL managers (a LOCAL group releases what leaves its window), against a
 // reference of each sequence's tokens. Every forward writes each token's id into its KV slot;
 // after every operation each sequence's KV reads back exactly its accepted tokens, every
 // prefix hit's blocks hold the prompt's tokens, no published block (BlockStored) carries a
@@ -26,7 +27,9 @@
 #include <memory>
 #include <random>
 #include <set>
+#include <span>
 #include <string>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -43,6 +46,14 @@ KVCacheConfig Group(int32_t block_size, int32_t max_blocks = 64) {
                        .cache_shape = {1, 1, 1},
                        .cache_dtype = DType::kFloat32,
                        .max_blocks_per_allocation_group = max_blocks};
+}
+
+// A LOCAL (sliding-window) group of the same shape.
+KVCacheConfig Local(int32_t block_size, int64_t window) {
+  KVCacheConfig c = Group(block_size);
+  c.type = KVCacheType::kLocal;
+  c.local_window = window;
+  return c;
 }
 
 StateManagerConfig Config(int32_t num_blocks, bool prefix = false) {
@@ -438,6 +449,83 @@ TEST(SpeculativePostForward, NeverPublishesABlockHoldingARejectedToken) {
   ASSERT_OK(m->CheckInvariants());
 }
 
+// ---- LOCAL groups (sliding-window layers) ------------------------------------------------------
+
+// A LOCAL group releases the blocks wholly before seen - W after each forward; the DENSE group
+// beside it keeps everything. No FreeLeadingBlocks call.
+TEST(LocalGroup, ReleasesBlocksThatLeaveTheWindowAtPostForward) {
+  auto m = Make(Config(40), {Group(4), Local(4, 6)});
+  ASSERT_OK(Step(*m, 1, Iota(9), 9));  // 9 - 6 = 3: no whole block before position 3
+  EXPECT_EQ(m->GetSequence(1)->released_blocks(1), 0);
+  ASSERT_OK(Step(*m, 1, Iota(1, 9), 1));  // 10 - 6 = 4: block 0 is out
+  const Sequence& seq = *m->GetSequence(1);
+  EXPECT_EQ(seq.released_blocks(0), 0);
+  EXPECT_EQ(seq.released_blocks(1), 1);
+  EXPECT_EQ(seq.block_table(1)[0], kNoBlock);
+  EXPECT_EQ(m->free_blocks(), (std::vector<int32_t>{37, 38}));
+  for (int t = 10; t < 30; ++t) ASSERT_OK(Step(*m, 1, {t}, 1));
+  EXPECT_EQ(seq.released_blocks(1), 6);  // (30 - 6) / 4
+  EXPECT_EQ(seq.cur_allocated_blocks(1), 8);
+  EXPECT_EQ(m->free_blocks(), (std::vector<int32_t>{32, 38}));
+  EXPECT_EQ(ReadKV(*m, 1, 1, 24), Iota(6, 24));  // the window's KV is intact
+  EXPECT_EQ(ReadKV(*m, 1, 0), Iota(30));
+  // A fork carries the released entries; rolling back into the window is refused.
+  ASSERT_OK(m->Fork(1, 2));
+  EXPECT_EQ(m->GetSequence(2)->released_blocks(1), 6);
+  const Status s = m->Rollback(1, 1);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("out of its local_window"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("at most 0 of its 30 tokens, asked for 1"), std::string::npos) << s;
+  EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 30);
+  ASSERT_OK(m->CheckInvariants());
+}
+
+// A prompt's prefix hit is a length both groups serve: the DENSE group every block, the LOCAL
+// group only the window's blocks before it, and a snapshot carries the released entries.
+TEST(LocalGroup, PrefixHitTakesOnlyTheWindowsBlocks) {
+  auto m = Make(Config(40, /*prefix=*/true), {Group(4), Local(4, 6)});
+  const std::vector<TokenId> prompt = Iota(21);
+  for (const SeqId uid : {1, 2}) {
+    ASSERT_OK(m->AddSequence(uid, prompt));
+    const SeqId uids[] = {uid};
+    const int64_t lengths[] = {std::ssize(prompt)};
+    ASSERT_OK(m->Schedule({.uids = uids, .lengths = lengths}));
+    const int64_t seen = m->GetSequence(uid)->seen_tokens();  // the hit
+    WriteKV(*m, uid, std::span<const TokenId>(prompt).subspan(static_cast<size_t>(seen)));
+    ASSERT_OK(m->PostForward(uids));
+  }
+  const Sequence& hit = *m->GetSequence(2);
+  EXPECT_EQ(hit.cached_prefix_tokens(), 20);  // the last token is recomputed
+  EXPECT_EQ(hit.released_blocks(1), 3);       // (21 - 6) / 4 after the forward
+  EXPECT_EQ(ReadKV(*m, 2, 1, 12), Iota(9, 12));
+  EXPECT_EQ(ReadKV(*m, 2, 0), prompt);
+  Result<std::vector<std::byte>> bytes = m->SaveSnapshot();
+  ASSERT_OK(bytes);
+  ASSERT_OK(m->LoadSnapshot(*bytes));
+  EXPECT_EQ(m->GetSequence(2)->released_blocks(1), 3);
+  ASSERT_OK(m->CheckInvariants());
+  // A manager whose LOCAL group has another window does not take it.
+  auto other = Make(Config(40, /*prefix=*/true), {Group(4), Local(4, 8)});
+  const Status s = other->LoadSnapshot(*bytes);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("sliding_windows[1]"), std::string::npos) << s;
+  EXPECT_EQ(other->n_tracked_sequences(), 0);
+}
+
+TEST(LocalGroup, APrefixCacheWindowMustRepeatTheGroupsWindow) {
+  StateManagerConfig config = Config(16, /*prefix=*/true);
+  config.prefix_cache.sliding_windows = {0, 8};
+  Result<std::unique_ptr<StateManager>> m =
+      StateManager::Create(config, {Group(4), Local(4, 6)}, CpuDevice(16 << 20));
+  ASSERT_EQ(m.status().code(), StatusCode::kInvalidArgument) << m.status();
+  EXPECT_NE(m.status().message().find("prefix_cache.sliding_windows[1] is 8 but cache group 1 is "
+                                      "LOCAL with local_window=6"),
+            std::string::npos)
+      << m.status();
+  config.prefix_cache.sliding_windows = {0, 6};
+  EXPECT_OK(StateManager::Create(config, {Group(4), Local(4, 6)}, CpuDevice(16 << 20)).status());
+}
+
 // ---- model-based random test ------------------------------------------------------------------
 
 uint64_t Seed() {
@@ -530,9 +618,22 @@ class RollbackModel {
     }
     return -1;
   }
-  int64_t Released(SeqId uid) const {
-    const auto it = released_.find(uid);
+  int64_t Released(SeqId uid, int g = 0) const {
+    const auto it = released_.find({uid, g});
     return it == released_.end() ? 0 : it->second;
+  }
+  int64_t Window(int g) const {
+    const KVCacheConfig& c = setup_.groups[static_cast<size_t>(g)];
+    return c.type == KVCacheType::kLocal ? c.local_window : 0;
+  }
+  // After a forward of `uid`: a LOCAL group has released every block wholly before seen - W.
+  void ReleaseOutOfWindow(SeqId uid) {
+    const auto seen = std::ssize(model_[uid]);
+    for (int g = 0; g < m_->num_groups(); ++g) {
+      if (Window(g) == 0 || seen <= Window(g)) continue;
+      const int64_t out = (seen - Window(g)) / m_->kv_block_size(g);
+      if (out > Released(uid, g)) released_[{uid, g}] = out;
+    }
   }
 
   void Add() {
@@ -558,8 +659,13 @@ class RollbackModel {
     if (seq.cached_prefix_tokens() > 0) {
       ++hits_;
       for (int g = 0; g < m_->num_groups(); ++g) {
-        const std::vector<TokenId> kv = ReadKV(*m_, uid, g);
-        ASSERT_EQ(kv, std::vector<TokenId>(prompt.begin(), prompt.begin() + std::ssize(kv)))
+        // A LOCAL group holds only the window's blocks of the hit.
+        const int64_t from = std::max<int64_t>(0, seq.seen_tokens() - Window(g)) /
+                             m_->kv_block_size(g) * m_->kv_block_size(g) * (Window(g) > 0);
+        EXPECT_EQ(seq.released_blocks(g), from / m_->kv_block_size(g));
+        const std::vector<TokenId> kv = ReadKV(*m_, uid, g, from);
+        ASSERT_EQ(
+            kv, std::vector<TokenId>(prompt.begin() + from, prompt.begin() + from + std::ssize(kv)))
             << "prefix hit of sequence " << uid << " group " << g;
       }
     }
@@ -567,6 +673,7 @@ class RollbackModel {
             std::span<const TokenId>(prompt).subspan(static_cast<size_t>(seq.seen_tokens())));
     ASSERT_OK(m_->PostForward(*batch_));
     model_[uid] = prompt;
+    ReleaseOutOfWindow(uid);
   }
 
   // 1-3 sequences each run the verified token plus k drafts and keep a random number of them;
@@ -629,6 +736,7 @@ class RollbackModel {
           tokens.begin() + static_cast<std::ptrdiff_t>(at + static_cast<size_t>(accepted[i])));
       rejected_ += lengths[i] - accepted[i];
       at += static_cast<size_t>(lengths[i]);
+      ReleaseOutOfWindow(uids[i]);
     }
   }
 
@@ -649,8 +757,12 @@ class RollbackModel {
       ASSERT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
     } else if (n > std::ssize(mine)) {
       ASSERT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
-    } else if (Released(uid) > 0 && end / m_->kv_block_size(0) <= Released(uid)) {
-      ASSERT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;  // the window's blocks are gone
+    } else if (n > 0 && WindowRefuses(uid, end)) {
+      // The window's blocks are gone.
+      ASSERT_EQ(s.code(), StatusCode::kFailedPrecondition)
+          << s << ": sequence " << uid << " of " << mine.size() << " tokens, n " << n
+          << ", released " << Released(uid, 0) << " / " << m_->GetSequence(uid)->released_blocks(0)
+          << " blocks of group 0";
       ++window_refusals_;
     } else if (s.code() == StatusCode::kResourceExhausted) {
       // Only a private copy can fail, and only with no block to take.
@@ -673,6 +785,18 @@ class RollbackModel {
     ASSERT_EQ(m_->free_blocks(), free_before);  // failed: nothing changed (Agrees checks more)
   }
 
+  // A group that released leading blocks keeps a whole block before the new end, and a LOCAL
+  // group's window before it too.
+  bool WindowRefuses(SeqId uid, int64_t end) const {
+    for (int g = 0; g < m_->num_groups(); ++g) {
+      const int64_t r = Released(uid, g);
+      if (r == 0) continue;
+      const int64_t bs = m_->kv_block_size(g);
+      if (end < std::max((r + 1) * bs, r * bs + Window(g))) return true;
+    }
+    return false;
+  }
+
   void ForkOne() {
     const SeqId parent = AnySequence();
     if (parent < 0 || model_.size() >= 12) return;
@@ -687,7 +811,9 @@ class RollbackModel {
       return;
     }
     model_[child] = model_[parent];
-    if (Released(parent) > 0) released_[child] = Released(parent);
+    for (int g = 0; g < m_->num_groups(); ++g) {
+      if (Released(parent, g) > 0) released_[{child, g}] = Released(parent, g);
+    }
   }
 
   void FlushOne() {
@@ -696,7 +822,7 @@ class RollbackModel {
     ASSERT_OK(m_->FlushSequence(uid));
     model_.erase(uid);
     preempted_.erase(uid);
-    released_.erase(uid);
+    for (int g = 0; g < m_->num_groups(); ++g) released_.erase({uid, g});
   }
 
   void RollbackInFlight() {
@@ -713,10 +839,35 @@ class RollbackModel {
   // A snapshot after rollbacks loads back (LoadSnapshot checks every sequence's published
   // blocks and chain against the cache) and the run goes on from it.
   void SnapshotRoundTrip() {
+    // A resume is settled by the next call naming the sequence (Rollback(uid, 0) here); a
+    // snapshot refuses an unsettled one.
+    for (const SeqId uid : resumed_) {
+      if (m_->GetSequence(uid) != nullptr && !preempted_.contains(uid)) {
+        ASSERT_OK(m_->Rollback(uid, 0));
+      }
+    }
+    resumed_.clear();
     Result<std::vector<std::byte>> bytes = m_->SaveSnapshot();
     if (!preempted_.empty()) {  // a snapshot does not hold the offload tiers
       ASSERT_EQ(bytes.status().code(), StatusCode::kFailedPrecondition) << bytes.status();
-      return;
+      // Now and then resume them all (flush those whose blocks are not there), so that
+      // snapshots happen.
+      if (Pick(0, 1) == 0) return;
+      for (const SeqId uid : std::vector<SeqId>(preempted_.begin(), preempted_.end())) {
+        Result<OffloadTicket> ticket = m_->ResumeSequence(uid);
+        if (!ticket.ok()) {
+          ASSERT_EQ(ticket.status().code(), StatusCode::kResourceExhausted) << ticket.status();
+          ASSERT_OK(m_->FlushSequence(uid));
+          model_.erase(uid);
+          preempted_.erase(uid);
+          for (int g = 0; g < m_->num_groups(); ++g) released_.erase({uid, g});
+          continue;
+        }
+        ASSERT_OK(ticket->Wait());
+        ASSERT_OK(m_->Rollback(uid, 0));
+        preempted_.erase(uid);
+      }
+      bytes = m_->SaveSnapshot();
     }
     ASSERT_OK(bytes);
     ASSERT_OK(m_->LoadSnapshot(*bytes));
@@ -737,6 +888,7 @@ class RollbackModel {
     ASSERT_OK(ticket->Wait());
     if (resume) {
       preempted_.erase(uid);
+      resumed_.insert(uid);
     } else {
       preempted_.insert(uid);
       ++preemptions_;
@@ -749,7 +901,7 @@ class RollbackModel {
     if (uid < 0) return;
     if ((Released(uid) + 1) * m_->kv_block_size(0) > std::ssize(model_[uid])) return;
     ASSERT_OK(m_->FreeLeadingBlocks(uid, 1));
-    ++released_[uid];
+    ++released_[{uid, 0}];
   }
 
   ::testing::AssertionResult Agrees() {
@@ -770,8 +922,9 @@ class RollbackModel {
         MODEL_CHECK(seq->cur_allocated_blocks(g) == (std::ssize(tokens) + bs - 1) / bs)
             << "sequence " << uid << " group " << g << " holds " << seq->cur_allocated_blocks(g);
         if (seq->preempted()) continue;  // its blocks are in the host tier
-        MODEL_CHECK(seq->released_blocks(g) == Released(uid)) << "sequence " << uid;
-        const int64_t from = Released(uid) * bs;
+        MODEL_CHECK(seq->released_blocks(g) == Released(uid, g))
+            << "sequence " << uid << " group " << g << " released " << seq->released_blocks(g);
+        const int64_t from = Released(uid, g) * bs;
         MODEL_CHECK(
             ReadKV(*m_, uid, g, from) ==
             std::vector<TokenId>(tokens.begin() + std::min(from, std::ssize(tokens)), tokens.end()))
@@ -811,7 +964,10 @@ class RollbackModel {
   int64_t preemptions_ = 0;
   int64_t window_refusals_ = 0;
   std::set<SeqId> preempted_;
-  std::map<SeqId, int64_t> released_;  // leading blocks FreeLeadingBlocks released (group 0)
+  std::set<SeqId> resumed_;  // resumed since the last snapshot (maybe not settled)
+  // Leading blocks released per (sequence, group): by FreeLeadingBlocks (group 0) or out of a
+  // LOCAL group's window.
+  std::map<std::pair<SeqId, int>, int64_t> released_;
 };
 
 TEST(RollbackModel, RandomSpeculationRollbackForksAndPrefixHitsMatchTheReference) {
@@ -834,6 +990,17 @@ TEST(RollbackModel, RandomSpeculationRollbackForksAndPrefixHitsMatchTheReference
        .num_blocks = 48,
        .prefix = false,
        .window = true},
+      // Gemma-2 style: a full-attention group and a LOCAL group (window 5, not a whole number of
+      // blocks) in one manager.
+      {.name = "prefix, DENSE block 4 + LOCAL block 2 window 5",
+       .groups = {Group(4), Local(2, 5)},
+       .num_blocks = 60,
+       .prefix = true},
+      {.name = "prefix, offload, DENSE block 2 + LOCAL block 2 window 4",
+       .groups = {Group(2), Local(2, 4)},
+       .num_blocks = 80,
+       .prefix = true,
+       .offload = true},
   };
   for (const ModelSetup& setup : setups) {
     RollbackModel model(setup, seed);
@@ -845,7 +1012,9 @@ TEST(RollbackModel, RandomSpeculationRollbackForksAndPrefixHitsMatchTheReference
     if (setup.offload) {
       EXPECT_GT(model.preemptions(), 0) << setup.name;
     }
-    if (setup.window) {
+    const bool local = std::any_of(setup.groups.begin(), setup.groups.end(),
+                                   [](const KVCacheConfig& c) { return c.local_window > 0; });
+    if (setup.window || local) {
       EXPECT_GT(model.window_refusals(), 0) << setup.name;
     }
     if (setup.prefix) {
