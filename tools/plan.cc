@@ -244,7 +244,8 @@ Result<PlanReport> Plan(const PlanOptions& options) {
     if (hybrid) {
       // One group, one block table: a block holds every layer, so the window layers keep the
       // whole context too. What they hold past their window is the waste a per-kind allocator
-      // (vLLM's hybrid allocator, LOCAL groups here: issue 21) would free.
+      // (vLLM's hybrid allocator) would free; blockkv's LOCAL groups free it per sequence, but
+      // BlockedKVCache gives every group one block count, so the freed blocks sit idle.
       report.window_waste = static_cast<double>(shape.window_layers) *
                             static_cast<double>(report.blocks_per_sequence - window_blocks) /
                             static_cast<double>(shape.layers * report.blocks_per_sequence);
@@ -359,8 +360,9 @@ std::string FormatPlan(const PlanReport& r, bool json) {
   if (hybrid) {
     char note[512];
     std::snprintf(note, sizeof(note),
-                  "assumes    one cache group for all layers (LOCAL groups are not implemented, "
-                  "issue 21): the %lld window layers keep every block too; %.1f%% of the cache "
+                  "assumes    one cache group for all layers (LOCAL groups would get the same "
+                  "block count as the DENSE one, issue 21): the %lld window layers keep every "
+                  "block too; %.1f%% of the cache "
                   "holds blocks only the full-attention layers need\n",
                   static_cast<long long>(s.window_layers), 100.0 * r.window_waste);
     out += note;
