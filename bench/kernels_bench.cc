@@ -62,14 +62,18 @@ void FillRandom(void* data, int64_t elements) {
   for (int64_t i = 0; i < elements; ++i) p[i] = blockkv::internal::FloatToBf16(u(rng));
 }
 
+// MLA's latent and rotary dims (DeepSeek-V3).
+constexpr int32_t kLatent = 512;
+constexpr int32_t kRope = 64;
+
 // B sequences with `context − 1` tokens of history grown together one block at a time, and a
-// finalized batch of one new token each.
+// finalized batch of one new token each; a dense group of kKVHeads heads, or an MLA group.
 struct DecodeSetup {
   std::unique_ptr<blockkv::StateManager> manager;
   std::unique_ptr<blockkv::RaggedBatch> batch;
   blockkv::TensorView cache;
 
-  explicit DecodeSetup(int64_t context) {
+  explicit DecodeSetup(int64_t context, bool mla = false) {
     blockkv::StateManagerConfig config;
     config.max_context = context + 1;
     config.max_ragged_batch_size = 4096;
@@ -83,6 +87,12 @@ struct DecodeSetup {
         .cache_shape = {1, kKVHeads, kHeadSize},
         .cache_dtype = DType::kBFloat16,
         .max_blocks_per_allocation_group = static_cast<int32_t>(blocks_per_seq)};
+    if (mla) {
+      kv.cache_shape = {1, 1, kLatent + kRope};
+      kv.type = blockkv::KVCacheType::kMla;
+      kv.latent_dim = kLatent;
+      kv.rope_dim = kRope;
+    }
     auto created = blockkv::StateManager::Create(config, {kv}, blockkv::CpuDevice(16LL << 30));
     Check(created.status(), "StateManager::Create");
     manager = std::move(*created);
@@ -256,65 +266,13 @@ void BM_AppendDecode(benchmark::State& state) {
       static_cast<double>(state.iterations()) * kBatch, benchmark::Counter::kIsRate);
 }
 
-// MLA: B sequences of `context − 1` tokens of latent rows grown together, one new token each.
-constexpr int32_t kLatent = 512;
-constexpr int32_t kRope = 64;
-
-struct MlaDecodeSetup {
-  std::unique_ptr<blockkv::StateManager> manager;
-  std::unique_ptr<blockkv::RaggedBatch> batch;
-  blockkv::TensorView cache;
-
-  explicit MlaDecodeSetup(int64_t context) {
-    blockkv::StateManagerConfig config;
-    config.max_context = context + 1;
-    config.max_ragged_batch_size = 4096;
-    config.max_ragged_sequence_count = kBatch;
-    config.max_tracked_sequences = kBatch;
-    const int64_t blocks_per_seq = context / kBlockSize + 1;
-    config.memory_config = {.mode = blockkv::AllocationMode::kAllocate,
-                            .size = kBatch * blocks_per_seq};
-    const blockkv::KVCacheConfig kv{
-        .block_size = kBlockSize,
-        .cache_shape = {1, 1, kLatent + kRope},
-        .cache_dtype = DType::kBFloat16,
-        .max_blocks_per_allocation_group = static_cast<int32_t>(blocks_per_seq),
-        .type = blockkv::KVCacheType::kMla,
-        .latent_dim = kLatent,
-        .rope_dim = kRope};
-    auto created = blockkv::StateManager::Create(config, {kv}, blockkv::CpuDevice(16LL << 30));
-    Check(created.status(), "StateManager::Create");
-    manager = std::move(*created);
-    std::vector<SeqId> uids(kBatch);
-    for (int32_t i = 0; i < kBatch; ++i) uids[static_cast<size_t>(i)] = i;
-    for (int64_t done = 0; done < context - 1;) {
-      const int64_t step = std::min<int64_t>(kBlockSize, context - 1 - done);
-      Check(manager->Schedule({.uids = uids, .lengths = std::vector<int64_t>(kBatch, step)}),
-            "Schedule");
-      Check(manager->PostForward(uids), "PostForward");
-      done += step;
-    }
-    Check(manager->Schedule({.uids = uids, .lengths = std::vector<int64_t>(kBatch, 1)}),
-          "Schedule decode");
-    auto b = blockkv::RaggedBatch::Create(*manager);
-    Check(b.status(), "RaggedBatch::Create");
-    batch = std::move(*b);
-    const std::vector<TokenId> token = {1};
-    for (SeqId uid : uids)
-      Check(batch->InsertSequence(*manager->GetSequence(uid), token), "Insert");
-    Check(batch->Finalize(), "Finalize");
-    cache = *manager->GetCache(0);
-    FillRandom(cache.data, cache.numel());
-  }
-};
-
 void BM_MlaDecode(benchmark::State& state) {
   const int64_t dense_context = state.range(0);
   const auto heads = static_cast<int32_t>(state.range(1));
   // The same cached bytes as BM_DecodePaged at dense_context: Hkv · D · 2 planes per token there,
   // L + R here.
   const int64_t context = dense_context * kKVHeads * kHeadSize * 2 / (kLatent + kRope);
-  MlaDecodeSetup setup(context);
+  DecodeSetup setup(context, /*mla=*/true);
   std::vector<uint16_t> q_nope(size_t{kBatch} * heads * kLatent);
   std::vector<uint16_t> q_pe(size_t{kBatch} * heads * kRope);
   std::vector<uint16_t> out(q_nope.size());

@@ -209,9 +209,10 @@ struct Speculative : Engine {
   int64_t committed = 0;  // tokens kept over the timed steps
 };
 
-void BM_SpeculativeStep(benchmark::State& state) {
-  const int n = static_cast<int>(state.range(0));
-  Speculative impl(n);
+// Times impl.Step(); every kStepsPerRound steps, untimed, the sequences are flushed and prefilled
+// again, so every round starts from the same state. Sets the us_per_step counter.
+template <class Impl>
+void TimeSteps(benchmark::State& state, Impl& impl) {
   int steps = 0;
   for (auto _ : state) {
     impl.Step();
@@ -226,6 +227,11 @@ void BM_SpeculativeStep(benchmark::State& state) {
   state.counters["us_per_step"] =
       benchmark::Counter(static_cast<double>(state.iterations()) * 1e-6,
                          benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+}
+
+void BM_SpeculativeStep(benchmark::State& state) {
+  Speculative impl(static_cast<int>(state.range(0)));
+  TimeSteps(state, impl);
   // Comparable with decode_step's ns_per_seq, which commits one token per sequence.
   state.counters["ns_per_committed_token"] =
       benchmark::Counter(static_cast<double>(impl.committed) * 1e-9,
@@ -318,20 +324,7 @@ template <class Impl>
 void BM_DecodeStep(benchmark::State& state) {
   const int n = static_cast<int>(state.range(0));
   Impl impl(n);
-  int steps = 0;
-  for (auto _ : state) {
-    impl.Step();
-    if (++steps == kStepsPerRound) {
-      state.PauseTiming();
-      impl.Flush();
-      impl.Prefill();
-      steps = 0;
-      state.ResumeTiming();
-    }
-  }
-  state.counters["us_per_step"] =
-      benchmark::Counter(static_cast<double>(state.iterations()) * 1e-6,
-                         benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  TimeSteps(state, impl);
   state.counters["ns_per_seq"] =
       benchmark::Counter(static_cast<double>(state.iterations()) * n * 1e-9,
                          benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
