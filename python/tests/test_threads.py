@@ -263,6 +263,36 @@ class Worker:
         self.batch.finalize()
         self.s.manager.post_forward(np.array(uids, dtype=np.int64))
 
+    def op_speculate(self):
+        """A verified token and up to 3 drafts for some live sequences; each keeps a random count
+        of them (post_forward's accepted), which frees the blocks past its new end."""
+        self.retire_long()
+        if not self.live:
+            return
+        uids = self.pick(self.live, 3)
+        lengths = [self.rng.randint(1, 4) for _ in uids]
+        try:
+            self.s.manager.schedule(uids, lengths)
+        except SHORT:
+            return
+        expect_error(ValueError, self.s.manager.post_forward, uids, [n + 1 for n in lengths])
+        self.s.manager.post_forward(uids, accepted=[self.rng.randint(0, n) for n in lengths])
+
+    def op_rollback(self):
+        if not self.live:
+            return
+        uid = self.rng.choice(self.live)
+        seq = self.s.manager.get_sequence(uid)
+        expect_error(ValueError, self.s.manager.rollback, uid, seq.seen_tokens + 1)
+        n = self.rng.randint(0, min(seq.seen_tokens, 6))
+        # Refused only for want of a free block (a copy of a shared last block) or, after
+        # free_leading_blocks, for reaching into released blocks.
+        allowed = SHORT if seq.released_blocks() == 0 else (ValueError,) + SHORT
+        try:
+            self.s.manager.rollback(uid, n)
+        except allowed:
+            pass
+
     def op_shared_batch_kernels(self):
         """Kernels and accessors on the batch other threads refill: a shape that no longer fits, or
         a batch left unfinalized by a failed schedule_batch, is a ValueError."""
