@@ -896,6 +896,29 @@ void StateManager::Impl::Commit(const ScheduleRequest& request, const BatchOut* 
 
 // ---- fork -------------------------------------------------------------------------------------
 
+StateManager::Impl::BlockCopies StateManager::Impl::CopyOneBlockPerGroup(
+    std::span<const BlockId> sources, std::vector<BlockId>& copies) {
+  copies.assign(static_cast<size_t>(num_groups()), kNoBlock);
+  for (int g = 0; g < num_groups(); ++g) {
+    if (sources[g] != kNoBlock && pools_[g].free_blocks() == 0) {
+      return {.status = ResourceExhaustedError(""), .group = g, .no_free_block = true};
+    }
+  }
+  for (int g = 0; g < num_groups(); ++g) {
+    if (sources[g] == kNoBlock) continue;
+    Status s = pools_[g].Take(1, std::span(&copies[g], 1));
+    if (s.ok()) s = cache_->CopyBlocks(sources.subspan(g, 1), std::span(&copies[g], 1), g);
+    if (!s.ok()) {
+      for (int h = 0; h <= g; ++h) {
+        if (copies[h] != kNoBlock) pools_[h].Release(std::span(&copies[h], 1)).IgnoreError();
+        copies[h] = kNoBlock;
+      }
+      return {.status = std::move(s), .group = g};
+    }
+  }
+  return {};
+}
+
 Status StateManager::Impl::Fork(SeqId parent, SeqId child) {
   Sequence* const parent_seq = Find(parent);
   if (parent_seq == nullptr) {
@@ -916,31 +939,19 @@ Status StateManager::Impl::Fork(SeqId parent, SeqId child) {
   }
   // One private block per group whose last block is partial, taken before anything changes.
   const int64_t seen = from->seen_tokens_;
-  std::vector<BlockId>& tails = tail_scratch_;
-  tails.assign(static_cast<size_t>(num_groups()), kNoBlock);
-  auto give_back = [&](int groups) {
-    for (int g = 0; g < groups; ++g) {
-      if (tails[g] != kNoBlock) pools_[g].Release(std::span(&tails[g], 1)).IgnoreError();
-    }
-  };
-  // Every group's tail block must be there before any is taken: taking one may evict a cached
-  // block, which a later group's failure could not undo.
+  std::vector<BlockId> sources(static_cast<size_t>(num_groups()), kNoBlock);
   for (int g = 0; g < num_groups(); ++g) {
-    if (block_sizes_[g].Offset(seen) != 0 && pools_[g].free_blocks() == 0) {
-      return ResourceExhaustedError(
-          StrCat("Fork: no block of cache group ", g, " for the copy of the partial last block"));
-    }
+    if (block_sizes_[g].Offset(seen) != 0)
+      sources[g] = from->groups_[g].row[block_sizes_[g].Index(seen)];
   }
-  for (int g = 0; g < num_groups(); ++g) {
-    if (block_sizes_[g].Offset(seen) == 0) continue;
-    const BlockId source = from->groups_[g].row[block_sizes_[g].Index(seen)];
-    Status s = pools_[g].Take(1, std::span(&tails[g], 1));
-    if (s.ok()) s = cache_->CopyBlocks(std::span(&source, 1), std::span(&tails[g], 1), g);
-    if (!s.ok()) {
-      give_back(g + 1);
-      return {s.code(),
-              StrCat("Fork: copying the partial last block of group ", g, ": ", s.message())};
+  std::vector<BlockId>& tails = tail_scratch_;
+  if (BlockCopies c = CopyOneBlockPerGroup(sources, tails); !c.status.ok()) {
+    if (c.no_free_block) {
+      return ResourceExhaustedError(StrCat("Fork: no block of cache group ", c.group,
+                                           " for the copy of the partial last block"));
     }
+    return {c.status.code(), StrCat("Fork: copying the partial last block of group ", c.group, ": ",
+                                    c.status.message())};
   }
   Sequence* to = CreateInSlot(child);  // `from` stays valid: sequences live in fixed slots
   to->seen_tokens_ = seen;

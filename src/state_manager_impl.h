@@ -159,6 +159,19 @@ class StateManager::Impl {
   // entry past BlocksFor(end) is held (not released), and the block holding position `end`
   // (when partial) is private to `seq` and not cached.
   void TrimTo(Sequence& seq, int64_t end);
+  // Fork's and Rollback's private copies of one block per group: copies[g] becomes a new block
+  // holding sources[g]'s bytes, or kNoBlock where sources[g] is kNoBlock. All or nothing: every
+  // group's free block is checked before any is taken (taking one may evict a cached block, which
+  // a later group's failure could not undo), and a failed take or copy gives back what was
+  // taken. On failure `group` is the group that failed; `no_free_block` says whether it had no
+  // free block (status kResourceExhausted without a message: the caller words it) or its take
+  // or copy failed (status: that failure). REQUIRES: sources.size() == num_groups().
+  struct BlockCopies {
+    Status status;
+    int group = -1;
+    bool no_free_block = false;
+  };
+  BlockCopies CopyOneBlockPerGroup(std::span<const BlockId> sources, std::vector<BlockId>& copies);
   // A fresh epoch for slot_marks_ / block_marks_ (duplicate checks).
   uint32_t NextMarkEpoch();
   void ReleaseSequenceBlocks(Sequence& seq);

@@ -150,33 +150,23 @@ Status StateManager::Impl::Rollback(SeqId uid, int64_t n) {
   // Copy-on-write of the new partial last block where another holder (a fork, a prefix hit) or
   // the prefix cache has it: the sequence writes into it next. Every copy's block is checked
   // before any is taken, as Fork does (taking one may evict a cached block).
-  std::vector<BlockId>& copies = tail_scratch_;
-  copies.assign(static_cast<size_t>(num_groups()), kNoBlock);
-  auto shared_tail = [&](int g) {
-    if (block_sizes_[g].Offset(end) == 0) return kNoBlock;
-    const BlockId block = seq->groups_[g].row[block_sizes_[g].Index(end)];
-    return pools_[g].ref_count(block) > 1 || pools_[g].is_cached(block) ? block : kNoBlock;
-  };
+  std::vector<BlockId> shared(static_cast<size_t>(num_groups()), kNoBlock);
   for (int g = 0; g < num_groups(); ++g) {
-    if (shared_tail(g) != kNoBlock && pools_[g].free_blocks() == 0) {
+    if (block_sizes_[g].Offset(end) == 0) continue;
+    const BlockId block = seq->groups_[g].row[block_sizes_[g].Index(end)];
+    if (pools_[g].ref_count(block) > 1 || pools_[g].is_cached(block)) shared[g] = block;
+  }
+  std::vector<BlockId>& copies = tail_scratch_;
+  if (BlockCopies c = CopyOneBlockPerGroup(shared, copies); !c.status.ok()) {
+    if (c.no_free_block) {
       return ResourceExhaustedError(StrCat("Rollback: sequence ", uid, " needs a block of group ",
-                                           g, " for a private copy of block ",
-                                           block_sizes_[g].Index(end),
+                                           c.group, " for a private copy of block ",
+                                           block_sizes_[c.group].Index(end),
                                            ", which it shares; none free"));
     }
-  }
-  for (int g = 0; g < num_groups(); ++g) {
-    const BlockId source = shared_tail(g);
-    if (source == kNoBlock) continue;
-    Status s = pools_[g].Take(1, std::span(&copies[g], 1));
-    if (s.ok()) s = cache_->CopyBlocks(std::span(&source, 1), std::span(&copies[g], 1), g);
-    if (!s.ok()) {
-      for (int h = 0; h <= g; ++h) {
-        if (copies[h] != kNoBlock) pools_[h].Release(std::span(&copies[h], 1)).IgnoreError();
-      }
-      return {s.code(), StrCat("Rollback: sequence ", uid, ": copying the shared block of group ",
-                               g, ": ", s.message())};
-    }
+    return {c.status.code(),
+            StrCat("Rollback: sequence ", uid, ": copying the shared block of group ", c.group,
+                   ": ", c.status.message())};
   }
   // Nothing fails from here on.
   for (int g = 0; g < num_groups(); ++g) {
