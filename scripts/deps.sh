@@ -11,7 +11,9 @@ packages=(cmake ninja-build g++ pkg-config libgtest-dev libgmock-dev libbenchmar
           libopenmpi-dev openmpi-bin
           pybind11-dev python3-dev python3-numpy python3-pytest python3-torch python3-pydantic
           libdlpack-dev
-          libhwy-dev libxxhash-dev nlohmann-json3-dev)
+          libhwy-dev libxxhash-dev nlohmann-json3-dev
+          libhiredis-dev redis-server redis-tools
+          libzmq3-dev cppzmq-dev python3-zmq python3-msgpack)
 for arg in "$@"; do
   case $arg in
     --lint) packages+=(clang-format clang-tidy) ;;
