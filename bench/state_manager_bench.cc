@@ -17,6 +17,13 @@
 //
 // speculative_step/blockkv_k4: the fused step with 4 drafts per sequence and random accept
 // counts (PostForward(batch, accepted)), reported per committed token.
+//
+// hybrid_admission/gemma2_like: not a timing. A Gemma-2 shaped manager (a DENSE and a LOCAL
+// group of equal layers, window 4,096, context 8,192, block 16) in a fixed byte budget, with a
+// pool per group (DeepSpeed's layout, the baseline) and with MemoryConfig::shared_pool; sequences
+// are admitted one after another and prefilled in chunks of 512 tokens to the full context until
+// the cache refuses one. Counters: the sequences each layout holds at full context, the blocks
+// one holds, and shared_vs_separate, the ratio of sequences.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -346,6 +353,76 @@ BENCHMARK_TEMPLATE(BM_DecodeStep, ManagerOnly)
     ->Apply(DecodeStepArgs);
 BENCHMARK_TEMPLATE(BM_DecodeStep, Baseline)->Name("decode_step/baseline")->Apply(DecodeStepArgs);
 BENCHMARK(BM_SpeculativeStep)->Name("speculative_step/blockkv_k4")->Apply(DecodeStepArgs);
+
+struct Admitted {
+  int64_t sequences = 0;
+  double blocks_per_sequence = 0;  // held at full context, both groups
+};
+
+// Sequences a Gemma-2 shaped manager holds at its full context (see the header).
+Admitted AdmitAtFullContext(bool shared) {
+  constexpr int64_t kContext = 8192;
+  constexpr int64_t kWindow = 4096;
+  constexpr int64_t kChunk = 512;
+  constexpr int64_t kBudget = int64_t{64} << 20;
+  // One layer of one KV head of 8, fp16: 512 bytes a block per group; 15,408 blocks in each of
+  // two pools, or 30,816 in one (what `blockkv plan --model Gemma-2-9B --memory 80GiB` finds
+  // for the real shape: the same number of blocks).
+  constexpr int64_t kUsable = int64_t{15408} * 2 * 512;
+  blockkv::KVCacheConfig dense{.block_size = kBlockSize,
+                               .cache_shape = {1, 1, 8},
+                               .cache_dtype = blockkv::DType::kFloat16,
+                               .max_blocks_per_allocation_group = kContext / kBlockSize};
+  blockkv::KVCacheConfig local = dense;
+  local.type = blockkv::KVCacheType::kLocal;
+  local.local_window = kWindow;
+  blockkv::StateManagerConfig config;
+  config.max_tracked_sequences = 64;
+  config.max_ragged_batch_size = kChunk;
+  config.max_ragged_sequence_count = 1;
+  config.max_context = kContext;
+  config.memory_config = {
+      .mode = blockkv::AllocationMode::kReserve, .size = kBudget - kUsable, .shared_pool = shared};
+  auto m = blockkv::StateManager::Create(config, {dense, local}, blockkv::CpuDevice(kBudget));
+  Check(m.status(), "StateManager::Create");
+  Admitted out;
+  int64_t held = 0;
+  for (SeqId uid = 1; uid <= config.max_tracked_sequences; ++uid) {
+    const SeqId uids[] = {uid};
+    const int64_t lengths[] = {kChunk};
+    bool full = true;
+    for (int64_t seen = 0; seen < kContext && full; seen += kChunk) {
+      full = (*m)->Schedule({.uids = uids, .lengths = lengths}).ok();
+      if (full) Check((*m)->PostForward(uids), "PostForward");
+    }
+    if (!full) break;
+    const blockkv::Sequence& seq = *(*m)->GetSequence(uid);
+    for (int g = 0; g < 2; ++g) held += seq.cur_allocated_blocks(g) - seq.released_blocks(g);
+    ++out.sequences;
+  }
+  out.blocks_per_sequence =
+      out.sequences > 0 ? static_cast<double>(held) / static_cast<double>(out.sequences) : 0;
+  return out;
+}
+
+void BM_HybridAdmission(benchmark::State& state) {
+  Admitted separate;
+  Admitted shared;
+  for (auto _ : state) {
+    separate = AdmitAtFullContext(false);
+    shared = AdmitAtFullContext(true);
+  }
+  state.counters["sequences_separate"] = static_cast<double>(separate.sequences);
+  state.counters["sequences_shared"] = static_cast<double>(shared.sequences);
+  state.counters["blocks_per_seq_separate"] = separate.blocks_per_sequence;
+  state.counters["blocks_per_seq_shared"] = shared.blocks_per_sequence;
+  state.counters["shared_vs_separate"] =
+      static_cast<double>(shared.sequences) / static_cast<double>(separate.sequences);
+}
+BENCHMARK(BM_HybridAdmission)
+    ->Name("hybrid_admission/gemma2_like")
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(3);
 
 }  // namespace
 

@@ -15,6 +15,36 @@ namespace blockkv {
 
 using internal::StrCat;
 
+namespace {
+
+// Bytes of one block of one layer of a group.
+int64_t LayerBlockBytes(const KVCacheConfig& c) {
+  return c.elements_per_layer_block() * static_cast<int64_t>(ElementSize(c.cache_dtype));
+}
+
+// Group g can share group 0's memory pool: layer i of both is one buffer, so they need the same
+// number of layers and the same bytes per block of a layer. REQUIRES: both valid.
+Status CheckShareable(const KVCacheConfig& first, const KVCacheConfig& c, size_t g) {
+  if (c.num_caches() != first.num_caches()) {
+    return InvalidArgumentError(StrCat(
+        "MemoryConfig.shared_pool: cache group ", g, " has ", c.num_caches(),
+        " layers (cache_shape[0]) and cache group 0 has ", first.num_caches(),
+        "; groups sharing one pool need the same number of layers (pad the smaller group, as "
+        "vLLM does, or keep separate pools)"));
+  }
+  if (LayerBlockBytes(c) != LayerBlockBytes(first)) {
+    return InvalidArgumentError(
+        StrCat("MemoryConfig.shared_pool: a block of one layer of cache group ", g, " is ",
+               LayerBlockBytes(c), " bytes and one of cache group 0 is ", LayerBlockBytes(first),
+               " bytes; groups sharing one pool need the same bytes per block and layer "
+               "(block_size x planes "
+               "x num_kv_heads x head_size x element size)"));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<KVCachePlan> PlanKVCache(std::span<const KVCacheConfig> configs, const MemoryConfig& memory,
                                 int64_t available_bytes) {
   if (configs.empty()) return InvalidArgumentError("a KV cache needs at least one KVCacheConfig");
@@ -26,6 +56,10 @@ Result<KVCachePlan> PlanKVCache(std::span<const KVCacheConfig> configs, const Me
   for (size_t g = 0; g < configs.size(); ++g) {
     if (Status s = configs[g].Validate(); !s.ok()) {
       return Status(s.code(), StrCat("cache group ", g, ": ", s.message()));
+    }
+    if (memory.shared_pool && g > 0) {
+      BLOCKKV_RETURN_IF_ERROR(CheckShareable(configs[0], configs[g], g));
+      continue;  // one pool: group 0's block bytes are every group's
     }
     const auto sum = internal::CheckedAdd(plan.bytes_per_block, *configs[g].bytes_per_block());
     if (!sum) {
@@ -72,11 +106,6 @@ Result<KVCachePlan> PlanKVCache(std::span<const KVCacheConfig> configs, const Me
 
 namespace {
 
-// Bytes of one block of one layer of a group.
-int64_t LayerBlockBytes(const KVCacheConfig& c) {
-  return c.elements_per_layer_block() * static_cast<int64_t>(ElementSize(c.cache_dtype));
-}
-
 // Plans on this rank, then agrees on one num_blocks with every other rank of `comm`. Every rank
 // enters both collectives whatever its local outcome, so none waits for a rank that gave up.
 Result<KVCachePlan> PlanAcrossRanks(std::span<const KVCacheConfig> configs,
@@ -115,18 +144,22 @@ Result<std::unique_ptr<BlockedKVCache>> BlockedKVCache::Create(std::vector<KVCac
                                         : PlanKVCache(configs, memory, device->available_memory());
   if (!plan.ok()) return plan.status();
 
-  Result<std::vector<Group>> groups = AllocateGroups(configs, *plan, *device);
+  Result<std::vector<Pool>> pools = AllocatePools(configs, memory.shared_pool, *plan, *device);
   if (collective) {
     // Every rank planned for the same capacity, so one that could not allocate it makes every
     // rank fail (each frees what it allocated), and none is left serving alone.
-    BLOCKKV_ASSIGN_OR_RETURN(const int64_t all_allocated, comm->AllReduceMin(groups.ok() ? 1 : 0));
-    if (groups.ok() && all_allocated < 1) {
+    BLOCKKV_ASSIGN_OR_RETURN(const int64_t all_allocated, comm->AllReduceMin(pools.ok() ? 1 : 0));
+    if (pools.ok() && all_allocated < 1) {
       return ResourceExhaustedError(StrCat("another rank of ", comm->world_size(),
                                            " could not allocate its KV cache of ", plan->num_blocks,
                                            " blocks; rank ", comm->rank(), " released its own"));
     }
   }
-  if (!groups.ok()) return groups.status();
+  if (!pools.ok()) return pools.status();
+  std::vector<Group> groups;
+  for (size_t g = 0; g < configs.size(); ++g) {
+    groups.push_back(Group{configs[g], memory.shared_pool ? 0 : static_cast<int>(g)});
+  }
   for (size_t g = 0; g < configs.size(); ++g) {
     const KVCacheConfig& c = configs[g];
     const std::string row =
@@ -137,10 +170,12 @@ Result<std::unique_ptr<BlockedKVCache>> BlockedKVCache::Create(std::vector<KVCac
         StrCat("KV cache group ", g, " on ", device->name(), ": shape [", c.num_caches(), ", ",
                plan->num_blocks, ", ", c.block_size, ", ", row, " ", DTypeName(c.cache_dtype), ", ",
                plan->num_blocks, " blocks, ",
-               internal::HumanBytes(static_cast<long double>((*groups)[g].storage.size()))));
+               internal::HumanBytes(static_cast<long double>(
+                   (*pools)[static_cast<size_t>(groups[g].pool)].storage.size())),
+               memory.shared_pool ? ", in the pool all groups share" : ""));
   }
   return std::unique_ptr<BlockedKVCache>(
-      new BlockedKVCache(std::move(device), *plan, std::move(*groups)));
+      new BlockedKVCache(std::move(device), *plan, std::move(groups), std::move(*pools)));
 }
 
 void BlockedKVCache::AbandonCreate(Communicator* comm, AllocationMode mode) {
@@ -150,11 +185,12 @@ void BlockedKVCache::AbandonCreate(Communicator* comm, AllocationMode mode) {
   if (comm->Barrier().ok()) comm->AllReduceMin(0).status().IgnoreError();
 }
 
-Result<std::vector<BlockedKVCache::Group>> BlockedKVCache::AllocateGroups(
-    std::span<const KVCacheConfig> configs, const KVCachePlan& plan, Device& device) {
-  std::vector<Group> groups;
-  groups.reserve(configs.size());
-  for (size_t g = 0; g < configs.size(); ++g) {
+Result<std::vector<BlockedKVCache::Pool>> BlockedKVCache::AllocatePools(
+    std::span<const KVCacheConfig> configs, bool shared, const KVCachePlan& plan, Device& device) {
+  std::vector<Pool> pools;
+  const size_t n = shared ? 1 : configs.size();
+  pools.reserve(n);
+  for (size_t g = 0; g < n; ++g) {
     const KVCacheConfig& config = configs[g];
     BLOCKKV_ASSIGN_OR_RETURN(BlockedAllocator allocator, BlockedAllocator::Create(plan.num_blocks));
     const int64_t bytes = plan.num_blocks * *config.bytes_per_block();  // <= total_bytes
@@ -163,14 +199,17 @@ Result<std::vector<BlockedKVCache::Group>> BlockedKVCache::AllocateGroups(
       return Status(storage.status().code(), StrCat("allocating KV cache group ", g, " (", bytes,
                                                     " bytes): ", storage.status().message()));
     }
-    groups.push_back(Group{config, std::move(allocator), std::move(*storage), {}});
+    pools.push_back(Pool{std::move(allocator), std::move(*storage), {}});
   }
-  return groups;
+  return pools;
 }
 
 BlockedKVCache::BlockedKVCache(std::shared_ptr<Device> device, KVCachePlan plan,
-                               std::vector<Group> groups)
-    : device_(std::move(device)), plan_(plan), groups_(std::move(groups)) {}
+                               std::vector<Group> groups, std::vector<Pool> pools)
+    : device_(std::move(device)),
+      plan_(plan),
+      groups_(std::move(groups)),
+      pools_(std::move(pools)) {}
 
 BlockedKVCache::~BlockedKVCache() = default;
 
@@ -184,17 +223,17 @@ Status BlockedKVCache::CheckGroup(int group) const {
 
 Result<std::vector<BlockId>> BlockedKVCache::Reserve(int32_t n, int group) {
   BLOCKKV_RETURN_IF_ERROR(CheckGroup(group));
-  return groups_[group].allocator.Allocate(n);
+  return pool(group).allocator.Allocate(n);
 }
 
 Status BlockedKVCache::Reserve(int32_t n, std::span<BlockId> out, int group) {
   BLOCKKV_RETURN_IF_ERROR(CheckGroup(group));
-  return groups_[group].allocator.Allocate(n, out);
+  return pool(group).allocator.Allocate(n, out);
 }
 
 Status BlockedKVCache::Free(std::span<const BlockId> blocks, int group) {
   BLOCKKV_RETURN_IF_ERROR(CheckGroup(group));
-  const std::vector<uint8_t>& lent = groups_[group].lent;
+  const std::vector<uint8_t>& lent = pool(group).lent;
   if (!lent.empty()) {
     for (const BlockId b : blocks) {
       if (b >= 0 && b < plan_.num_blocks && lent[b] != 0) {
@@ -205,7 +244,7 @@ Status BlockedKVCache::Free(std::span<const BlockId> blocks, int group) {
       }
     }
   }
-  return groups_[group].allocator.Free(blocks);
+  return pool(group).allocator.Free(blocks);
 }
 
 Status BlockedKVCache::CopyBlocks(std::span<const BlockId> src, std::span<const BlockId> dst,
@@ -234,7 +273,7 @@ Status BlockedKVCache::CopyBlocks(std::span<const BlockId> src, std::span<const 
   const KVCacheConfig& c = groups_[group].config;
   const int64_t block_bytes = LayerBlockBytes(c);
   const int64_t layer_bytes = block_bytes * plan_.num_blocks;
-  auto* base = static_cast<char*>(groups_[group].storage.data());
+  auto* base = static_cast<char*>(pool(group).storage.data());
   for (int64_t layer = 0; layer < c.num_caches(); ++layer) {
     char* layer_base = base + layer * layer_bytes;
     for (size_t i = 0; i < src.size(); ++i) {
@@ -247,14 +286,14 @@ Status BlockedKVCache::CopyBlocks(std::span<const BlockId> src, std::span<const 
 
 Result<TensorView> BlockedKVCache::GetGroupStorage(int group) const {
   BLOCKKV_RETURN_IF_ERROR(CheckGroup(group));
-  const Group& g = groups_[group];
-  const KVCacheConfig& c = g.config;
+  const KVCacheConfig& c = groups_[group].config;
+  void* const data = pool(group).storage.data();
   if (c.type == KVCacheType::kMla) {
-    return ContiguousView(g.storage.data(), c.cache_dtype, device_->kind(), device_->ordinal(),
+    return ContiguousView(data, c.cache_dtype, device_->kind(), device_->ordinal(),
                           {c.num_caches(), plan_.num_blocks, c.block_size, c.head_size()});
   }
   return ContiguousView(
-      g.storage.data(), c.cache_dtype, device_->kind(), device_->ordinal(),
+      data, c.cache_dtype, device_->kind(), device_->ordinal(),
       {c.num_caches(), plan_.num_blocks, c.block_size, 2, c.num_kv_heads(), c.head_size()});
 }
 
@@ -266,7 +305,7 @@ Result<TensorView> BlockedKVCache::GetCache(int64_t cache_id, int group) const {
                                   " has ", c.num_caches(), " caches (layers)"));
   }
   const int64_t layer_bytes = plan_.num_blocks * LayerBlockBytes(c);
-  char* base = static_cast<char*>(groups_[group].storage.data()) + cache_id * layer_bytes;
+  char* base = static_cast<char*>(pool(group).storage.data()) + cache_id * layer_bytes;
   if (c.type == KVCacheType::kMla) {
     return ContiguousView(base, c.cache_dtype, device_->kind(), device_->ordinal(),
                           {plan_.num_blocks, c.block_size, c.head_size()});
@@ -278,7 +317,7 @@ Result<TensorView> BlockedKVCache::GetCache(int64_t cache_id, int group) const {
 std::vector<int32_t> BlockedKVCache::free_blocks() const {
   std::vector<int32_t> out;
   out.reserve(groups_.size());
-  for (const Group& g : groups_) out.push_back(g.allocator.free_blocks());
+  for (const Group& g : groups_) out.push_back(pools_[g.pool].allocator.free_blocks());
   return out;
 }
 
@@ -289,26 +328,29 @@ const KVCacheConfig& BlockedKVCache::config(int group) const {
 
 const BlockedAllocator& BlockedKVCache::allocator(int group) const {
   BLOCKKV_CHECK(group >= 0 && group < num_groups(), "allocator(group): group out of range");
-  return groups_[group].allocator;
+  return pool(group).allocator;
 }
 
 Status BlockedKVCache::CheckInvariants() const {
   for (int g = 0; g < num_groups(); ++g) {
     const Group& group = groups_[g];
-    if (Status s = group.allocator.CheckInvariants(); !s.ok()) {
+    const Pool& pool = pools_[group.pool];
+    if (group.pool != (shared_pool() ? 0 : g)) {
+      return InternalError(StrCat("cache group ", g, " draws from pool ", group.pool));
+    }
+    if (Status s = pool.allocator.CheckInvariants(); !s.ok()) {
       return InternalError(StrCat("cache group ", g, ": ", s.message()));
     }
-    if (group.allocator.num_blocks() != plan_.num_blocks) {
-      return InternalError(StrCat("cache group ", g, " allocator has ",
-                                  group.allocator.num_blocks(), " blocks, plan has ",
-                                  plan_.num_blocks));
+    if (pool.allocator.num_blocks() != plan_.num_blocks) {
+      return InternalError(StrCat("cache group ", g, " allocator has ", pool.allocator.num_blocks(),
+                                  " blocks, plan has ", plan_.num_blocks));
     }
-    if (group.storage.size() != plan_.num_blocks * *group.config.bytes_per_block()) {
-      return InternalError(StrCat("cache group ", g, " storage is ", group.storage.size(),
+    if (pool.storage.size() != plan_.num_blocks * *group.config.bytes_per_block()) {
+      return InternalError(StrCat("cache group ", g, " storage is ", pool.storage.size(),
                                   " bytes, not num_blocks x bytes_per_block"));
     }
-    for (size_t b = 0; b < group.lent.size(); ++b) {
-      if (group.lent[b] != 0 && !group.allocator.IsUsed(static_cast<BlockId>(b))) {
+    for (size_t b = 0; b < pool.lent.size(); ++b) {
+      if (pool.lent[b] != 0 && !pool.allocator.IsUsed(static_cast<BlockId>(b))) {
         return InternalError(StrCat("cache group ", g, ": block ", b, " is lent but free"));
       }
     }

@@ -84,8 +84,8 @@ class CacheOwner final : public OffloadStore::BlockOwner {
 
 Status OffloadStore::LendFromCache(BlockedKVCache& cache, int group,
                                    std::span<const BlockId> blocks) {
-  std::vector<uint8_t>& lent = cache.groups_[group].lent;
-  const BlockedAllocator& allocator = cache.groups_[group].allocator;
+  std::vector<uint8_t>& lent = cache.pool(group).lent;
+  const BlockedAllocator& allocator = cache.pool(group).allocator;
   for (const BlockId b : blocks) {
     if (!allocator.IsUsed(b)) {
       return FailedPreconditionError(StrCat("Offload: block ", b, " of group ", group,
@@ -107,7 +107,7 @@ Status OffloadStore::LendFromCache(BlockedKVCache& cache, int group,
 void OffloadStore::ReturnToCache(BlockedKVCache& cache, int group,
                                  std::span<const BlockId> blocks) {
   // (Also blocks a failed Restore took and gives back, which were never lent.)
-  std::vector<uint8_t>& lent = cache.groups_[group].lent;
+  std::vector<uint8_t>& lent = cache.pool(group).lent;
   if (lent.empty()) return;
   for (const BlockId b : blocks) lent[b] = 0;
 }

@@ -412,14 +412,22 @@ void PrefixCache::OnEvict(int group, BlockId block) {
 
 int64_t PrefixCache::Reset() {
   // When nothing will be left cached, say so once instead of a removal per block.
+  // (Groups sharing a memory pool share its evictable count: compared once per pool.)
   bool everything = true;
   for (size_t g = 0; g < groups_.size(); ++g) {
-    everything = everything && groups_[g]->cached == pools_[g].evictable_blocks();
+    if (g > 0 && pools_[g].same_pool(pools_[g - 1])) continue;
+    int64_t cached = 0;
+    for (size_t h = g; h < groups_.size() && pools_[h].same_pool(pools_[g]); ++h) {
+      cached += groups_[h]->cached;
+    }
+    everything = everything && cached == pools_[g].evictable_blocks();
   }
   int64_t dropped = 0;
   for (size_t g = 0; g < groups_.size(); ++g) {
     for (BlockId block = 0; block < pools_[g].num_blocks(); ++block) {
-      if (!pools_[g].is_evictable(block)) continue;
+      if (!pools_[g].is_evictable(block) || pools_[g].cached_group(block) != static_cast<int>(g)) {
+        continue;
+      }
       Forget(static_cast<int>(g), block, /*announce=*/!everything);
       pools_[g].Uncache(block);
       ++dropped;
@@ -480,9 +488,11 @@ Status PrefixCache::CheckInvariants() const {
     for (BlockId b = 0; b < pool.num_blocks(); ++b) {
       const Group::Record& r = g.records[b];
       const bool has_key = r.chain_id != 0;
-      if (has_key != pool.is_cached(b)) {
+      // (A shared memory pool's block is cached by at most one of its groups.)
+      const bool cached = pool.is_cached(b) && pool.cached_group(b) == static_cast<int>(gi);
+      if (has_key != cached) {
         return InternalError(StrCat("group ", gi, " block ", b, (has_key ? " has" : " has no"),
-                                    " key but is", (pool.is_cached(b) ? "" : " not"), " cached"));
+                                    " key but is", (cached ? "" : " not"), " cached by it"));
       }
       if (!has_key) continue;
       ++indexed;

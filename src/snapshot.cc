@@ -37,7 +37,17 @@ namespace blockkv {
 
 using internal::StrCat;
 
+namespace {
+
+constexpr char kSharedPoolSnapshot[] =
+    " a manager whose cache groups share one memory pool (MemoryConfig.shared_pool): not "
+    "supported yet";
+
+}  // namespace
+
 Status StateManager::Impl::CheckSnapshotable() const {
+  if (cache_->shared_pool())
+    return UnimplementedError(StrCat("cannot snapshot", kSharedPoolSnapshot));
   for (int32_t slot = 0; slot < config_.max_tracked_sequences; ++slot) {
     if (!slots_.IsUsed(slot)) continue;
     const Sequence& seq = sequences_[slot];
@@ -347,6 +357,9 @@ Status StateManager::Impl::LoadSnapshot(const std::string& path) {
 
 Status StateManager::Impl::LoadSnapshot(std::span<const std::byte> bytes) {
   using internal::SnapshotCodec;
+  if (cache_->shared_pool()) {
+    return UnimplementedError(StrCat("cannot load a snapshot into", kSharedPoolSnapshot));
+  }
   internal::snapshot::Staged staged;
   BLOCKKV_RETURN_IF_ERROR(SnapshotCodec::Parse(*this, bytes, &staged));
   return SnapshotCodec::Apply(*this, staged);

@@ -274,8 +274,16 @@ StateManager::Impl::Impl(StateManagerConfig config, std::unique_ptr<BlockedKVCac
   const int num_groups = cache_->num_groups();
   const auto tracked = static_cast<size_t>(config_.max_tracked_sequences);
   token_limit_ = config_.max_context;
+  pools_.reserve(static_cast<size_t>(num_groups));
   for (int g = 0; g < num_groups; ++g) {
-    pools_.emplace_back(cache_.get(), g);
+    int lead = g;
+    while (lead > 0 && cache_->pool_of(lead - 1) == cache_->pool_of(g)) --lead;
+    pool_lead_.push_back(lead);
+    if (lead == g) {
+      pools_.emplace_back(cache_.get(), g);
+    } else {
+      pools_.emplace_back(pools_[static_cast<size_t>(lead)], g);
+    }
     tables_.emplace_back(tracked * static_cast<size_t>(max_blocks_per_sequence(g)), kNoBlock);
     block_sizes_.emplace_back(kv_block_size(g));
     const KVCacheConfig& c = cache_->config(g);
@@ -668,6 +676,7 @@ Status StateManager::Impl::CheckEach(const ScheduleRequest& request, std::string
   int32_t* const slots = slot_scratch_.data();
   int32_t* const need = need_scratch_.data();
   int64_t* const left = free_scratch_.data();
+  const int* const lead = pool_lead_.data();
   const int64_t token_limit = token_limit_;
   std::vector<SeqId>& fresh = uid_scratch_;
   SchedulingResult verdict = totals.verdict;
@@ -725,15 +734,18 @@ Status StateManager::Impl::CheckEach(const ScheduleRequest& request, std::string
       }
       const int64_t needed = std::max<int64_t>(0, sizes[g].BlocksFor(seen + length) - allocated);
       need[i * groups + g] = static_cast<int32_t>(needed);
-      if (needed > left[g]) [[unlikely]] {
+      // Groups sharing a memory pool count against one total, at the pool's first group.
+      const size_t p = kSimple ? 0 : static_cast<size_t>(lead[g]);
+      if (needed > left[p]) [[unlikely]] {
         if (verdict == SchedulingResult::kSuccess) {  // the first group short of blocks
           *why = ColdStrCat("sequence ", uid, " needs ", needed, " blocks of cache group ", g, ", ",
-                            left[g], " left for it (", pools_[g].free_blocks(), " free)");
+                            left[p], " left for it (", pools_[g].free_blocks(), " free",
+                            cache_->shared_pool() ? " in the pool its groups share)" : ")");
           verdict = SchedulingResult::kKVCacheLimitExceeded;
         }
         continue;
       }
-      left[g] -= needed;
+      left[p] -= needed;
     }
     tokens += length;
   }
@@ -800,7 +812,8 @@ Status StateManager::Impl::ScheduleInto(const ScheduleRequest& request, Scheduli
   const auto groups = static_cast<size_t>(num_groups());
   for (size_t g = 0; g < groups; ++g) {
     int64_t total = 0;
-    if (prefix_ == nullptr) {  // what Check took off the free blocks is what it counted
+    if (prefix_ == nullptr && !cache_->shared_pool()) {
+      // What Check took off the free blocks is what it counted.
       total = pools_[g].free_blocks() - free_scratch_[g];
     } else {  // Check also took off the evictable blocks hits revive; promotions go last
       total = g == 0 ? promoted_ : 0;
@@ -899,8 +912,11 @@ void StateManager::Impl::Commit(const ScheduleRequest& request, const BatchOut* 
 StateManager::Impl::BlockCopies StateManager::Impl::CopyOneBlockPerGroup(
     std::span<const BlockId> sources, std::vector<BlockId>& copies) {
   copies.assign(static_cast<size_t>(num_groups()), kNoBlock);
+  // Per memory pool (at its lead group): the copies its groups need so far.
+  std::vector<int32_t> wanted(static_cast<size_t>(num_groups()), 0);
   for (int g = 0; g < num_groups(); ++g) {
-    if (sources[g] != kNoBlock && pools_[g].free_blocks() == 0) {
+    if (sources[g] == kNoBlock) continue;
+    if (++wanted[static_cast<size_t>(pool_lead_[g])] > pools_[g].free_blocks()) {
       return {.status = ResourceExhaustedError(""), .group = g, .no_free_block = true};
     }
   }

@@ -252,7 +252,11 @@ class StateManager::Impl {
 
   StateManagerConfig config_;
   std::unique_ptr<BlockedKVCache> cache_;
-  std::vector<BlockPool> pools_;  // one per cache group
+  std::vector<BlockPool> pools_;  // one per cache group (sharing state when the pool is shared)
+  // Per group: the first group of its memory pool (g itself unless MemoryConfig::shared_pool).
+  // Counts of free blocks per pool (free_scratch_, Check's, the copy and resume pre-checks)
+  // live at the pool's lead group.
+  std::vector<int> pool_lead_;
   // Per group: blocks AllocateBlocks handed out and the engine still holds (a mark per block,
   // sized on the first AllocateBlocks).
   struct EngineHeld {
@@ -291,7 +295,8 @@ class StateManager::Impl {
   std::vector<std::vector<BlockId>> scratch_;  // per group: blocks taken in one Schedule
   std::vector<const BlockId*> next_scratch_;
   std::vector<BlockId> tail_scratch_;
-  std::vector<int64_t> free_scratch_;  // per group: free blocks Check left uncounted
+  std::vector<int64_t> free_scratch_;  // per group: free blocks Check left uncounted (at the
+                                       // pool's lead group, pool_lead_)
   int64_t lengths_sum_ = 0;            // of the lengths Check was given; -1 past int64
   std::vector<SeqId> uid_scratch_;
   std::vector<int32_t> slot_scratch_;  // per uid of the call: its slot, or -1 when new

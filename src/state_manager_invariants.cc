@@ -61,35 +61,55 @@ Status StateManager::Impl::CheckInvariants() const {
     }
   });
   BLOCKKV_RETURN_IF_ERROR(mapping);
-  for (int g = 0; g < num_groups(); ++g) {
-    BLOCKKV_RETURN_IF_ERROR(pools_[g].CheckInvariants());
-    std::vector<int32_t> owners(static_cast<size_t>(pools_[g].num_blocks()), 0);
-    Status sequences;
-    by_uid_->ForEach([&](SeqId, int32_t slot) {
-      if (sequences.ok()) sequences = CheckSequence(sequences_[slot], &owners, g);
-      if (sequences.ok() && g == 0) sequences = CheckKeys(sequences_[slot]);
-    });
-    BLOCKKV_RETURN_IF_ERROR(sequences);
-    if (offload_ != nullptr) {
-      for (const BlockId block : offload_->held_blocks(g)) ++owners[block];  // copies in flight
-    }
-    if (!engine_held_.empty()) {  // AllocateBlocks' blocks not given to a sequence yet
-      int32_t held = 0;
-      for (size_t block = 0; block < engine_held_[g].marks.size(); ++block) {
-        if (engine_held_[g].marks[block] != 0) {
-          ++owners[block];
-          ++held;
+  // Per memory pool (one per group unless shared): every block's references are its owners in
+  // all the pool's groups, and a block belongs to one group at a time.
+  for (int lead = 0; lead < num_groups(); ++lead) {
+    if (pool_lead_[lead] != lead) continue;
+    BLOCKKV_RETURN_IF_ERROR(pools_[lead].CheckInvariants());
+    const auto num_blocks = static_cast<size_t>(pools_[lead].num_blocks());
+    std::vector<int32_t> owners(num_blocks, 0);
+    std::vector<int> group_of(num_blocks, -1);
+    for (int g = lead; g < num_groups() && pool_lead_[g] == lead; ++g) {
+      std::vector<int32_t> mine(num_blocks, 0);
+      Status sequences;
+      by_uid_->ForEach([&](SeqId, int32_t slot) {
+        if (sequences.ok()) sequences = CheckSequence(sequences_[slot], &mine, g);
+        if (sequences.ok() && g == 0) sequences = CheckKeys(sequences_[slot]);
+      });
+      BLOCKKV_RETURN_IF_ERROR(sequences);
+      if (offload_ != nullptr) {
+        for (const BlockId block : offload_->held_blocks(g)) ++mine[block];  // copies in flight
+      }
+      if (!engine_held_.empty()) {  // AllocateBlocks' blocks not given to a sequence yet
+        int32_t held = 0;
+        for (size_t block = 0; block < engine_held_[g].marks.size(); ++block) {
+          if (engine_held_[g].marks[block] != 0) {
+            ++mine[block];
+            ++held;
+          }
+        }
+        if (held != engine_held_[g].count) {
+          return InternalError(StrCat(held, " blocks of group ", g, " are marked engine-held, ",
+                                      engine_held_[g].count, " counted"));
         }
       }
-      if (held != engine_held_[g].count) {
-        return InternalError(StrCat(held, " blocks of group ", g, " are marked engine-held, ",
-                                    engine_held_[g].count, " counted"));
+      for (size_t block = 0; block < num_blocks; ++block) {
+        const auto b = static_cast<BlockId>(block);
+        const bool cached = pools_[g].is_cached(b) && pools_[g].cached_group(b) == g;
+        if (mine[block] == 0 && !cached) continue;
+        if (group_of[block] >= 0) {
+          return InternalError(StrCat("block ", block, " of the memory pool groups ",
+                                      group_of[block], " and ", g, " share is held by both"));
+        }
+        group_of[block] = g;
+        owners[block] += mine[block];
       }
     }
-    for (BlockId block = 0; block < pools_[g].num_blocks(); ++block) {
-      if (owners[block] != pools_[g].ref_count(block)) {
-        return InternalError(StrCat("block ", block, " of group ", g, " is in ", owners[block],
-                                    " tables but has ", pools_[g].ref_count(block), " references"));
+    for (BlockId block = 0; block < pools_[lead].num_blocks(); ++block) {
+      if (owners[block] != pools_[lead].ref_count(block)) {
+        return InternalError(StrCat(
+            "block ", block, " of group ", group_of[block] < 0 ? lead : group_of[block], " is in ",
+            owners[block], " tables but has ", pools_[lead].ref_count(block), " references"));
       }
     }
   }

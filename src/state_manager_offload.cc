@@ -150,17 +150,20 @@ Result<OffloadTicket> StateManager::Impl::ResumeSequence(SeqId uid) {
   // Fresh blocks are needed only for handles on the host or disk: a handle whose offload failed
   // (the disk full) still holds its device block and comes back without a copy. (Counted from
   // what the store has applied so far, before Restore applies the copies done since.)
+  // Groups sharing a memory pool need their blocks from one total (at the pool's lead group).
   size_t next = 0;
+  std::vector<int32_t> need(static_cast<size_t>(num_groups()), 0);
   for (int g = 0; g < num_groups(); ++g) {
-    int32_t need = 0;
+    int32_t& pool_need = need[static_cast<size_t>(pool_lead_[g])];
     for (int32_t i = 0; i < parked.counts[g]; ++i) {
       const Result<Tier> where = offload_->tier(parked.handles[next++]);
-      need += static_cast<int32_t>(!where.ok() || *where != Tier::kDevice);
+      pool_need += static_cast<int32_t>(!where.ok() || *where != Tier::kDevice);
     }
-    if (pools_[g].free_blocks() < need) {
-      return ResourceExhaustedError(StrCat("ResumeSequence: sequence ", uid, " needs ", need,
-                                           " blocks of group ", g, ", ", pools_[g].free_blocks(),
-                                           " are free"));
+    if (pools_[g].free_blocks() < pool_need) {
+      return ResourceExhaustedError(
+          StrCat("ResumeSequence: sequence ", uid, " needs ", pool_need, " blocks of group ", g,
+                 cache_->shared_pool() ? " (and the groups sharing its pool before it)" : "", ", ",
+                 pools_[g].free_blocks(), " are free"));
     }
   }
   std::vector<BlockId>& blocks = tail_scratch_;

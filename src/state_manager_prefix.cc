@@ -238,7 +238,7 @@ const StateManager::Impl::PrefixHit* StateManager::Impl::LookupPrefix(size_t i, 
       if (block == kNoBlock) continue;  // promoted from the host level
       if (pools_[g].is_evictable(block) && block_marks_[g][block] != mark_epoch_) {
         block_marks_[g][block] = mark_epoch_;
-        --free_scratch_[g];
+        --free_scratch_[static_cast<size_t>(pool_lead_[g])];
       }
     }
   }

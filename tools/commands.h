@@ -86,10 +86,26 @@ struct PlanReport {
   int64_t tokens = 0;       // num_blocks · block_size
   int64_t blocks_per_sequence = 0;
   int64_t sequences = 0;  // of `context` tokens
-  // Hybrid models: the fraction of the cache that holds blocks only full-attention layers need
-  // (window layers keep every block too, as one group with one block table; a per-kind allocator
-  // would free them). 0 otherwise.
+  // Hybrid models, planned as one group of every layer: the fraction of the cache that holds
+  // blocks only full-attention layers need (the window layers keep every block too). 0 otherwise.
   double window_waste = 0;
+  // Hybrid models (0 < window_layers < layers) are planned as a DENSE and a LOCAL cache group in
+  // one shared pool (MemoryConfig::shared_pool), both padded to `pool_layers` layers; the
+  // headline numbers above are that plan's (a block: one block of pool_layers layers;
+  // blocks_per_sequence: its DENSE plus its LOCAL blocks). Beside it, what the other layouts
+  // hold: sequences of `context` tokens and the share of the cache those leave unused (blocks
+  // no layer needs, padding layers, blocks no sequence fits in).
+  struct Layout {
+    int64_t sequences = 0;
+    double unused = 0;
+  };
+  bool hybrid = false;
+  int64_t pool_layers = 0;
+  int64_t dense_blocks = 0;  // per sequence
+  int64_t local_blocks = 0;  // per sequence: the window's
+  Layout one_group;          // every layer one full-attention group
+  Layout separate_pools;     // DENSE + LOCAL, a pool of one block count each (DeepSpeed's)
+  Layout shared_pool;        // DENSE + LOCAL, one pool (the headline)
 };
 
 // kInvalidArgument for shapes, block sizes and tp that no machine could plan (exit code 2).

@@ -242,10 +242,8 @@ Result<PlanReport> Plan(const PlanOptions& options) {
   const bool hybrid = shape.window_layers > 0 && shape.window_layers < shape.layers;
   if (shape.sliding_window > 0 && report.context > shape.sliding_window) {
     if (hybrid) {
-      // One group, one block table: a block holds every layer, so the window layers keep the
-      // whole context too. What they hold past their window is the waste a per-kind allocator
-      // (vLLM's hybrid allocator) would free; blockkv's LOCAL groups free it per sequence, but
-      // BlockedKVCache gives every group one block count, so the freed blocks sit idle.
+      // As one group, one block table: a block holds every layer, so the window layers keep the
+      // whole context too. What they hold past their window is the waste.
       report.window_waste = static_cast<double>(shape.window_layers) *
                             static_cast<double>(report.blocks_per_sequence - window_blocks) /
                             static_cast<double>(shape.layers * report.blocks_per_sequence);
@@ -254,6 +252,57 @@ Result<PlanReport> Plan(const PlanOptions& options) {
     }
   }
   report.sequences = report.num_blocks / report.blocks_per_sequence;
+  if (!hybrid) return report;
+
+  // Hybrid: a DENSE group of the full-attention layers and a LOCAL group of the window layers.
+  report.hybrid = true;
+  const int64_t full_layers = shape.layers - shape.window_layers;
+  const int64_t context_blocks = report.blocks_per_sequence;
+  const int64_t local_blocks = shape.sliding_window > 0 && report.context > shape.sliding_window
+                                   ? window_blocks
+                                   : context_blocks;
+  // Layer-blocks the sequences of a layout truly hold, over the layer-blocks of its cache.
+  const auto unused = [&](int64_t sequences, int64_t num_blocks, int64_t layers_per_block) {
+    const long double held =
+        static_cast<long double>(sequences) *
+        static_cast<long double>(full_layers * context_blocks + shape.window_layers * local_blocks);
+    return static_cast<double>(1.0L -
+                               held / (static_cast<long double>(num_blocks) * layers_per_block));
+  };
+  report.one_group = {.sequences = report.sequences,
+                      .unused = unused(report.sequences, report.num_blocks, shape.layers)};
+  KVCacheConfig dense = config;
+  dense.cache_shape[0] = full_layers;
+  KVCacheConfig local = config;
+  local.cache_shape[0] = shape.window_layers;
+  local.type = KVCacheType::kLocal;
+  local.local_window = shape.sliding_window;
+  const std::array<KVCacheConfig, 2> separate = {dense, local};
+  BLOCKKV_ASSIGN_OR_RETURN(const KVCachePlan split, PlanKVCache(separate, memory, available));
+  // Every group has split.num_blocks; the DENSE pool runs out first.
+  const int64_t split_sequences =
+      std::min(split.num_blocks / context_blocks, split.num_blocks / local_blocks);
+  report.separate_pools = {.sequences = split_sequences,
+                           .unused = unused(split_sequences, split.num_blocks, shape.layers)};
+  // One pool: both groups padded to the larger layer count (vLLM pads the same way).
+  report.pool_layers = std::max(full_layers, shape.window_layers);
+  dense.cache_shape[0] = local.cache_shape[0] = report.pool_layers;
+  const std::array<KVCacheConfig, 2> pooled = {dense, local};
+  MemoryConfig shared = memory;
+  shared.shared_pool = true;
+  BLOCKKV_ASSIGN_OR_RETURN(const KVCachePlan pool, PlanKVCache(pooled, shared, available));
+  report.dense_blocks = context_blocks;
+  report.local_blocks = local_blocks;
+  report.bytes_per_block = pool.bytes_per_block;
+  report.bytes_per_token = pool.bytes_per_block * shape.layers / report.pool_layers /
+                           options.block_size;  // every layer's K and V of one token
+  report.num_blocks = pool.num_blocks;
+  report.cache_bytes = pool.total_bytes;
+  report.tokens = report.num_blocks * options.block_size;
+  report.blocks_per_sequence = context_blocks + local_blocks;
+  report.sequences = report.num_blocks / report.blocks_per_sequence;
+  report.shared_pool = {.sequences = report.sequences,
+                        .unused = unused(report.sequences, report.num_blocks, report.pool_layers)};
   return report;
 }
 
@@ -311,8 +360,19 @@ std::string FormatPlan(const PlanReport& r, bool json) {
         .Key("blocks_per_sequence")
         .Int(r.blocks_per_sequence)
         .Key("sequences")
-        .Int(r.sequences)
-        .EndObject();
+        .Int(r.sequences);
+    if (r.hybrid) {
+      const auto layout = [&](const char* name, const PlanReport::Layout& l) {
+        w.Key(name).BeginObject().Key("sequences").Int(l.sequences).Key("unused");
+        w.Double(l.unused).EndObject();
+      };
+      w.Key("pool_layers").Int(r.pool_layers).Key("layouts").BeginObject();
+      layout("one_group", r.one_group);
+      layout("separate_pools", r.separate_pools);
+      layout("shared_pool", r.shared_pool);
+      w.EndObject();
+    }
+    w.EndObject();
     return w.str();
   }
   char text[2048];
@@ -357,14 +417,29 @@ std::string FormatPlan(const PlanReport& r, bool json) {
                 static_cast<long long>(r.sequences), static_cast<long long>(r.context),
                 static_cast<long long>(r.blocks_per_sequence));
   std::string out = text;
-  if (hybrid) {
-    char note[512];
-    std::snprintf(note, sizeof(note),
-                  "assumes    one cache group for all layers (LOCAL groups would get the same "
-                  "block count as the DENSE one, issue 21): the %lld window layers keep every "
-                  "block too; %.1f%% of the cache "
-                  "holds blocks only the full-attention layers need\n",
-                  static_cast<long long>(s.window_layers), 100.0 * r.window_waste);
+  if (r.hybrid) {
+    const int64_t full = s.layers - s.window_layers;
+    char note[1024];
+    std::snprintf(
+        note, sizeof(note),
+        "groups     DENSE %lld layers + LOCAL %lld layers (window %lld) in one shared pool "
+        "(MemoryConfig.shared_pool)%s: a block is %lld layers, a sequence holds %lld DENSE + "
+        "%lld LOCAL blocks\n"
+        "layouts    sequences of %lld tokens, and the cache they leave unused:\n"
+        "  one group, every layer full attention   %6lld  %5.1f%%\n"
+        "  DENSE + LOCAL, a pool per group         %6lld  %5.1f%%\n"
+        "  DENSE + LOCAL, one shared pool          %6lld  %5.1f%%  (%.2fx a pool per group)\n",
+        static_cast<long long>(full), static_cast<long long>(s.window_layers),
+        static_cast<long long>(s.sliding_window),
+        full == s.window_layers ? "" : ", the smaller group padded",
+        static_cast<long long>(r.pool_layers), static_cast<long long>(r.dense_blocks),
+        static_cast<long long>(r.local_blocks), static_cast<long long>(r.context),
+        static_cast<long long>(r.one_group.sequences), 100.0 * r.one_group.unused,
+        static_cast<long long>(r.separate_pools.sequences), 100.0 * r.separate_pools.unused,
+        static_cast<long long>(r.shared_pool.sequences), 100.0 * r.shared_pool.unused,
+        r.separate_pools.sequences > 0 ? static_cast<double>(r.shared_pool.sequences) /
+                                             static_cast<double>(r.separate_pools.sequences)
+                                       : 0.0);
     out += note;
   }
   return out;

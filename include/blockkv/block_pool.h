@@ -20,7 +20,7 @@
 //   s = pool.Release(ids);             // 0: ids[0] evictable, the others back to the allocator
 //   s = pool.AddRef(std::span(ids).first(1));  // a prefix hit revives ids[0]
 //
-// Implementation notes: one 16-byte record per block id (blocks_), no node per block:
+// Implementation notes: one 16-byte record per block id (State::blocks), no node per block:
 //   refs      references; a block is used in the allocator when refs > 0 or it is cached
 //   cached    1 when the prefix cache holds the block's key
 //   priority  retention priority 0..100 of a cached block
@@ -32,6 +32,7 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -56,6 +57,13 @@ class BlockPool {
 
   // REQUIRES: `cache` outlives the pool and nothing else reserves or frees blocks of `group`.
   BlockPool(BlockedKVCache* cache, int group);
+  // `group`'s pool when it shares its memory pool with `owner`'s group (MemoryConfig::
+  // shared_pool): one set of block ids, references and eviction lists for both, so a block
+  // either group releases can be taken by the other. Each block belongs to one group at a time;
+  // a cached block remembers the group that cached it, and the listener is told that group when
+  // it is evicted. REQUIRES: cache.pool_of(group) == cache.pool_of(owner.group()), and `owner`
+  // (the object, not a moved-from shell) outlives this pool.
+  BlockPool(BlockPool& owner, int group);
 
   BlockPool(BlockPool&&) noexcept = default;
   BlockPool& operator=(BlockPool&&) noexcept = default;
@@ -88,26 +96,34 @@ class BlockPool {
   void Uncache(BlockId block);
 
   int32_t ref_count(BlockId block) const;  // 0 for a free or evictable block; REQUIRES: valid id
-  bool is_cached(BlockId block) const { return blocks_[block].cached != 0; }  // REQUIRES: valid id
+  // Cached by any group of the pool. REQUIRES: valid id.
+  bool is_cached(BlockId block) const { return s_->blocks[block].cached != 0; }
   bool is_evictable(BlockId block) const {
-    return blocks_[block].cached != 0 && blocks_[block].refs == 0;
+    return s_->blocks[block].cached != 0 && s_->blocks[block].refs == 0;
   }
-  int32_t priority(BlockId block) const { return blocks_[block].priority; }  // REQUIRES: cached
+  // The group that cached the block (this pool's group unless its memory pool is shared).
+  // REQUIRES: is_cached(block).
+  int cached_group(BlockId block) const { return s_->blocks[block].group; }
+  int32_t priority(BlockId block) const { return s_->blocks[block].priority; }  // REQUIRES: cached
   // Blocks Take can hand out: allocator-free + evictable.
   int32_t free_blocks() const;
-  int32_t evictable_blocks() const { return evictable_; }
+  // Evictable blocks of the whole memory pool (every group sharing it).
+  int32_t evictable_blocks() const { return s_->evictable; }
   // Calls f(block) for every evictable block in the order Take would evict them: lowest
   // priority first, least recently used first within a priority. Releasing blocks in this order
   // rebuilds the same order (what a snapshot relies on). `f` must not change the pool.
   template <class F>
   void ForEachEvictable(F&& f) const {
     for (int p = 0; p < kPriorities; ++p) {
-      for (BlockId b = heads_[p]; b != kNoBlock; b = blocks_[b].next) f(b);
+      for (BlockId b = s_->heads[p]; b != kNoBlock; b = s_->blocks[b].next) f(b);
     }
   }
-  int32_t num_blocks() const { return static_cast<int32_t>(blocks_.size()); }
+  int32_t num_blocks() const { return static_cast<int32_t>(s_->blocks.size()); }
   int group() const { return group_; }
-  void set_eviction_listener(EvictionListener* listener) { listener_ = listener; }
+  // True when both are pools of one memory pool (MemoryConfig::shared_pool), or the same pool.
+  bool same_pool(const BlockPool& other) const { return s_ == other.s_; }
+  // One listener per memory pool: setting it on any group's pool sets it for all of them.
+  void set_eviction_listener(EvictionListener* listener) { s_->listener = listener; }
 
   // Every block with references or a cached mark is used in the allocator and every free one
   // has neither; the eviction lists hold exactly the evictable blocks, each once, in its
@@ -124,7 +140,6 @@ class BlockPool {
 
   BlockedKVCache* cache_;
   int group_;
-  EvictionListener* listener_ = nullptr;
   // What the pool knows of one block: one 16-byte record, so that a share, release or eviction
   // touches one cache line per block.
   struct BlockState {
@@ -133,13 +148,20 @@ class BlockPool {
     BlockId next = kNoBlock;
     uint8_t cached = 0;    // 1 when the prefix cache holds the block's key
     uint8_t priority = 0;  // retention priority of a cached block
+    uint8_t group = 0;     // the cache group that cached it (shared memory pools)
   };
-  std::vector<BlockState> blocks_;            // [num_blocks]
-  std::array<BlockId, kPriorities> heads_{};  // least recently used evictable block, per priority
-  std::array<BlockId, kPriorities> tails_{};  // most recently used
-  std::array<uint64_t, 2> nonempty_{};        // bit p: list p is not empty
-  int32_t evictable_ = 0;
-  std::vector<BlockId> scratch_;  // blocks reaching 0 in one Release
+  // Shared by the pools of every group of one memory pool (one owner, see the constructors).
+  struct State {
+    EvictionListener* listener = nullptr;
+    std::vector<BlockState> blocks;            // [num_blocks]
+    std::array<BlockId, kPriorities> heads{};  // least recently used evictable block, per priority
+    std::array<BlockId, kPriorities> tails{};  // most recently used
+    std::array<uint64_t, 2> nonempty{};        // bit p: list p is not empty
+    int32_t evictable = 0;
+    std::vector<BlockId> scratch;  // blocks reaching 0 in one Release
+  };
+  std::unique_ptr<State> state_;  // null in a pool sharing another's
+  State* s_ = nullptr;            // state_, or the owner's
 };
 
 }  // namespace blockkv

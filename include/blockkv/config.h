@@ -81,6 +81,13 @@ struct KVCacheConfig {
 struct MemoryConfig {
   AllocationMode mode = AllocationMode::kReserve;
   int64_t size = 1'000'000'000;  // RESERVE: bytes left free; ALLOCATE: number of blocks
+  // vLLM's hybrid allocator (not DeepSpeed's): every cache group draws its blocks from ONE pool
+  // of num_blocks ids, and layer i of every group views the same memory, so the blocks a LOCAL
+  // group releases serve a DENSE group. A block id belongs to one group at a time. Every group
+  // must have the same number of layers and the same bytes per block per layer
+  // (BlockedKVCache::Create refuses others with kInvalidArgument naming the groups). false:
+  // DeepSpeed's layout, one buffer and one allocator per group, the same num_blocks in each.
+  bool shared_pool = false;
 
   Status Validate() const;  // size > 0 and a known mode
 };

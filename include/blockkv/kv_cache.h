@@ -11,7 +11,10 @@
 // Layout of cache group g: one contiguous, row-major allocation of shape
 //   [num_caches, num_blocks, block_size, 2, num_kv_heads, head_size]
 // Token t of a sequence lives in block table[t / block_size] at offset t % block_size; K is plane
-// 0, V plane 1. Every group has the same num_blocks (as in DeepSpeed). An MLA group
+// 0, V plane 1. Every group has the same num_blocks (as in DeepSpeed). With
+// MemoryConfig::shared_pool every group draws from one allocator of num_blocks ids and layer i
+// of every group is the same memory (vLLM's hybrid allocator): group g's storage is the pool's
+// [num_caches, num_blocks, ...] buffer seen with g's shape. An MLA group
 // (KVCacheType::kMla) has no K/V split and one row per token:
 //   [num_caches, num_blocks, block_size, latent_dim + rope_dim]
 // (the latent c_kv first, then the rotary k_pe); its layer views are 3-D.
@@ -35,12 +38,14 @@
 namespace blockkv {
 
 struct KVCachePlan {
-  int32_t num_blocks = 0;       // blocks in every group
-  int64_t bytes_per_block = 0;  // one block summed over all groups and their layers
+  int32_t num_blocks = 0;       // blocks in every group (in the one pool when shared)
+  int64_t bytes_per_block = 0;  // one block summed over all pools and their layers
   int64_t total_bytes = 0;      // num_blocks · bytes_per_block
 };
 
-// How many blocks fit. bytes_per_block = Σ over groups of KVCacheConfig::bytes_per_block().
+// How many blocks fit. bytes_per_block = Σ over groups of KVCacheConfig::bytes_per_block(); with
+// memory.shared_pool, one group's (every group's is the same, else kInvalidArgument naming the
+// two groups and their layer counts or per-layer block bytes).
 //   RESERVE:  num_blocks = (available_bytes − memory.size) / bytes_per_block; fewer than one
 //             block is kResourceExhausted naming both numbers.
 //   ALLOCATE: num_blocks = memory.size; more than available_bytes is kResourceExhausted.
@@ -94,8 +99,14 @@ class BlockedKVCache {
   // group's: [num_caches, num_blocks, block_size, latent_dim + rope_dim].
   Result<TensorView> GetGroupStorage(int group = 0) const;
 
-  std::vector<int32_t> free_blocks() const;                            // one entry per group
+  // One entry per group (groups sharing a pool report the pool's count).
+  std::vector<int32_t> free_blocks() const;
   int num_groups() const { return static_cast<int>(groups_.size()); }  // DeepSpeed's num_caches
+  // Memory pools: one per group, or one in all with MemoryConfig::shared_pool.
+  int num_pools() const { return static_cast<int>(pools_.size()); }
+  // The memory pool `group` draws from. REQUIRES: 0 <= group < num_groups().
+  int pool_of(int group) const { return groups_[group].pool; }
+  bool shared_pool() const { return pools_.size() < groups_.size(); }
   int32_t num_blocks() const { return plan_.num_blocks; }
   const KVCachePlan& plan() const { return plan_; }
   // REQUIRES: 0 <= group < num_groups().
@@ -109,6 +120,9 @@ class BlockedKVCache {
  private:
   struct Group {
     KVCacheConfig config;
+    int pool = 0;  // index in pools_
+  };
+  struct Pool {
     BlockedAllocator allocator;
     DeviceBuffer storage;  // [num_caches, num_blocks, block_size, 2, num_kv_heads, head_size]
                            // (MLA: [num_caches, num_blocks, block_size, latent + rope])
@@ -119,15 +133,20 @@ class BlockedKVCache {
   // An OffloadStore over this cache with the default owner marks the blocks it takes over.
   friend class OffloadStore;
 
-  BlockedKVCache(std::shared_ptr<Device> device, KVCachePlan plan, std::vector<Group> groups);
-  // One buffer and allocator per group, as planned; on failure what was allocated is freed.
-  static Result<std::vector<Group>> AllocateGroups(std::span<const KVCacheConfig> configs,
-                                                   const KVCachePlan& plan, Device& device);
+  BlockedKVCache(std::shared_ptr<Device> device, KVCachePlan plan, std::vector<Group> groups,
+                 std::vector<Pool> pools);
+  // One buffer and allocator per pool, as planned; on failure what was allocated is freed.
+  static Result<std::vector<Pool>> AllocatePools(std::span<const KVCacheConfig> configs,
+                                                 bool shared, const KVCachePlan& plan,
+                                                 Device& device);
+  Pool& pool(int group) { return pools_[groups_[group].pool]; }
+  const Pool& pool(int group) const { return pools_[groups_[group].pool]; }
   Status CheckGroup(int group) const;
 
   std::shared_ptr<Device> device_;
   KVCachePlan plan_;
   std::vector<Group> groups_;
+  std::vector<Pool> pools_;
 };
 
 }  // namespace blockkv

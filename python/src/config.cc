@@ -145,7 +145,7 @@ std::string Repr(const KVCacheConfig& c) {
 
 std::string Repr(const MemoryConfig& c) {
   return std::string("MemoryConfig(mode='") + AllocationModeName(c.mode) +
-         "', size=" + std::to_string(c.size) + ")";
+         "', size=" + std::to_string(c.size) + (c.shared_pool ? ", shared_pool=True)" : ")");
 }
 
 std::string Repr(const PrefixCacheConfig& c) {
@@ -219,13 +219,14 @@ void AddValueMethods(py::class_<Config>& cls, GetState get_state, SetState set_s
 }
 
 py::tuple MemoryState(const MemoryConfig& c) {
-  return py::make_tuple(static_cast<int>(c.mode), c.size);
+  return py::make_tuple(static_cast<int>(c.mode), c.size, c.shared_pool);
 }
 
 MemoryConfig MemoryFromState(const py::tuple& state) {
   MemoryConfig c;
   c.mode = static_cast<AllocationMode>(state[0].cast<int>());
   c.size = state[1].cast<int64_t>();
+  if (state.size() >= 3) c.shared_pool = state[2].cast<bool>();  // older pickles: separate pools
   return c;
 }
 
@@ -537,15 +538,16 @@ void BindMemoryConfig(py::module_& m) {
 
   py::class_<MemoryConfig> cls(m, "MemoryConfig",
                                "How big the cache is (DeepSpeed's MemoryConfig).");
-  cls.def(py::init([](py::handle mode, Int<int64_t, "size"> size) {
+  cls.def(py::init([](py::handle mode, Int<int64_t, "size"> size, bool shared_pool) {
             MemoryConfig c;
             c.mode = ToMode(mode);
             c.size = size;
+            c.shared_pool = shared_pool;
             ThrowIfError(c.Validate());
             return c;
           }),
           py::kw_only(), py::arg("mode") = AllocationMode::kReserve,
-          py::arg("size") = int64_t{1'000'000'000})
+          py::arg("size") = int64_t{1'000'000'000}, py::arg("shared_pool") = false)
       .def_property(
           "mode", [](const MemoryConfig& c) { return c.mode; },
           [](MemoryConfig& c, py::handle v) {
@@ -555,8 +557,16 @@ void BindMemoryConfig(py::module_& m) {
       .def_property(
           "size", [](const MemoryConfig& c) { return c.size; },
           Int64Setter(&MemoryConfig::size, "size"))
-      .def("__eq__", [](const MemoryConfig& a,
-                        const MemoryConfig& b) { return a.mode == b.mode && a.size == b.size; })
+      .def_property(
+          "shared_pool", [](const MemoryConfig& c) { return c.shared_pool; },
+          [](MemoryConfig& c, bool v) { c.shared_pool = v; },
+          "Every cache group draws from one pool of blocks (vLLM's hybrid allocator); the groups "
+          "need equal layer counts and bytes per block and layer. False: a pool per group, as "
+          "DeepSpeed.")
+      .def("__eq__",
+           [](const MemoryConfig& a, const MemoryConfig& b) {
+             return a.mode == b.mode && a.size == b.size && a.shared_pool == b.shared_pool;
+           })
       .def("__repr__", py::overload_cast<const MemoryConfig&>(&Repr));
   AddValueMethods(cls, &MemoryState, &MemoryFromState);
 }

@@ -137,6 +137,17 @@ def test_memory_config_defaults_and_modes():
     assert m.mode == blockkv.AllocationMode.ALLOCATE
 
 
+def test_memory_config_shared_pool_is_off_by_default_and_round_trips():
+    assert blockkv.MemoryConfig().shared_pool is False  # DeepSpeed's layout: a pool per group
+    m = blockkv.MemoryConfig(mode="allocate", size=8, shared_pool=True)
+    assert m.shared_pool is True
+    assert "shared_pool=True" in repr(m)
+    assert m != blockkv.MemoryConfig(mode="allocate", size=8)
+    assert pickle.loads(pickle.dumps(m)) == m
+    m.shared_pool = False
+    assert m == blockkv.MemoryConfig(mode="allocate", size=8)
+
+
 @pytest.mark.parametrize("kwargs", [{"size": 0}, {"size": -1}, {"mode": "borrow"}, {"mode": 3}])
 def test_invalid_memory_config_is_a_value_error(kwargs):
     with pytest.raises(ValueError):

@@ -106,6 +106,12 @@ def test_block_size_is_checked_by_blockkv(block_size):
         KVCacheConfig(cache_shape=(1, 1, 8), block_size=block_size)
 
 
+def test_memory_config_shared_pool_reaches_the_core_config():
+    assert MemoryConfig().shared_pool is False
+    core = MemoryConfig(mode="allocate", size=8, shared_pool=True).to_blockkv()
+    assert core == blockkv.MemoryConfig(mode="allocate", size=8, shared_pool=True)
+
+
 def test_memory_config_modes_and_size():
     assert MemoryConfig(mode=AllocationMode.ALLOCATE, size=8).mode == "allocate"
     assert MemoryConfig(mode="allocate", size=8).to_blockkv() == blockkv.MemoryConfig(

@@ -181,3 +181,36 @@ def test_dense_and_local_groups_release_only_the_windows_blocks():
         m.rollback(1, 1)
     assert seq.seen_tokens == 30
     m.check_invariants()
+
+
+def test_a_shared_pool_lends_the_local_groups_released_blocks_to_the_dense_group():
+    # vLLM's hybrid allocator: MemoryConfig(shared_pool=True), one pool of 8 blocks for both.
+    dense = kv_config(block_size=4, max_blocks_per_allocation_group=16)
+    local = kv_config(block_size=4, max_blocks_per_allocation_group=16,
+                      type=blockkv.KVCacheType.LOCAL, local_window=4)
+    memory = blockkv.MemoryConfig(mode="allocate", size=8, shared_pool=True)
+    m = blockkv.StateManager(blockkv.StateManagerConfig(memory_config=memory), (dense, local),
+                             device="cpu")
+    m.schedule([1], [8])
+    seq = m.get_sequence(1)
+    local0 = int(seq.kv_cache_ids(1)[0, 0])
+    assert m.free_blocks == [4, 4]  # one count: the pool's
+    m.post_forward([1])  # LOCAL's first block leaves the window
+    assert m.free_blocks == [5, 5]
+    step(m, 1, 4)
+    assert int(seq.kv_cache_ids(0)[0, 2]) == local0  # DENSE took it
+    # 3 DENSE + 3 LOCAL blocks: 6 of the 4 free. Refused, nothing changed.
+    with pytest.raises(blockkv.SchedulingError,
+                       match=r"1 left for it \(4 free in the pool its groups share\)"):
+        m.schedule([2], [12])
+    assert m.get_sequence(2) is None and m.free_blocks == [4, 4]
+    m.check_invariants()
+
+
+def test_a_shared_pool_refuses_groups_of_other_shapes_naming_them():
+    memory = blockkv.MemoryConfig(mode="allocate", size=8, shared_pool=True)
+    groups = (kv_config(block_size=4), kv_config(block_size=8))
+    with pytest.raises(ValueError, match="MemoryConfig.shared_pool: a block of one layer of cache "
+                                         "group 1 is .* bytes and one of cache group 0 is"):
+        blockkv.StateManager(blockkv.StateManagerConfig(memory_config=memory), groups,
+                             device="cpu")

@@ -195,36 +195,75 @@ TEST(Plan, CustomMlaShapeMustNotNameKvHeads) {
   EXPECT_EQ(CheckPlanOptions(options).code(), StatusCode::kInvalidArgument);
 }
 
-TEST(Plan, HybridGemma2PlansEveryLayerFullAndSaysWhatItWastes) {
-  // 42 layers x 16 x 2 x 8 x 256 x 2 bytes = 5,505,024 per block. Context 8,192 = 512 blocks;
-  // the 21 window layers need 4,096 / 16 + 1 = 257 of them: 21 x 255 / (42 x 512) = 24.9% of the
-  // cache is theirs to free (vLLM's hybrid-allocator RFC: 25% for Gemma-2).
+TEST(Plan, HybridGemma2PlansADenseAndALocalGroupInOneSharedPool) {
+  // A block of one layer: 16 x 2 x 8 x 256 x 2 = 131,072 bytes; 79 GiB usable. Context 8,192 =
+  // 512 blocks; the 21 window layers need 4,096 / 16 + 1 = 257 of them.
   Result<PlanReport> r = Plan(Preset("Gemma-2-9B", 80 * kGiB, 1 * kGiB));
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->bytes_per_block, 5505024);
-  EXPECT_EQ(r->blocks_per_sequence, 512);  // not shortened: one table for every layer
+  EXPECT_TRUE(r->hybrid);
+  // One group of all 42 layers (5,505,024 bytes a block): 15,408 blocks, 30 sequences; the window
+  // layers hold 21 x 255 / (42 x 512) = 24.9% past their window (vLLM's RFC: 25% for Gemma-2).
   EXPECT_DOUBLE_EQ(r->window_waste, 21.0 * 255 / (42 * 512));
+  EXPECT_EQ(r->one_group.sequences, 30);
+  // A pool per group, one block count (15,408) for both: the DENSE pool bounds it at 30, and
+  // 1 - 30 x (21 x 512 + 21 x 257) / (15,408 x 42) = 25.1% of the cache is left unused.
+  EXPECT_EQ(r->separate_pools.sequences, 30);
+  EXPECT_NEAR(r->separate_pools.unused, 1.0 - 30.0 * (21 * 512 + 21 * 257) / (15408.0 * 42), 1e-12);
+  // One shared pool of 21-layer blocks (2,752,512 bytes): 30,817 blocks, 769 a sequence: 40.
+  EXPECT_EQ(r->pool_layers, 21);
+  EXPECT_EQ(r->bytes_per_block, 2752512);
+  EXPECT_EQ(r->num_blocks, 30817);
+  EXPECT_EQ(r->dense_blocks, 512);
+  EXPECT_EQ(r->local_blocks, 257);
+  EXPECT_EQ(r->blocks_per_sequence, 769);
+  EXPECT_EQ(r->sequences, 40);
+  EXPECT_EQ(r->shared_pool.sequences, 40);
+  EXPECT_NEAR(r->shared_pool.unused, 1.0 - 40.0 * 769 / 30817, 1e-12);
   const std::string text = FormatPlan(*r, false);
   EXPECT_NE(text.find("21 of them with a sliding window of 4096"), std::string::npos) << text;
-  EXPECT_NE(text.find("LOCAL groups would get the same block count as the DENSE one"),
+  EXPECT_NE(text.find("DENSE 21 layers + LOCAL 21 layers (window 4096) in one shared pool"),
             std::string::npos)
       << text;
-  EXPECT_NE(text.find("24.9%"), std::string::npos) << text;
+  EXPECT_NE(text.find("DENSE + LOCAL, a pool per group             30   25.1%"), std::string::npos)
+      << text;
+  EXPECT_NE(text.find("DENSE + LOCAL, one shared pool              40    0.2%  (1.33x"),
+            std::string::npos)
+      << text;
+  const std::string json = FormatPlan(*r, true);
+  EXPECT_NE(json.find("\"separate_pools\""), std::string::npos) << json;
 }
 
-TEST(Plan, HybridGptOss20bWastesHalfItsCacheAtFullContext) {
-  // 24 layers x 16 x 2 x 8 x 64 x 2 = 786,432 bytes per block; 131,072 tokens = 8,192 blocks,
-  // the 12 window layers need 128 / 16 + 1 = 9: 12 x 8,183 / (24 x 8,192) = 49.9%.
+TEST(Plan, HybridGptOss20bDoublesItsSequencesInOneSharedPool) {
+  // A block of one layer: 16 x 2 x 8 x 64 x 2 = 32,768 bytes; 131,072 tokens = 8,192 blocks, the
+  // 12 window layers need 128 / 16 + 1 = 9.
   Result<PlanReport> r = Plan(Preset("gpt-oss-20b", 80 * kGiB, 1 * kGiB));
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->bytes_per_block, 786432);
-  EXPECT_EQ(r->blocks_per_sequence, 8192);
-  EXPECT_DOUBLE_EQ(r->window_waste, 12.0 * 8183 / (24 * 8192));
-  EXPECT_NE(FormatPlan(*r, false).find("49.9%"), std::string::npos);
-  // A short context that fits the window wastes nothing.
+  EXPECT_DOUBLE_EQ(r->window_waste, 12.0 * 8183 / (24 * 8192));  // 49.9% as one group
+  EXPECT_EQ(r->one_group.sequences, 13);
+  EXPECT_EQ(r->separate_pools.sequences, 13);
+  EXPECT_EQ(r->num_blocks, 215722);  // 12-layer blocks of 393,216 bytes
+  EXPECT_EQ(r->blocks_per_sequence, 8192 + 9);
+  EXPECT_EQ(r->sequences, 26);
+  EXPECT_NE(FormatPlan(*r, false).find("(2.00x a pool per group)"), std::string::npos);
+  // A short context that fits the window wastes nothing, in any layout.
   PlanOptions options = Preset("gpt-oss-20b", 80 * kGiB, 1 * kGiB);
   options.context = 128;
-  EXPECT_EQ(Plan(options)->window_waste, 0.0);
+  Result<PlanReport> short_context = Plan(options);
+  ASSERT_TRUE(short_context.ok()) << short_context.status();
+  EXPECT_EQ(short_context->window_waste, 0.0);
+  EXPECT_EQ(short_context->local_blocks, 8);
+}
+
+TEST(Plan, HybridWithUnequalLayerCountsPadsTheSmallerGroup) {
+  PlanOptions options = Preset("Gemma-2-9B", 80 * kGiB, 1 * kGiB);
+  options.shape.window_layers = 14;  // 28 full + 14 window layers: both padded to 28
+  Result<PlanReport> r = Plan(options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->pool_layers, 28);
+  EXPECT_EQ(r->bytes_per_block, 28 * 131072);
+  // The padding is unused: 14 of the 56 layers of a LOCAL block are there only to share.
+  EXPECT_GT(r->shared_pool.unused, 0.0);
+  EXPECT_NE(FormatPlan(*r, false).find("the smaller group padded"), std::string::npos);
 }
 
 }  // namespace

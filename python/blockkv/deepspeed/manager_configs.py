@@ -107,11 +107,15 @@ class MemoryConfig(ConfigModel):
 
     mode: AllocationMode = AllocationMode.RESERVE
     size: PositiveInt = 1_000_000_000
+    # Not DeepSpeed's: every cache group draws from one pool of blocks (vLLM's hybrid
+    # allocator), so a LOCAL group's released blocks serve a DENSE one. False: DeepSpeed's
+    # layout, a pool per group.
+    shared_pool: bool = False
 
     def to_blockkv(self):
         """The ``blockkv.MemoryConfig`` of the same fields."""
         mode = self.mode.value if isinstance(self.mode, AllocationMode) else self.mode
-        return blockkv.MemoryConfig(mode=mode, size=self.size)
+        return blockkv.MemoryConfig(mode=mode, size=self.size, shared_pool=self.shared_pool)
 
 
 def _check_manager_counts(values):
