@@ -37,17 +37,7 @@ namespace blockkv {
 
 using internal::StrCat;
 
-namespace {
-
-constexpr char kSharedPoolSnapshot[] =
-    " a manager whose cache groups share one memory pool (MemoryConfig.shared_pool): not "
-    "supported yet";
-
-}  // namespace
-
 Status StateManager::Impl::CheckSnapshotable() const {
-  if (cache_->shared_pool())
-    return UnimplementedError(StrCat("cannot snapshot", kSharedPoolSnapshot));
   for (int32_t slot = 0; slot < config_.max_tracked_sequences; ++slot) {
     if (!slots_.IsUsed(slot)) continue;
     const Sequence& seq = sequences_[slot];
@@ -193,11 +183,13 @@ Status SnapshotCodec::Apply(StateManager::Impl& m, const snapshot::Staged& s) {
                                 "; the manager was emptied, since its blocks' contents are now "
                                 "unspecified"));
   }
-  // Every block of every group taken with one reference, so that sequences and cached blocks
-  // land on their own ids; that reference is dropped at the end.
+  // Every block of every pool taken with one reference, so that sequences and cached blocks
+  // land on their own ids; that reference is dropped at the end. (Groups sharing a memory pool,
+  // MemoryConfig::shared_pool, take its blocks once, at the pool's first group.)
   const auto groups = static_cast<size_t>(m.num_groups());
   std::vector<std::vector<BlockId>> all(groups);
   for (size_t g = 0; g < groups; ++g) {
+    if (m.pool_lead_[g] != static_cast<int>(g)) continue;
     all[g].resize(static_cast<size_t>(m.pools_[g].num_blocks()));
     const Status taken = m.pools_[g].Take(m.pools_[g].num_blocks(), all[g]);
     BLOCKKV_CHECK(taken.ok(), "LoadSnapshot: an emptied manager still held blocks");
@@ -208,25 +200,34 @@ Status SnapshotCodec::Apply(StateManager::Impl& m, const snapshot::Staged& s) {
       m.prefix_->Restore(static_cast<int>(g), c.View(), c.priority);
     }
   }
-  // Drop the extra reference: held blocks keep their tables' references; unreferenced cached
-  // blocks become evictable in the saved order; the rest go back to the allocator highest id
-  // first, so that it hands out the lowest free id first, as a fresh one does.
-  for (size_t g = 0; g < groups; ++g) {
+  // Drop the extra reference, per pool: held blocks keep their tables' references; unreferenced
+  // cached blocks become evictable in the saved order (group after group in a shared pool); the
+  // rest go back to the allocator highest id first, so that it hands out the lowest free id
+  // first, as a fresh one does.
+  for (size_t lead = 0; lead < groups; ++lead) {
+    if (m.pool_lead_[lead] != static_cast<int>(lead)) continue;
+    BlockPool& pool = m.pools_[lead];
     std::vector<BlockId> held;
     std::vector<BlockId> unused;
-    for (BlockId b = m.pools_[g].num_blocks() - 1; b >= 0; --b) {
-      if (s.refs[g][static_cast<size_t>(b)] > 0) {
+    for (BlockId b = pool.num_blocks() - 1; b >= 0; --b) {
+      bool referenced = false;
+      for (size_t g = lead; g < groups; ++g) {
+        referenced = referenced || (m.pool_lead_[g] == static_cast<int>(lead) &&
+                                    s.refs[g][static_cast<size_t>(b)] > 0);
+      }
+      if (referenced) {
         held.push_back(b);
-      } else if (!m.pools_[g].is_cached(b)) {
+      } else if (!pool.is_cached(b)) {
         unused.push_back(b);
       }
     }
-    for (const std::span<const BlockId> list :
-         {std::span<const BlockId>(held), std::span<const BlockId>(s.evictable[g]),
-          std::span<const BlockId>(unused)}) {
-      const Status released = m.pools_[g].Release(list);
-      BLOCKKV_CHECK(released.ok(), "LoadSnapshot: a block lost its reference");
+    BLOCKKV_CHECK(pool.Release(held).ok(), "LoadSnapshot: a held block lost its reference");
+    for (size_t g = lead; g < groups; ++g) {
+      if (m.pool_lead_[g] != static_cast<int>(lead)) continue;
+      BLOCKKV_CHECK(m.pools_[g].Release(s.evictable[g]).ok(),
+                    "LoadSnapshot: an evictable block lost its reference");
     }
+    BLOCKKV_CHECK(pool.Release(unused).ok(), "LoadSnapshot: an unused block lost its reference");
   }
   return Status::Ok();
 }
@@ -357,9 +358,6 @@ Status StateManager::Impl::LoadSnapshot(const std::string& path) {
 
 Status StateManager::Impl::LoadSnapshot(std::span<const std::byte> bytes) {
   using internal::SnapshotCodec;
-  if (cache_->shared_pool()) {
-    return UnimplementedError(StrCat("cannot load a snapshot into", kSharedPoolSnapshot));
-  }
   internal::snapshot::Staged staged;
   BLOCKKV_RETURN_IF_ERROR(SnapshotCodec::Parse(*this, bytes, &staged));
   return SnapshotCodec::Apply(*this, staged);

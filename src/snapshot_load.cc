@@ -172,6 +172,22 @@ Status SnapshotCodec::Parse(const StateManager::Impl& m, Bytes bytes, Staged* s)
   Decoder prefix = decoder(snapshot::kPrefix);
   s->chain_ids_offset = offsets[snapshot::kPrefix];
   BLOCKKV_RETURN_IF_ERROR(ParsePrefix(m, prefix, s));
+  // Groups sharing a memory pool hold disjoint blocks (one buffer holds both groups' contents).
+  if (m.cache_->shared_pool()) {
+    std::vector<int> owner(static_cast<size_t>(m.cache_->num_blocks()), -1);
+    for (int g = 0; g < m.num_groups(); ++g) {
+      for (const BlockId b : s->blocks[static_cast<size_t>(g)].ids) {
+        int& first = owner[static_cast<size_t>(b)];
+        if (first >= 0 && m.pool_lead_[first] == m.pool_lead_[g]) {
+          return InvalidArgumentError(
+              StrCat("the snapshot holds block ", b, " in cache groups ", first, " and ", g,
+                     ", which share one pool in this manager (MemoryConfig.shared_pool): it was "
+                     "saved from a manager with a pool per group"));
+        }
+        first = g;
+      }
+    }
+  }
   // Every held block is in a table or cached: a free block has no contents worth saving.
   for (int g = 0; g < m.num_groups(); ++g) {
     const std::vector<BlockId>& ids = s->blocks[static_cast<size_t>(g)].ids;

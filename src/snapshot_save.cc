@@ -196,8 +196,11 @@ std::vector<std::byte> SnapshotCodec::EncodePrefix(const StateManager::Impl& m,
       e.PutString(b.bytes);
       e.Append(std::as_bytes(b.tokens));
     }
+    // (A shared memory pool's order holds every group's blocks: each group saves its own.)
     std::vector<BlockId> evictable;
-    m.pools_[g].ForEachEvictable([&](BlockId b) { evictable.push_back(b); });
+    m.pools_[g].ForEachEvictable([&](BlockId b) {
+      if (m.pools_[g].cached_group(b) == g) evictable.push_back(b);
+    });
     e.Put<uint64_t>(evictable.size());
     e.Append(std::as_bytes(std::span(evictable)));
   }
@@ -220,8 +223,24 @@ Result<SnapshotCodec::SavePlan> SnapshotCodec::Plan(const StateManager::Impl& m)
   plan.used.resize(static_cast<size_t>(m.num_groups()));
   for (int g = 0; g < m.num_groups(); ++g) {
     std::vector<BlockId>& used = plan.used[static_cast<size_t>(g)];
-    for (BlockId b = 0; b < m.pools_[g].num_blocks(); ++b) {
-      if (m.cache_->allocator(g).IsUsed(b)) used.push_back(b);
+    if (!m.cache_->shared_pool()) {
+      for (BlockId b = 0; b < m.pools_[g].num_blocks(); ++b) {
+        if (m.cache_->allocator(g).IsUsed(b)) used.push_back(b);
+      }
+    } else {
+      // A shared memory pool's used blocks belong to one group each: the group whose tables
+      // hold it or that cached it (a snapshotable manager has no other holder).
+      std::vector<uint8_t> mine(static_cast<size_t>(m.pools_[g].num_blocks()), 0);
+      for (int32_t slot = 0; slot < m.config_.max_tracked_sequences; ++slot) {
+        if (!m.slots_.IsUsed(slot)) continue;
+        for (const BlockId b : m.sequences_[slot].block_table(g)) {
+          if (b != kNoBlock) mine[static_cast<size_t>(b)] = 1;
+        }
+      }
+      for (BlockId b = 0; b < m.pools_[g].num_blocks(); ++b) {
+        const bool cached = m.pools_[g].is_cached(b) && m.pools_[g].cached_group(b) == g;
+        if (mine[static_cast<size_t>(b)] != 0 || cached) used.push_back(b);
+      }
     }
     plan.blocks_length += 16 + used.size() * (sizeof(BlockId) + BlockBytes(m, g));
   }

@@ -232,20 +232,51 @@ TEST(SharedPool, ForkCopiesNeedTheirBlocksFromThePool) {
   ASSERT_OK(roomy->CheckInvariants());
 }
 
-TEST(SharedPool, SnapshotsAreRefusedAndChangeNothing) {
-  auto m = Make(Config(Blocks(8, true)), {Dense(4), Local(4, 8)});
-  ASSERT_OK(Step(*m, 1, 6));
+// Each group saves the blocks it holds or cached; a loaded manager holds them again in one
+// pool and saves the same bytes.
+TEST(SharedPool, SnapshotsRoundTripEachGroupsOwnBlocks) {
+  StateManagerConfig config = Config(Blocks(12, true));
+  config.prefix_cache.enabled = true;
+  auto m = Make(config, {Dense(4), Local(4, 4)});
+  for (const SeqId uid : {1, 2}) {
+    const std::vector<TokenId> prompt = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+    ASSERT_OK(m->AddSequence(uid, prompt));
+    ASSERT_OK(Step(*m, uid, uid == 1 ? 9 : 1));  // the second hits 8 cached tokens
+  }
+  ASSERT_OK(m->FlushSequence(1));  // its blocks stay cached, evictable
   Result<std::vector<std::byte>> bytes = m->SaveSnapshot();
-  EXPECT_EQ(bytes.status().code(), StatusCode::kUnimplemented) << bytes.status();
-  EXPECT_NE(bytes.status().message().find("MemoryConfig.shared_pool"), std::string::npos);
+  ASSERT_OK(bytes);
+  auto loaded = Make(config, {Dense(4), Local(4, 4)});
+  ASSERT_OK(loaded->LoadSnapshot(*bytes));
+  ASSERT_OK(loaded->CheckInvariants());
+  EXPECT_EQ(loaded->free_blocks(), m->free_blocks());
+  for (int g = 0; g < 2; ++g) {
+    const std::span<const BlockId> a = m->GetSequence(2)->block_table(g);
+    const std::span<const BlockId> b = loaded->GetSequence(2)->block_table(g);
+    EXPECT_TRUE(std::equal(a.begin(), a.end(), b.begin(), b.end())) << "group " << g;
+  }
+  Result<std::vector<std::byte>> again = loaded->SaveSnapshot();
+  ASSERT_OK(again);
+  EXPECT_EQ(*again, *bytes);
+}
+
+// A snapshot of a pool per group may hold one id in both groups: a shared pool refuses it, and
+// nothing changes.
+TEST(SharedPool, ASnapshotHoldingAnIdInTwoGroupsIsRefused) {
   auto separate = Make(Config(Blocks(8, false)), {Dense(4), Local(4, 8)});
-  ASSERT_OK(Step(*separate, 1, 6));
+  ASSERT_OK(Step(*separate, 1, 6));  // blocks 0 and 1 in both groups
   Result<std::vector<std::byte>> saved = separate->SaveSnapshot();
   ASSERT_OK(saved);
+  auto m = Make(Config(Blocks(8, true)), {Dense(4), Local(4, 8)});
+  ASSERT_OK(Step(*m, 7, 3));
   const Status s = m->LoadSnapshot(*saved);
-  EXPECT_EQ(s.code(), StatusCode::kUnimplemented) << s;
-  EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 6);
-  EXPECT_EQ(m->free_blocks(), (std::vector<int32_t>{4, 4}));
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("holds block 0 in cache groups 0 and 1, which share one pool"),
+            std::string::npos)
+      << s;
+  EXPECT_EQ(m->GetSequence(7)->seen_tokens(), 3);
+  EXPECT_EQ(m->GetSequence(1), nullptr);
+  EXPECT_EQ(m->free_blocks(), (std::vector<int32_t>{6, 6}));
   ASSERT_OK(m->CheckInvariants());
 }
 
