@@ -14,7 +14,7 @@ using internal::StrCat;
 BlockPool::BlockPool(BlockedKVCache* cache, int group)
     : cache_(cache), group_(group), state_(std::make_unique<State>()), s_(state_.get()) {
   BLOCKKV_CHECK(group >= 0 && group < cache->num_groups(), "BlockPool: group out of range");
-  s_->blocks.resize(static_cast<size_t>(cache->num_blocks()));
+  s_->blocks.resize(static_cast<size_t>(cache->num_blocks(group)));
   s_->heads.fill(kNoBlock);
   s_->tails.fill(kNoBlock);
 }

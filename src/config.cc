@@ -53,10 +53,26 @@ Status ValidateKind(const KVCacheConfig& c) {
                    c.local_window));
       }
       break;
-    case KVCacheType::kState:
-      return UnimplementedError(
-          StrCat("KVCacheType STATE: not supported yet, see issue 21 (state_bytes ", c.state_bytes,
-                 " per sequence)"));
+    case KVCacheType::kState: {
+      BLOCKKV_RETURN_IF_ERROR(
+          internal::CheckPositive("KVCacheConfig", "state_bytes", c.state_bytes));
+      const int64_t element = IsValidDType(c.cache_dtype) ? ElementSize(c.cache_dtype) : 1;
+      if (c.state_bytes % element != 0 || c.cache_shape[1] != 1 ||
+          c.cache_shape[2] != c.state_bytes / element) {
+        return InvalidArgumentError(
+            StrCat("KVCacheConfig of type STATE: cache_shape must be (num_layers, 1, state_bytes / "
+                   "element size) = (",
+                   c.cache_shape[0], ", 1, ", c.state_bytes, " / ", element, "), got (",
+                   c.cache_shape[0], ", ", c.cache_shape[1], ", ", c.cache_shape[2], ")"));
+      }
+      if (c.latent_dim != 0 || c.rope_dim != 0) {
+        return InvalidArgumentError(StrCat(
+            "KVCacheConfig of type STATE: latent_dim and rope_dim are for MLA groups; they must be "
+            "0, got latent_dim=",
+            c.latent_dim, " rope_dim=", c.rope_dim));
+      }
+      return Status::Ok();
+    }
     case KVCacheType::kMla: {
       BLOCKKV_RETURN_IF_ERROR(internal::CheckPositive("KVCacheConfig", "latent_dim", c.latent_dim));
       if (c.rope_dim < 0) {
@@ -125,9 +141,13 @@ Result<int64_t> KVCacheConfig::bytes_per_block() const {
     return InvalidArgumentError(StrCat("KVCacheConfig.cache_dtype is not a known dtype (value ",
                                        static_cast<int>(cache_dtype), ")"));
   }
+  // A STATE group's "block" is one sequence's slot: state_bytes per layer, whatever block_size.
   const auto bytes =
-      internal::CheckedProduct({num_caches(), block_size, kv_planes(), num_kv_heads(), head_size(),
-                                static_cast<int64_t>(ElementSize(cache_dtype))});
+      type == KVCacheType::kState
+          ? internal::CheckedProduct(
+                {num_caches(), head_size(), static_cast<int64_t>(ElementSize(cache_dtype))})
+          : internal::CheckedProduct({num_caches(), block_size, kv_planes(), num_kv_heads(),
+                                      head_size(), static_cast<int64_t>(ElementSize(cache_dtype))});
   if (!bytes) {
     return InvalidArgumentError(StrCat(
         "KVCacheConfig bytes per block overflows int64: num_caches=", num_caches(),
@@ -138,6 +158,7 @@ Result<int64_t> KVCacheConfig::bytes_per_block() const {
 }
 
 int64_t KVCacheConfig::elements_per_layer_block() const {
+  if (type == KVCacheType::kState) return head_size();  // one slot: state_bytes / element size
   return int64_t{block_size} * kv_planes() * num_kv_heads() * head_size();
 }
 
@@ -151,6 +172,9 @@ Status MemoryConfig::Validate() const {
         StrCat("MemoryConfig.size must be > 0 (",
                mode == AllocationMode::kReserve ? "bytes to keep free" : "number of blocks",
                "), got ", size));
+  }
+  if (state_slots < 0) {
+    return InvalidArgumentError(StrCat("MemoryConfig.state_slots must be >= 0, got ", state_slots));
   }
   return Status::Ok();
 }

@@ -99,7 +99,7 @@ Status OffloadStore::LendFromCache(BlockedKVCache& cache, int group,
                  "kept it)"));
     }
   }
-  if (lent.empty()) lent.assign(static_cast<size_t>(cache.num_blocks()), 0);
+  if (lent.empty()) lent.assign(static_cast<size_t>(cache.num_blocks(group)), 0);
   for (const BlockId b : blocks) lent[b] = 1;
   return Status::Ok();
 }
@@ -171,7 +171,7 @@ Result<std::unique_ptr<OffloadStore>> OffloadStore::Create(BlockedKVCache* cache
     group.layout.base = static_cast<std::byte*>(storage->data);
     group.layout.layers = kv.num_caches();
     group.layout.chunk_bytes = kv.elements_per_layer_block() * ElementSize(kv.cache_dtype);
-    group.layout.layer_stride = group.layout.chunk_bytes * cache->num_blocks();
+    group.layout.layer_stride = group.layout.chunk_bytes * cache->num_blocks(g);
     const int64_t block_bytes = group.layout.block_bytes();
     const std::optional<int64_t> host_bytes =
         internal::CheckedMul(block_bytes, int64_t{impl->host_blocks});
@@ -186,9 +186,9 @@ Result<std::unique_ptr<OffloadStore>> OffloadStore::Create(BlockedKVCache* cache
     for (int32_t s = impl->disk_blocks; s-- > 0;) group.free_disk.push_back(s);
     group.disk_base = disk_base;
     disk_base += block_bytes * impl->disk_blocks;
-    group.busy.assign(static_cast<size_t>(cache->num_blocks()), 0);
-    group.held.assign(static_cast<size_t>(cache->num_blocks()), 0);
-    group.marks.assign(static_cast<size_t>(cache->num_blocks()), 0);
+    group.busy.assign(static_cast<size_t>(cache->num_blocks(g)), 0);
+    group.held.assign(static_cast<size_t>(cache->num_blocks(g)), 0);
+    group.marks.assign(static_cast<size_t>(cache->num_blocks(g)), 0);
     largest = std::max(largest, block_bytes);
     impl->groups.push_back(std::move(group));
   }
@@ -288,7 +288,7 @@ Result<OffloadTicket> OffloadStore::Offload(std::span<const BlockId> blocks, int
   }
   Impl::Group& g = m.groups[group];
   m.NextMarkEpoch();
-  const int32_t num_blocks = m.cache->num_blocks();
+  const int32_t num_blocks = m.cache->num_blocks(group);
   for (size_t i = 0; i < blocks.size(); ++i) {
     const BlockId b = blocks[i];
     if (b < 0 || b >= num_blocks) {
@@ -411,7 +411,7 @@ Result<OffloadTicket> OffloadStore::Spill(std::span<const OffloadHandle> handles
 
 Result<OffloadHandle> OffloadStore::CopyToHost(int group, BlockId block) {
   Impl& m = *impl_;
-  if (group < 0 || group >= num_groups() || block < 0 || block >= m.cache->num_blocks()) {
+  if (group < 0 || group >= num_groups() || block < 0 || block >= m.cache->num_blocks(group)) {
     return OutOfRangeError(
         StrCat("CopyToHost: block ", block, " of group ", group, " does not exist"));
   }
@@ -448,7 +448,7 @@ Status OffloadStore::CopyToDevice(OffloadHandle handle, BlockId block) {
                                           TierName(where), " tier",
                                           e.job != 0 ? " with a copy in flight" : ""));
   }
-  if (block < 0 || block >= m.cache->num_blocks()) {
+  if (block < 0 || block >= m.cache->num_blocks(e.group)) {
     return OutOfRangeError(StrCat("CopyToDevice: block ", block, " does not exist"));
   }
   Impl::Group& g = m.groups[e.group];

@@ -234,8 +234,8 @@ Status SnapshotCodec::Apply(StateManager::Impl& m, const snapshot::Staged& s) {
 
 Status SnapshotCodec::WriteBlocks(StateManager::Impl& m, const snapshot::Staged& s) {
   Device& device = *m.cache_->device();
-  const auto num_blocks = static_cast<size_t>(m.cache_->num_blocks());
   for (int g = 0; g < m.num_groups(); ++g) {
+    const auto num_blocks = static_cast<size_t>(m.cache_->num_blocks(g));
     const snapshot::StagedBlocks& blocks = s.blocks[static_cast<size_t>(g)];
     const KVCacheConfig& c = m.cache_->config(g);
     const auto layer_block = static_cast<size_t>(LayerBlockBytes(c));

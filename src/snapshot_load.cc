@@ -174,8 +174,9 @@ Status SnapshotCodec::Parse(const StateManager::Impl& m, Bytes bytes, Staged* s)
   BLOCKKV_RETURN_IF_ERROR(ParsePrefix(m, prefix, s));
   // Groups sharing a memory pool hold disjoint blocks (one buffer holds both groups' contents).
   if (m.cache_->shared_pool()) {
-    std::vector<int> owner(static_cast<size_t>(m.cache_->num_blocks()), -1);
+    std::vector<int> owner(static_cast<size_t>(m.cache_->num_blocks()), -1);  // blocks, not slots
     for (int g = 0; g < m.num_groups(); ++g) {
+      if (m.cache_->config(g).type == KVCacheType::kState) continue;  // a pool of its own
       for (const BlockId b : s->blocks[static_cast<size_t>(g)].ids) {
         int& first = owner[static_cast<size_t>(b)];
         if (first >= 0 && m.pool_lead_[first] == m.pool_lead_[g]) {
@@ -234,7 +235,7 @@ Status SnapshotCodec::ParseConfig(const StateManager::Impl& m, Decoder& d) {
     BLOCKKV_RETURN_IF_ERROR(Expect<int64_t>(d, group + "latent_dim", c.latent_dim));
     BLOCKKV_RETURN_IF_ERROR(Expect<int64_t>(d, group + "rope_dim", c.rope_dim));
     BLOCKKV_RETURN_IF_ERROR(Expect<int64_t>(d, group + "state_bytes", c.state_bytes));
-    BLOCKKV_RETURN_IF_ERROR(Expect<int32_t>(d, group + "num_blocks", m.cache_->num_blocks()));
+    BLOCKKV_RETURN_IF_ERROR(Expect<int32_t>(d, group + "num_blocks", m.cache_->num_blocks(g)));
   }
   BLOCKKV_RETURN_IF_ERROR(
       Expect<int32_t>(d, "max_tracked_sequences", m.config_.max_tracked_sequences));
@@ -277,11 +278,13 @@ Status SnapshotCodec::ParseConfig(const StateManager::Impl& m, Decoder& d) {
 // Per group: bytes per block, the held block ids (ascending), their contents.
 Status SnapshotCodec::ParseBlocks(const StateManager::Impl& m, Decoder& d, Staged* s) {
   const auto groups = static_cast<size_t>(m.num_groups());
-  const int32_t num_blocks = m.cache_->num_blocks();
   s->blocks.resize(groups);
-  s->refs.assign(groups, std::vector<int32_t>(static_cast<size_t>(num_blocks), 0));
-  s->cached_at.assign(groups, std::vector<int32_t>(static_cast<size_t>(num_blocks), -1));
+  s->refs.resize(groups);
+  s->cached_at.resize(groups);
   for (size_t g = 0; g < groups; ++g) {
+    const int32_t num_blocks = m.cache_->num_blocks(static_cast<int>(g));
+    s->refs[g].assign(static_cast<size_t>(num_blocks), 0);
+    s->cached_at[g].assign(static_cast<size_t>(num_blocks), -1);
     snapshot::StagedBlocks& blocks = s->blocks[g];
     const uint64_t block_bytes = BlockBytes(m, static_cast<int>(g));
     uint64_t found = 0;
@@ -359,7 +362,7 @@ Status SnapshotCodec::ParseSequences(const StateManager::Impl& m, Decoder& d, St
       for (size_t i = 0; i < q.rows[g].size(); ++i) {
         const BlockId b = q.rows[g][i];
         const bool released = i < static_cast<size_t>(q.released[g]);
-        const bool held = b >= 0 && b < m.cache_->num_blocks() &&
+        const bool held = b >= 0 && b < m.cache_->num_blocks(static_cast<int>(g)) &&
                           std::binary_search(s->blocks[g].ids.begin(), s->blocks[g].ids.end(), b);
         if (released ? b != kNoBlock : !held) {
           return d.FailAt(row_at + i * sizeof(BlockId),
@@ -439,7 +442,8 @@ Status SnapshotCodec::ParsePrefix(const StateManager::Impl& m, Decoder& d, Stage
   for (size_t g = 0; g < groups; ++g) {
     const int32_t block_size = m.kv_block_size(static_cast<int>(g));
     uint64_t count = 0;
-    BLOCKKV_RETURN_IF_ERROR(d.GetCount(&count, static_cast<uint64_t>(m.cache_->num_blocks()),
+    const int32_t num_blocks = m.cache_->num_blocks(static_cast<int>(g));
+    BLOCKKV_RETURN_IF_ERROR(d.GetCount(&count, static_cast<uint64_t>(num_blocks),
                                        80 + sizeof(TokenId) * static_cast<uint64_t>(block_size),
                                        StrCat("the cached block count of cache group ", g)));
     cached_total += count;
@@ -448,7 +452,7 @@ Status SnapshotCodec::ParsePrefix(const StateManager::Impl& m, Decoder& d, Stage
       StagedCached& c = s->cached[g][i];
       BLOCKKV_RETURN_IF_ERROR(d.Get(&c.block, "cached block id"));
       const auto b = static_cast<size_t>(c.block);
-      if (c.block < 0 || c.block >= m.cache_->num_blocks() ||
+      if (c.block < 0 || c.block >= num_blocks ||
           !std::binary_search(s->blocks[g].ids.begin(), s->blocks[g].ids.end(), c.block) ||
           s->cached_at[g][b] >= 0) {
         return d.Fail(StrCat("cached block ", c.block, " of cache group ", g,
@@ -483,12 +487,12 @@ Status SnapshotCodec::ParsePrefix(const StateManager::Impl& m, Decoder& d, Stage
     BLOCKKV_RETURN_IF_ERROR(d.GetCount(&n, count, sizeof(BlockId), "the evictable block count"));
     const size_t order_at = d.position();
     BLOCKKV_RETURN_IF_ERROR(d.GetArray(n, &s->evictable[g], "eviction order"));
-    std::vector<uint8_t> listed(static_cast<size_t>(m.cache_->num_blocks()), 0);
+    std::vector<uint8_t> listed(static_cast<size_t>(num_blocks), 0);
     int32_t last_priority = kMinRetentionPriority;
     for (size_t i = 0; i < s->evictable[g].size(); ++i) {
       const BlockId b = s->evictable[g][i];
       const bool ok =
-          b >= 0 && b < m.cache_->num_blocks() && s->cached_at[g][static_cast<size_t>(b)] >= 0 &&
+          b >= 0 && b < num_blocks && s->cached_at[g][static_cast<size_t>(b)] >= 0 &&
           s->refs[g][static_cast<size_t>(b)] == 0 && listed[static_cast<size_t>(b)] == 0 &&
           s->cached[g][static_cast<size_t>(s->cached_at[g][static_cast<size_t>(b)])].priority >=
               last_priority;

@@ -103,7 +103,7 @@ std::vector<std::byte> SnapshotCodec::EncodeConfig(const StateManager::Impl& m) 
     e.Put<int64_t>(c.latent_dim);
     e.Put<int64_t>(c.rope_dim);
     e.Put<int64_t>(c.state_bytes);
-    e.Put<int32_t>(m.cache_->num_blocks());
+    e.Put<int32_t>(m.cache_->num_blocks(g));
   }
   e.Put<int32_t>(m.config_.max_tracked_sequences);
   e.Put<int64_t>(m.config_.max_context);
@@ -294,7 +294,7 @@ Status SnapshotCodec::WriteContents(const StateManager::Impl& m, int g,
   Device& device = *m.cache_->device();
   const size_t max_run = std::max<size_t>(1, snapshot::kCopyChunkBytes / layer_block);
   std::vector<std::byte> chunk(std::min(max_run, used.size()) * layer_block);
-  const auto num_blocks = static_cast<size_t>(m.cache_->num_blocks());
+  const auto num_blocks = static_cast<size_t>(m.cache_->num_blocks(g));
   for (size_t layer = 0; layer < static_cast<size_t>(c.num_caches()); ++layer) {
     BLOCKKV_RETURN_IF_ERROR(snapshot::ForEachRun(used, max_run, [&](size_t i, size_t n) -> Status {
       const std::byte* src =

@@ -141,6 +141,12 @@ Status CheckManagerConfig(const StateManagerConfig& config,
                                          " is LOCAL with local_window=", kv_configs[g].local_window,
                                          " (give 0 or the same window)"));
     }
+    if (kv_configs[g].type == KVCacheType::kState && config.prefix_cache.enabled) {
+      return UnimplementedError(StrCat(
+          "cache group ", g,
+          " is STATE and prefix caching is on: a state resumes only from a checkpoint, which the "
+          "state manager does not keep yet (issue 21); turn prefix_cache off"));
+    }
     if (kv_configs[g].num_allocation_groups != 1) {
       return UnimplementedError(
           StrCat("cache group ", g, ": num_allocation_groups=", kv_configs[g].num_allocation_groups,
@@ -167,6 +173,19 @@ Result<std::unique_ptr<StateManager>> StateManager::Create(StateManagerConfig co
                                                            std::vector<KVCacheConfig> kv_configs,
                                                            std::shared_ptr<Device> device,
                                                            Communicator* comm) {
+  // STATE groups (issue 21): a sequence holds one slot whatever its length, the group's one
+  // block of max_context tokens; one slot per tracked sequence unless the config says otherwise.
+  bool state = false;
+  for (KVCacheConfig& c : kv_configs) {
+    if (c.type != KVCacheType::kState) continue;
+    state = true;
+    c.block_size = static_cast<int32_t>(
+        std::clamp<int64_t>(config.max_context, 1, std::numeric_limits<int32_t>::max()));
+    c.max_blocks_per_allocation_group = 1;
+  }
+  if (state && config.memory_config.state_slots == 0) {
+    config.memory_config.state_slots = config.max_tracked_sequences;
+  }
   if (Status s = CheckManagerConfig(config, kv_configs); !s.ok()) {
     // The other ranks are entering the cache's collectives: join them, so they fail too.
     BlockedKVCache::AbandonCreate(comm, config.memory_config.mode);
@@ -276,8 +295,8 @@ StateManager::Impl::Impl(StateManagerConfig config, std::unique_ptr<BlockedKVCac
   token_limit_ = config_.max_context;
   pools_.reserve(static_cast<size_t>(num_groups));
   for (int g = 0; g < num_groups; ++g) {
-    int lead = g;
-    while (lead > 0 && cache_->pool_of(lead - 1) == cache_->pool_of(g)) --lead;
+    int lead = 0;  // the first group of g's pool
+    while (cache_->pool_of(lead) != cache_->pool_of(g)) ++lead;
     pool_lead_.push_back(lead);
     if (lead == g) {
       pools_.emplace_back(cache_.get(), g);
@@ -292,6 +311,7 @@ StateManager::Impl::Impl(StateManagerConfig config, std::unique_ptr<BlockedKVCac
                        : static_cast<size_t>(g) < windows.size() ? windows[static_cast<size_t>(g)]
                                                                  : 0);
     if (c.type == KVCacheType::kLocal) local_groups_.push_back(g);
+    if (c.type == KVCacheType::kState && state_group_ < 0) state_group_ = g;
     token_limit_ = std::min(token_limit_, int64_t{max_blocks_per_sequence(g)} * kv_block_size(g));
   }
   sequences_.reset(new Sequence[tracked]);
@@ -538,6 +558,11 @@ Status StateManager::Impl::FreeLeadingBlocks(SeqId uid, int32_t num_blocks, int 
     return NotFoundError(StrCat("FreeLeadingBlocks: sequence ", uid, " is not tracked"));
   }
   BLOCKKV_RETURN_IF_ERROR(RequireResident(*seq, StrCat("FreeLeadingBlocks: sequence ", uid)));
+  if (group == state_group_ || cache_->config(group).type == KVCacheType::kState) {
+    return InvalidArgumentError(StrCat("FreeLeadingBlocks: cache group ", group,
+                                       " is STATE: a sequence holds one slot there, not blocks "
+                                       "to release"));
+  }
   Sequence::GroupState& state = seq->groups_[group];
   const int64_t full =
       std::min<int64_t>(block_sizes_[group].Index(seq->seen_tokens_), state.allocated);
@@ -956,15 +981,20 @@ Status StateManager::Impl::Fork(SeqId parent, SeqId child) {
   // One private block per group whose last block is partial, taken before anything changes.
   const int64_t seen = from->seen_tokens_;
   std::vector<BlockId> sources(static_cast<size_t>(num_groups()), kNoBlock);
+  // A STATE group's one slot is always copied: each sequence's state is its own.
+  const auto state = [this](int g) { return cache_->config(g).type == KVCacheType::kState; };
   for (int g = 0; g < num_groups(); ++g) {
-    if (block_sizes_[g].Offset(seen) != 0)
-      sources[g] = from->groups_[g].row[block_sizes_[g].Index(seen)];
+    if (state(g) ? from->groups_[g].allocated > 0 : block_sizes_[g].Offset(seen) != 0) {
+      sources[g] = from->groups_[g].row[state(g) ? 0 : block_sizes_[g].Index(seen)];
+    }
   }
   std::vector<BlockId>& tails = tail_scratch_;
   if (BlockCopies c = CopyOneBlockPerGroup(sources, tails); !c.status.ok()) {
     if (c.no_free_block) {
       return ResourceExhaustedError(StrCat("Fork: no block of cache group ", c.group,
-                                           " for the copy of the partial last block"));
+                                           state(c.group)
+                                               ? " for the copy of the state slot"
+                                               : " for the copy of the partial last block"));
     }
     return {c.status.code(), StrCat("Fork: copying the partial last block of group ", c.group, ": ",
                                     c.status.message())};
@@ -974,7 +1004,7 @@ Status StateManager::Impl::Fork(SeqId parent, SeqId child) {
   for (int g = 0; g < num_groups(); ++g) {
     const Sequence::GroupState& src = from->groups_[g];
     Sequence::GroupState& dst = to->groups_[g];
-    const auto full = static_cast<int32_t>(block_sizes_[g].Index(seen));
+    const auto full = state(g) ? 0 : static_cast<int32_t>(block_sizes_[g].Index(seen));
     const std::span<const BlockId> shared(src.row + src.released,
                                           static_cast<size_t>(full - src.released));
     const Status added = pools_[g].AddRef(shared);

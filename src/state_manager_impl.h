@@ -150,8 +150,9 @@ class StateManager::Impl {
   // ---- speculative decoding (state_manager_rollback.cc) ----
   // kInvalidArgument unless accepted.size() == n (the uids or batch entries) or it is empty.
   static Status CheckAcceptedCount(size_t n, std::span<const int64_t> accepted);
-  // kInvalidArgument unless 0 <= accepted <= seq's tokens in flight.
-  static Status CheckAccepted(const Sequence& seq, int64_t accepted);
+  // kInvalidArgument unless 0 <= accepted <= seq's tokens in flight; kFailedPrecondition for
+  // accepted < in flight when a STATE group has applied every token (state_group_).
+  Status CheckAccepted(const Sequence& seq, int64_t accepted) const;
   // Advance keeping only the first `accepted` tokens in flight (CheckAccepted passed).
   void AdvanceAccepted(Sequence& seq, int64_t accepted);
   // Shrinks `seq` to its first `end` tokens: in every group the entries past BlocksFor(end) are
@@ -276,6 +277,7 @@ class StateManager::Impl {
   // sliding_windows entry; 0: full attention).
   std::vector<int64_t> windows_;
   std::vector<int> local_groups_;         // the LOCAL groups, whose blocks Advance releases
+  int state_group_ = -1;                  // the first STATE group (no rollback), or -1
   int64_t token_limit_ = 0;               // min(max_context, every table's token capacity)
   int64_t hit_step_ = 1;                  // a prefix hit is a multiple of every group's block size
   std::unique_ptr<PrefixCache> prefix_;   // when enabled

@@ -69,7 +69,8 @@ Status StateManager::Impl::CheckInvariants() const {
     const auto num_blocks = static_cast<size_t>(pools_[lead].num_blocks());
     std::vector<int32_t> owners(num_blocks, 0);
     std::vector<int> group_of(num_blocks, -1);
-    for (int g = lead; g < num_groups() && pool_lead_[g] == lead; ++g) {
+    for (int g = lead; g < num_groups(); ++g) {
+      if (pool_lead_[g] != lead) continue;
       std::vector<int32_t> mine(num_blocks, 0);
       Status sequences;
       by_uid_->ForEach([&](SeqId, int32_t slot) {

@@ -41,9 +41,14 @@ Status StateManager::Impl::CheckAcceptedCount(size_t n, std::span<const int64_t>
       ColdStrCat("PostForward: ", accepted.size(), " accepted counts for ", n, " sequences"));
 }
 
-Status StateManager::Impl::CheckAccepted(const Sequence& seq, int64_t accepted) {
+Status StateManager::Impl::CheckAccepted(const Sequence& seq, int64_t accepted) const {
   if (accepted >= 0 && accepted <= seq.in_flight_tokens_) [[likely]] {
-    return Status::Ok();
+    if (state_group_ < 0 || accepted == seq.in_flight_tokens_) return Status::Ok();
+    return FailedPreconditionError(ColdStrCat(
+        "PostForward: sequence ", seq.uid_, " accepted ", accepted, " of its ",
+        seq.in_flight_tokens_, " tokens in flight, but cache group ", state_group_,
+        " is STATE: the forward applied every token to its state, which cannot be un-applied "
+        "(keep every token)"));
   }
   return InvalidArgumentError(ColdStrCat(
       "PostForward: sequence ", seq.uid_, " accepted ", accepted, " tokens of ",
@@ -126,6 +131,13 @@ Status StateManager::Impl::Rollback(SeqId uid, int64_t n) {
                                        uid, ": it has ", seen, " (n <= seen_tokens)"));
   }
   if (n == 0) return Status::Ok();
+  if (state_group_ >= 0) {
+    return FailedPreconditionError(
+        StrCat("Rollback: sequence ", uid, ": cache group ", state_group_,
+               " is STATE, and a state cannot un-apply tokens (no checkpoints are kept); the "
+               "sequence keeps its ",
+               seen, " tokens"));
+  }
   const int64_t end = seen - n;
   // A group whose window released leading blocks must keep a whole block before the new end:
   // the block it writes next must be held, and publishing chains on from a held block.

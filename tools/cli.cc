@@ -180,7 +180,7 @@ int Failed(const Command& c, const Status& status) {
 constexpr FlagSpec kPlanFlags[] = {
     {"model", "NAME",
      "a preset: Llama-3-8B, Llama-3-70B, Llama-2-13B, Mistral-7B, Qwen2.5-7B, GPT-NeoX-20B, "
-     "Phi-3-mini, DeepSeek-V3, Gemma-2-9B, gpt-oss-20b"},
+     "Phi-3-mini, DeepSeek-V3, Gemma-2-9B, gpt-oss-20b, Jamba-v0.1"},
     {"layers", "N", "layers (instead of, or overriding, --model)"},
     {"kv-heads", "N", "KV heads"},
     {"head-size", "N", "head size"},

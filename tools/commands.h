@@ -47,9 +47,13 @@ struct ModelShape {
   // shared by every head (kv_heads 1, head_size latent_dim + rope_dim, the same on every tp rank).
   int64_t latent_dim = 0;  // 0: not MLA
   int64_t rope_dim = 0;
+  // Hybrid attention + Mamba models (Jamba): how many of the layers keep a fixed state per
+  // sequence instead of KV (a STATE cache group), and that state's bytes per layer.
+  int64_t state_layers = 0;
+  int64_t state_bytes = 0;
 };
 // Llama-3-8B, Llama-3-70B, Llama-2-13B, Mistral-7B, Qwen2.5-7B, GPT-NeoX-20B, Phi-3-mini,
-// DeepSeek-V3, Gemma-2-9B, gpt-oss-20b.
+// DeepSeek-V3, Gemma-2-9B, gpt-oss-20b, Jamba-v0.1.
 std::span<const ModelShape> ModelPresets();
 // Case-insensitive; nullptr when there is no such preset.
 const ModelShape* FindModelPreset(std::string_view name);
@@ -106,6 +110,15 @@ struct PlanReport {
   Layout one_group;          // every layer one full-attention group
   Layout separate_pools;     // DENSE + LOCAL, a pool of one block count each (DeepSpeed's)
   Layout shared_pool;        // DENSE + LOCAL, one pool (the headline)
+  // State models (state_layers > 0) are planned as a DENSE group of the attention layers and a
+  // STATE group with one slot per sequence (its own pool, MemoryConfig::state_slots = the
+  // sequences that fit, planned first); the headline numbers are the DENSE group's.
+  // one_group: every layer planned as attention, for comparison. state_padding: the share of a
+  // state page that is padding when, as vLLM does, the attention block size is raised until a
+  // page of one layer holds a layer's state (padded_block_size tokens).
+  int64_t state_bytes_per_sequence = 0;
+  int64_t padded_block_size = 0;
+  double state_padding = 0;
 };
 
 // kInvalidArgument for shapes, block sizes and tp that no machine could plan (exit code 2).

@@ -32,8 +32,11 @@ bool EqualsIgnoreCase(std::string_view a, std::string_view b) {
 // full attention (21 each), 8 KV heads of 256. gpt-oss-20b: 24 layers alternating a 128-token
 // window and full attention (12 each), 8 KV heads of 64, 131072 positions.
 constexpr int64_t kNoWindow = 0;
-const std::array<ModelShape, 10>& Presets() {
-  static const std::array<ModelShape, 10> presets = {{
+// Jamba-v0.1: 32 layers, 4 of attention (8 KV heads of 128) and 28 Mamba layers whose state per
+// sequence is the conv state (d_conv - 1 = 3) x d_inner 8,192 plus the SSM state d_inner x
+// d_state 16, in 2-byte elements: 311,296 bytes a layer; 262,144 positions.
+const std::array<ModelShape, 11>& Presets() {
+  static const std::array<ModelShape, 11> presets = {{
       {"Llama-3-8B", 32, 8, 128, 8192, kNoWindow},
       {"Llama-3-70B", 80, 8, 128, 8192, kNoWindow},
       {"Llama-2-13B", 40, 40, 128, 4096, kNoWindow},
@@ -44,6 +47,7 @@ const std::array<ModelShape, 10>& Presets() {
       {"DeepSeek-V3", 61, 1, 576, 163840, kNoWindow, 0, 512, 64},
       {"Gemma-2-9B", 42, 8, 256, 8192, 4096, 21},
       {"gpt-oss-20b", 24, 8, 64, 131072, 128, 12},
+      {"Jamba-v0.1", 32, 8, 128, 262144, kNoWindow, 0, 0, 0, 28, int64_t{3 + 16} * 8192 * 2},
   }};
   return presets;
 }
@@ -156,6 +160,11 @@ Status CheckPlanOptions(const PlanOptions& options) {
         "an MLA shape (--latent-dim) has no KV heads of its own: leave out --kv-heads and "
         "--head-size");
   }
+  if (s.state_layers < 0 || s.state_layers >= s.layers || s.state_bytes < 0 ||
+      (s.state_layers > 0) != (s.state_bytes > 0)) {
+    return InvalidArgumentError(
+        "state layers need both a count in [1, layers) and their bytes per layer");
+  }
   if (s.window_layers < 0 || s.window_layers > s.layers) {
     return InvalidArgumentError("the window layers must be in [0, layers]");
   }
@@ -193,6 +202,58 @@ Result<int64_t> AvailableBytes(const MemorySpec& memory) {
     }
   }
   return InternalError("unknown memory kind");
+}
+
+}  // namespace
+
+namespace {
+
+// A state model: the attention layers a DENSE group, the state layers a STATE group with one
+// slot per sequence. `report` holds the one-group plan (every layer as attention) on entry.
+Result<PlanReport> PlanState(const PlanOptions& options, KVCacheConfig dense, MemoryConfig memory,
+                             int64_t available, PlanReport report) {
+  const ModelShape& shape = options.shape;
+  report.one_group = {.sequences = report.sequences, .unused = 0};
+  const int64_t attention_layers = shape.layers - shape.state_layers;
+  dense.cache_shape[0] = attention_layers;
+  const auto element = static_cast<int64_t>(ElementSize(options.dtype));
+  KVCacheConfig state{.block_size = options.block_size,
+                      .cache_shape = {shape.state_layers, 1, shape.state_bytes / element},
+                      .cache_dtype = options.dtype,
+                      .type = KVCacheType::kState,
+                      .state_bytes = shape.state_bytes};
+  if (shape.state_bytes % element != 0) {
+    return InvalidArgumentError("the state bytes are not a whole number of " +
+                                std::string(DTypeName(options.dtype)) + " elements");
+  }
+  BLOCKKV_ASSIGN_OR_RETURN(const int64_t block_bytes, dense.bytes_per_block());
+  BLOCKKV_ASSIGN_OR_RETURN(const int64_t slot_bytes, state.bytes_per_block());
+  // The sequences that fit with their blocks and their slot, then the plan for that many slots.
+  const int64_t per_sequence = report.blocks_per_sequence * block_bytes + slot_bytes;
+  const int64_t usable = available - memory.size;
+  const int64_t sequences = std::min<int64_t>(usable / per_sequence, 1 << 30);
+  if (sequences < 1) {
+    return ResourceExhaustedError("not one sequence of " + std::to_string(report.context) +
+                                  " tokens fits: it needs " + std::to_string(per_sequence) +
+                                  " bytes");
+  }
+  memory.state_slots = static_cast<int32_t>(sequences);
+  const std::array<KVCacheConfig, 2> configs = {dense, state};
+  BLOCKKV_ASSIGN_OR_RETURN(const KVCachePlan plan, PlanKVCache(configs, memory, available));
+  report.bytes_per_block = plan.bytes_per_block;
+  report.bytes_per_token = plan.bytes_per_block / options.block_size;
+  report.num_blocks = plan.num_blocks;
+  report.cache_bytes = plan.total_bytes;
+  report.tokens = report.num_blocks * options.block_size;
+  report.sequences = std::min<int64_t>(sequences, report.num_blocks / report.blocks_per_sequence);
+  report.state_bytes_per_sequence = slot_bytes;
+  // vLLM's alternative: one page size for both, the attention block raised to hold a state.
+  const int64_t token_bytes = block_bytes / options.block_size / attention_layers;
+  const int64_t tokens = CeilDiv(shape.state_bytes, token_bytes);
+  report.padded_block_size = CeilDiv(tokens, options.block_size) * options.block_size;
+  const int64_t page = report.padded_block_size * token_bytes;
+  report.state_padding = static_cast<double>(page - shape.state_bytes) / static_cast<double>(page);
+  return report;
 }
 
 }  // namespace
@@ -252,6 +313,7 @@ Result<PlanReport> Plan(const PlanOptions& options) {
     }
   }
   report.sequences = report.num_blocks / report.blocks_per_sequence;
+  if (shape.state_layers > 0) return PlanState(options, config, memory, available, report);
   if (!hybrid) return report;
 
   // Hybrid: a DENSE group of the full-attention layers and a LOCAL group of the window layers.
@@ -361,6 +423,13 @@ std::string FormatPlan(const PlanReport& r, bool json) {
         .Int(r.blocks_per_sequence)
         .Key("sequences")
         .Int(r.sequences);
+    if (r.state_bytes_per_sequence > 0) {
+      w.Key("state_layers").Int(s.state_layers).Key("state_bytes").Int(s.state_bytes);
+      w.Key("state_bytes_per_sequence").Int(r.state_bytes_per_sequence);
+      w.Key("sequences_as_attention").Int(r.one_group.sequences);
+      w.Key("padded_block_size").Int(r.padded_block_size);
+      w.Key("state_padding").Double(r.state_padding);
+    }
     if (r.hybrid) {
       const auto layout = [&](const char* name, const PlanReport::Layout& l) {
         w.Key(name).BeginObject().Key("sequences").Int(l.sequences).Key("unused");
@@ -417,6 +486,26 @@ std::string FormatPlan(const PlanReport& r, bool json) {
                 static_cast<long long>(r.sequences), static_cast<long long>(r.context),
                 static_cast<long long>(r.blocks_per_sequence));
   std::string out = text;
+  if (r.state_bytes_per_sequence > 0) {
+    char note[1024];
+    std::snprintf(
+        note, sizeof(note),
+        "groups     DENSE %lld attention layers + STATE %lld layers of %s each a sequence: one "
+        "slot per sequence (%s), in its own pool (MemoryConfig.state_slots = %lld), planned "
+        "before the blocks\n"
+        "layouts    as attention in every layer: %lld sequences; DENSE + STATE: %lld (%.2fx)\n"
+        "vLLM       pads instead: attention blocks of %lld tokens so one page holds a layer's "
+        "state, %.1f%% of each state page padding\n",
+        static_cast<long long>(s.layers - s.state_layers), static_cast<long long>(s.state_layers),
+        FormatBytes(s.state_bytes).c_str(), FormatBytes(r.state_bytes_per_sequence).c_str(),
+        static_cast<long long>(r.sequences), static_cast<long long>(r.one_group.sequences),
+        static_cast<long long>(r.sequences),
+        r.one_group.sequences > 0
+            ? static_cast<double>(r.sequences) / static_cast<double>(r.one_group.sequences)
+            : 0.0,
+        static_cast<long long>(r.padded_block_size), 100.0 * r.state_padding);
+    out += note;
+  }
   if (r.hybrid) {
     const int64_t full = s.layers - s.window_layers;
     char note[1024];

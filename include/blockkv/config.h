@@ -25,7 +25,9 @@ enum class KVCacheType {
   kDense,  // K and V per KV head: [num_blocks, block_size, 2, num_kv_heads, head_size] per layer
   kLocal,  // sliding-window attention: as kDense, over the last local_window tokens; the state
            // manager releases a sequence's blocks that fall wholly out of the window
-  kState,  // a fixed state per sequence (Mamba, linear attention): not yet (kUnimplemented)
+  kState,  // a fixed state per sequence (Mamba conv + SSM, linear attention): one slot of
+           // state_bytes per layer and sequence, [num_slots, state_bytes / element size] per
+           // layer; the slots are their own pool (MemoryConfig::state_slots)
   kMla,    // multi-head latent attention (DeepSeek-V2/V3): one latent vector and one rotary key
            // per token, shared by every head, no K/V split:
            // [num_blocks, block_size, latent_dim + rope_dim] per layer
@@ -52,7 +54,7 @@ struct KVCacheConfig {
   KVCacheType type = KVCacheType::kDense;  // DeepSpeed's field name
   int64_t latent_dim = 0;                  // kMla: the latent c_kv's width (DeepSeek-V3: 512)
   int64_t rope_dim = 0;                    // kMla: the rotary key k_pe's width (DeepSeek-V3: 64)
-  int64_t state_bytes = 0;                 // kState (not supported yet): bytes per sequence
+  int64_t state_bytes = 0;                 // kState: bytes of one layer's state of a sequence
   // kLocal: the attention window W in tokens (DeepSpeed's KVCacheType.LOCAL has no field for it;
   // vLLM calls it sliding_window): the query at position p sees keys (p - W, p]. 0 otherwise.
   int64_t local_window = 0;
@@ -67,11 +69,15 @@ struct KVCacheConfig {
   // kInvalidArgument names the field and its value. kMla: latent_dim > 0, rope_dim >= 0 and
   // cache_shape[1] == 1, cache_shape[2] == latent_dim + rope_dim; latent_dim, rope_dim and
   // state_bytes are 0 for the kinds that do not use them. kLocal: local_window > 0 (0 for every
-  // other kind). kState: kUnimplemented.
+  // other kind). kState: state_bytes > 0, a multiple of the element size, and cache_shape ==
+  // {num_layers, 1, state_bytes / element size}, as MLA restates its row; block_size and
+  // max_blocks_per_allocation_group are not used by the cache (a StateManager sets them so that
+  // a sequence holds one slot: block_size = max_context, one table entry).
   Status Validate() const;
 
   // num_caches · block_size · kv_planes · num_kv_heads · head_size · ElementSize(cache_dtype):
-  // the bytes one block takes across all layers of this group. kInvalidArgument on overflow.
+  // the bytes one block takes across all layers of this group (kState: one slot, num_caches ·
+  // state_bytes). kInvalidArgument on overflow.
   Result<int64_t> bytes_per_block() const;
   // block_size · kv_planes · num_kv_heads · head_size: elements of one block of one layer.
   // REQUIRES: Validate() is OK.
@@ -88,8 +94,12 @@ struct MemoryConfig {
   // (BlockedKVCache::Create refuses others with kInvalidArgument naming the groups). false:
   // DeepSpeed's layout, one buffer and one allocator per group, the same num_blocks in each.
   bool shared_pool = false;
+  // Slots of every STATE group (one per sequence holding a state): planned before the blocks of
+  // the other groups. 0: none; a cache with a STATE group needs > 0 (a StateManager sets it to
+  // max_tracked_sequences when 0).
+  int32_t state_slots = 0;
 
-  Status Validate() const;  // size > 0 and a known mode
+  Status Validate() const;  // size > 0, state_slots >= 0 and a known mode
 };
 
 }  // namespace blockkv

@@ -17,7 +17,9 @@
 // [num_caches, num_blocks, ...] buffer seen with g's shape. An MLA group
 // (KVCacheType::kMla) has no K/V split and one row per token:
 //   [num_caches, num_blocks, block_size, latent_dim + rope_dim]
-// (the latent c_kv first, then the rotary k_pe); its layer views are 3-D.
+// (the latent c_kv first, then the rotary k_pe); its layer views are 3-D. A STATE group has one
+// slot per sequence instead of blocks, MemoryConfig::state_slots of them, in its own pool:
+//   [num_caches, state_slots, state_bytes / element size]     (layer views: [slots, elements])
 //
 // Ownership: an engine either calls Reserve/Free here directly or drives a StateManager built over
 // this cache, never both at once. Not thread-safe: one thread schedules.
@@ -39,13 +41,17 @@ namespace blockkv {
 
 struct KVCachePlan {
   int32_t num_blocks = 0;       // blocks in every group (in the one pool when shared)
-  int64_t bytes_per_block = 0;  // one block summed over all pools and their layers
-  int64_t total_bytes = 0;      // num_blocks · bytes_per_block
+  int64_t bytes_per_block = 0;  // one block summed over all pools and their layers (not STATE)
+  int64_t total_bytes = 0;      // num_blocks · bytes_per_block + state_bytes
+  int32_t state_slots = 0;      // slots of every STATE group (MemoryConfig::state_slots)
+  int64_t state_bytes = 0;      // Σ over STATE groups of state_slots · bytes_per_block()
 };
 
 // How many blocks fit. bytes_per_block = Σ over groups of KVCacheConfig::bytes_per_block(); with
 // memory.shared_pool, one group's (every group's is the same, else kInvalidArgument naming the
-// two groups and their layer counts or per-layer block bytes).
+// two groups and their layer counts or per-layer block bytes). STATE groups are planned first:
+// memory.state_slots slots each (kInvalidArgument when 0), their bytes taken off what RESERVE
+// divides into blocks; a cache of STATE groups only is kInvalidArgument.
 //   RESERVE:  num_blocks = (available_bytes − memory.size) / bytes_per_block; fewer than one
 //             block is kResourceExhausted naming both numbers.
 //   ALLOCATE: num_blocks = memory.size; more than available_bytes is kResourceExhausted.
@@ -107,7 +113,9 @@ class BlockedKVCache {
   // The memory pool `group` draws from. REQUIRES: 0 <= group < num_groups().
   int pool_of(int group) const { return groups_[group].pool; }
   bool shared_pool() const { return pools_.size() < groups_.size(); }
-  int32_t num_blocks() const { return plan_.num_blocks; }
+  int32_t num_blocks() const { return plan_.num_blocks; }  // of the groups of blocks
+  // Blocks of `group`'s pool: num_blocks(), or a STATE group's slots. REQUIRES: a valid group.
+  int32_t num_blocks(int group) const { return pool(group).num_blocks; }
   const KVCachePlan& plan() const { return plan_; }
   // REQUIRES: 0 <= group < num_groups().
   const KVCacheConfig& config(int group = 0) const;
@@ -129,7 +137,11 @@ class BlockedKVCache {
     // [num_blocks] once an OffloadStore lent a block (empty before): 1 while a store holds the
     // reserved block, which Free then refuses.
     std::vector<uint8_t> lent;
+    int32_t num_blocks = 0;  // plan's num_blocks, or a STATE group's state_slots
   };
+  // The pool `group` draws from: one per group, or with `shared` one for every group of blocks
+  // (not STATE); numbered in the order of their first group.
+  static int PoolOf(std::span<const KVCacheConfig> configs, bool shared, size_t group);
   // An OffloadStore over this cache with the default owner marks the blocks it takes over.
   friend class OffloadStore;
 

@@ -145,7 +145,8 @@ std::string Repr(const KVCacheConfig& c) {
 
 std::string Repr(const MemoryConfig& c) {
   return std::string("MemoryConfig(mode='") + AllocationModeName(c.mode) +
-         "', size=" + std::to_string(c.size) + (c.shared_pool ? ", shared_pool=True)" : ")");
+         "', size=" + std::to_string(c.size) + (c.shared_pool ? ", shared_pool=True" : "") +
+         (c.state_slots != 0 ? ", state_slots=" + std::to_string(c.state_slots) : "") + ")";
 }
 
 std::string Repr(const PrefixCacheConfig& c) {
@@ -219,7 +220,7 @@ void AddValueMethods(py::class_<Config>& cls, GetState get_state, SetState set_s
 }
 
 py::tuple MemoryState(const MemoryConfig& c) {
-  return py::make_tuple(static_cast<int>(c.mode), c.size, c.shared_pool);
+  return py::make_tuple(static_cast<int>(c.mode), c.size, c.shared_pool, c.state_slots);
 }
 
 MemoryConfig MemoryFromState(const py::tuple& state) {
@@ -227,6 +228,7 @@ MemoryConfig MemoryFromState(const py::tuple& state) {
   c.mode = static_cast<AllocationMode>(state[0].cast<int>());
   c.size = state[1].cast<int64_t>();
   if (state.size() >= 3) c.shared_pool = state[2].cast<bool>();  // older pickles: separate pools
+  if (state.size() >= 4) c.state_slots = state[3].cast<int32_t>();
   return c;
 }
 
@@ -538,16 +540,19 @@ void BindMemoryConfig(py::module_& m) {
 
   py::class_<MemoryConfig> cls(m, "MemoryConfig",
                                "How big the cache is (DeepSpeed's MemoryConfig).");
-  cls.def(py::init([](py::handle mode, Int<int64_t, "size"> size, bool shared_pool) {
+  cls.def(py::init([](py::handle mode, Int<int64_t, "size"> size, bool shared_pool,
+                      Int<int32_t, "state_slots"> state_slots) {
             MemoryConfig c;
             c.mode = ToMode(mode);
             c.size = size;
             c.shared_pool = shared_pool;
+            c.state_slots = state_slots;
             ThrowIfError(c.Validate());
             return c;
           }),
           py::kw_only(), py::arg("mode") = AllocationMode::kReserve,
-          py::arg("size") = int64_t{1'000'000'000}, py::arg("shared_pool") = false)
+          py::arg("size") = int64_t{1'000'000'000}, py::arg("shared_pool") = false,
+          py::arg("state_slots") = int32_t{0})
       .def_property(
           "mode", [](const MemoryConfig& c) { return c.mode; },
           [](MemoryConfig& c, py::handle v) {
@@ -563,9 +568,18 @@ void BindMemoryConfig(py::module_& m) {
           "Every cache group draws from one pool of blocks (vLLM's hybrid allocator); the groups "
           "need equal layer counts and bytes per block and layer. False: a pool per group, as "
           "DeepSpeed.")
+      .def_property(
+          "state_slots", [](const MemoryConfig& c) { return c.state_slots; },
+          [](MemoryConfig& c, py::handle v) {
+            const auto slots = static_cast<int32_t>(v.cast<int64_t>());
+            SetValidated(c, [&](MemoryConfig& copy) { copy.state_slots = slots; });
+          },
+          "Slots of every STATE cache group (one per sequence holding a state); 0: none (a "
+          "StateManager gives max_tracked_sequences).")
       .def("__eq__",
            [](const MemoryConfig& a, const MemoryConfig& b) {
-             return a.mode == b.mode && a.size == b.size && a.shared_pool == b.shared_pool;
+             return a.mode == b.mode && a.size == b.size && a.shared_pool == b.shared_pool &&
+                    a.state_slots == b.state_slots;
            })
       .def("__repr__", py::overload_cast<const MemoryConfig&>(&Repr));
   AddValueMethods(cls, &MemoryState, &MemoryFromState);

@@ -100,7 +100,7 @@ def test_kv_cache_config_assignment_and_equality():
     assert "block_size=16" in repr(c)
 
 
-def test_kv_cache_type_dense_and_mla_are_group_kinds_local_and_state_not_yet():
+def test_kv_cache_type_dense_mla_and_state_are_group_kinds():
     c = blockkv.KVCacheConfig(cache_shape=(1, 1, 8), type=blockkv.KVCacheType.DENSE)
     assert c.type == blockkv.KVCacheType.DENSE and c.bytes_per_block == 128 * 2 * 8 * 2
     assert blockkv.KVCacheConfig(cache_shape=(1, 1, 8)).type == blockkv.KVCacheType.DENSE
@@ -121,8 +121,13 @@ def test_kv_cache_type_dense_and_mla_are_group_kinds_local_and_state_not_yet():
     with pytest.raises(ValueError):
         mla.rope_dim = 32  # the shape no longer adds up; nothing changes
     assert mla.rope_dim == 64
-    with pytest.raises(NotImplementedError, match="issue 21"):
+    with pytest.raises(ValueError, match="state_bytes"):
         blockkv.KVCacheConfig(cache_shape=(1, 1, 8), type="state")
+    # A Mamba layer's state: 64 bytes of fp16 per layer and sequence, restated in cache_shape.
+    state = blockkv.KVCacheConfig(cache_shape=(3, 1, 32), type="state", state_bytes=64)
+    assert state.type == blockkv.KVCacheType.STATE and state.bytes_per_block == 3 * 64
+    with pytest.raises(ValueError, match=r"\(3, 1, 64 / 2\), got \(3, 1, 8\)"):
+        blockkv.KVCacheConfig(cache_shape=(3, 1, 8), type="state", state_bytes=64)
     with pytest.raises(ValueError):
         blockkv.KVCacheConfig(cache_shape=(1, 1, 8), type="sparse")
 

@@ -214,3 +214,28 @@ def test_a_shared_pool_refuses_groups_of_other_shapes_naming_them():
                                          "group 1 is .* bytes and one of cache group 0 is"):
         blockkv.StateManager(blockkv.StateManagerConfig(memory_config=memory), groups,
                              device="cpu")
+
+
+def test_a_state_group_gives_each_sequence_one_slot_copied_on_fork():
+    # Jamba-like: a DENSE group and a STATE group of 2 layers of 4 fp32 (16 bytes) per sequence.
+    dense = kv_config(block_size=4, max_blocks_per_allocation_group=16)
+    state = blockkv.KVCacheConfig(cache_shape=(2, 1, 4), cache_dtype="fp32", type="state",
+                                  state_bytes=16)
+    config = blockkv.StateManagerConfig(max_tracked_sequences=4, max_ragged_sequence_count=4,
+                                        max_context=64, memory_config=allocate(16))
+    m = blockkv.StateManager(config, (dense, state), device="cpu")
+    assert m.free_blocks == [16, 4]  # one slot per tracked sequence
+    step(m, 1, 9)
+    seq = m.get_sequence(1)
+    slot = int(seq.kv_cache_ids(1)[0, 0])
+    layer0 = torch.from_dlpack(m.get_cache(0, cache_group=1))  # [slots, 4 floats]
+    assert tuple(layer0.shape) == (4, 4)
+    layer0[slot] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    m.fork(1, 2)
+    child = int(m.get_sequence(2).kv_cache_ids(1)[0, 0])
+    assert child != slot and torch.equal(layer0[child], layer0[slot])
+    assert m.free_blocks == [12, 2]  # 3 DENSE blocks + the child's copy of the partial one
+    with pytest.raises(ValueError, match="a state cannot un-apply tokens"):
+        m.rollback(1, 1)
+    assert seq.seen_tokens == 9
+    m.check_invariants()

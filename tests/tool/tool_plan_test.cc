@@ -92,7 +92,8 @@ TEST(Plan, CustomShapeFp8AndReplicatedHeads) {
 }
 
 TEST(Plan, PresetsAreFoundWhateverTheCase) {
-  EXPECT_EQ(ModelPresets().size(), 10u);
+  EXPECT_EQ(ModelPresets().size(), 11u);
+  EXPECT_EQ(FindModelPreset("jamba-v0.1")->state_layers, 28);
   EXPECT_EQ(FindModelPreset("deepseek-v3")->latent_dim, 512);
   EXPECT_EQ(FindModelPreset("GEMMA-2-9B")->window_layers, 21);
   ASSERT_NE(FindModelPreset("qwen2.5-7b"), nullptr);
@@ -264,6 +265,30 @@ TEST(Plan, HybridWithUnequalLayerCountsPadsTheSmallerGroup) {
   // The padding is unused: 14 of the 56 layers of a LOCAL block are there only to share.
   EXPECT_GT(r->shared_pool.unused, 0.0);
   EXPECT_NE(FormatPlan(*r, false).find("the smaller group padded"), std::string::npos);
+}
+
+TEST(Plan, JambaPlansItsMambaLayersAsOneStateSlotPerSequence) {
+  // 4 attention layers: 16 x 2 x 8 x 128 x 2 x 4 = 262,144 bytes a block; 262,144 tokens =
+  // 16,384 blocks (4 GiB) a sequence, plus 28 x 311,296 bytes (8.31 MiB) of state.
+  Result<PlanReport> r = Plan(Preset("Jamba-v0.1", 80 * kGiB, 1 * kGiB));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->bytes_per_block, 262144);
+  EXPECT_EQ(r->state_bytes_per_sequence, 28 * 311296);
+  const int64_t per_sequence = int64_t{16384} * 262144 + 28 * 311296;
+  EXPECT_EQ(r->sequences, 79 * kGiB / per_sequence);  // 19
+  EXPECT_EQ(r->sequences, 19);
+  EXPECT_EQ(r->one_group.sequences, 2);  // every layer as attention: 2 MiB a block
+  // vLLM pads instead: 311,296 bytes of state per layer need 76 tokens of one layer's K and V
+  // (4,096 bytes a token), blocks of 80: 327,680-byte pages, 5% of each state page padding.
+  EXPECT_EQ(r->padded_block_size, 80);
+  EXPECT_NEAR(r->state_padding, (327680.0 - 311296) / 327680, 1e-12);
+  const std::string text = FormatPlan(*r, false);
+  EXPECT_NE(text.find("DENSE 4 attention layers + STATE 28 layers"), std::string::npos) << text;
+  EXPECT_NE(text.find("MemoryConfig.state_slots = 19"), std::string::npos) << text;
+  EXPECT_NE(text.find("5.0% of each state page padding"), std::string::npos) << text;
+  PlanOptions bad = Preset("Jamba-v0.1", 80 * kGiB, 1 * kGiB);
+  bad.shape.state_layers = 32;  // no attention layer left
+  EXPECT_EQ(CheckPlanOptions(bad).code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -121,20 +121,26 @@ TEST(KVCacheTypeTest, OtherKindsFieldsMustStayZeroOnADenseGroup) {
   EXPECT_CODE(c.Validate(), StatusCode::kInvalidArgument);
 }
 
-TEST(KVCacheTypeTest, StateIsUnimplementedNamingTheIssue) {
+TEST(KVCacheTypeTest, StateRestatesItsBytesInCacheShape) {
+  // fp16: 4,096 bytes of state per layer are 2,048 elements.
   KVCacheConfig c{.block_size = 16,
                   .cache_shape = {2, 1, 64},
                   .type = KVCacheType::kState,
                   .state_bytes = 4096};
   Status s = c.Validate();
-  EXPECT_EQ(s.code(), StatusCode::kUnimplemented);
-  EXPECT_NE(s.message().find("STATE: not supported yet, see issue 21"), std::string::npos) << s;
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("cache_shape must be (num_layers, 1, state_bytes / element size) = "
+                             "(2, 1, 4096 / 2), got (2, 1, 64)"),
+            std::string::npos)
+      << s;
+  c.cache_shape = {2, 1, 2048};
+  EXPECT_OK(c.Validate());
+  EXPECT_EQ(*c.bytes_per_block(), 2 * 4096);  // one slot of every layer, whatever block_size
   c.type = static_cast<KVCacheType>(9);
   EXPECT_CODE(c.Validate(), StatusCode::kInvalidArgument);
-  // Nothing is planned or allocated for it either.
   c.type = KVCacheType::kState;
-  EXPECT_CODE(PlanKVCache(std::span(&c, 1), MemoryConfig{}, int64_t{1} << 34),
-              StatusCode::kUnimplemented);
+  c.state_bytes = 0;
+  EXPECT_CODE(c.Validate(), StatusCode::kInvalidArgument);
 }
 
 TEST(KVCacheTypeTest, LocalNeedsItsWindowAndOnlyLocalHasOne) {

@@ -111,11 +111,15 @@ class MemoryConfig(ConfigModel):
     # allocator), so a LOCAL group's released blocks serve a DENSE one. False: DeepSpeed's
     # layout, a pool per group.
     shared_pool: bool = False
+    # Not DeepSpeed's: slots of every STATE cache group (0: a StateManager gives one per tracked
+    # sequence).
+    state_slots: int = 0
 
     def to_blockkv(self):
         """The ``blockkv.MemoryConfig`` of the same fields."""
         mode = self.mode.value if isinstance(self.mode, AllocationMode) else self.mode
-        return blockkv.MemoryConfig(mode=mode, size=self.size, shared_pool=self.shared_pool)
+        return blockkv.MemoryConfig(mode=mode, size=self.size, shared_pool=self.shared_pool,
+                                    state_slots=self.state_slots)
 
 
 def _check_manager_counts(values):
