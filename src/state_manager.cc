@@ -763,9 +763,10 @@ Status StateManager::Impl::CheckEach(const ScheduleRequest& request, std::string
       const size_t p = kSimple ? 0 : static_cast<size_t>(lead[g]);
       if (needed > left[p]) [[unlikely]] {
         if (verdict == SchedulingResult::kSuccess) {  // the first group short of blocks
-          *why = ColdStrCat("sequence ", uid, " needs ", needed, " blocks of cache group ", g, ", ",
-                            left[p], " left for it (", pools_[g].free_blocks(), " free",
-                            cache_->shared_pool() ? " in the pool its groups share)" : ")");
+          *why =
+              ColdStrCat("sequence ", uid, " needs ", needed, " blocks of cache group ", g, ", ",
+                         left[p], " left for it (", pools_[g].free_blocks(), " free",
+                         SharesPool(static_cast<int>(g)) ? " in the pool its groups share)" : ")");
           verdict = SchedulingResult::kKVCacheLimitExceeded;
         }
         continue;

@@ -258,6 +258,13 @@ class StateManager::Impl {
   // Counts of free blocks per pool (free_scratch_, Check's, the copy and resume pre-checks)
   // live at the pool's lead group.
   std::vector<int> pool_lead_;
+  // True when another group draws from `group`'s memory pool.
+  bool SharesPool(int group) const {
+    for (int g = 0; g < num_groups(); ++g) {
+      if (g != group && pool_lead_[g] == pool_lead_[group]) return true;
+    }
+    return false;
+  }
   // Per group: blocks AllocateBlocks handed out and the engine still holds (a mark per block,
   // sized on the first AllocateBlocks).
   struct EngineHeld {

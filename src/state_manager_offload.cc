@@ -162,7 +162,7 @@ Result<OffloadTicket> StateManager::Impl::ResumeSequence(SeqId uid) {
     if (pools_[g].free_blocks() < pool_need) {
       return ResourceExhaustedError(
           StrCat("ResumeSequence: sequence ", uid, " needs ", pool_need, " blocks of group ", g,
-                 cache_->shared_pool() ? " (and the groups sharing its pool before it)" : "", ", ",
+                 SharesPool(g) ? " (and the groups sharing its pool before it)" : "", ", ",
                  pools_[g].free_blocks(), " are free"));
     }
   }

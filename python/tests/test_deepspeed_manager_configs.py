@@ -106,10 +106,11 @@ def test_block_size_is_checked_by_blockkv(block_size):
         KVCacheConfig(cache_shape=(1, 1, 8), block_size=block_size)
 
 
-def test_memory_config_shared_pool_reaches_the_core_config():
+def test_memory_config_shared_pool_and_state_slots_reach_the_core_config():
     assert MemoryConfig().shared_pool is False
     core = MemoryConfig(mode="allocate", size=8, shared_pool=True).to_blockkv()
     assert core == blockkv.MemoryConfig(mode="allocate", size=8, shared_pool=True)
+    assert MemoryConfig(state_slots=4).to_blockkv().state_slots == 4
 
 
 def test_memory_config_modes_and_size():
