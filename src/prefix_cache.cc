@@ -437,6 +437,20 @@ int64_t PrefixCache::Reset() {
   return dropped;
 }
 
+const char* CacheMediumName(CacheMedium medium) {
+  switch (medium) {
+    case CacheMedium::kDevice:
+      return "GPU";
+    case CacheMedium::kHost:
+      return "CPU";
+    case CacheMedium::kDisk:
+      return "DISK";
+    case CacheMedium::kRemote:
+      return "REMOTE";
+  }
+  return "UNKNOWN";
+}
+
 void PrefixCache::Emit(CacheEvent event) {
   if (config_.max_events == 0) return;
   if (events_.size() == config_.max_events) {

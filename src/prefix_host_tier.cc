@@ -2,7 +2,9 @@
 #include "prefix_host_tier.h"
 
 #include <algorithm>
+#include <set>
 #include <string_view>
+#include <tuple>
 
 #include "internal/check.h"
 #include "internal/strings.h"
@@ -65,8 +67,11 @@ void PrefixHostTier::OnEvict(int group, BlockId block) {
       entry.bytes.assign(b.bytes);
       entry.tokens.assign(b.tokens.begin(), b.tokens.end());
       entry.live = true;
+      const bool stored_before = HasKey(group, b.key);
       index_[static_cast<size_t>(group)].emplace(b.key.lo, e);
       PushBack(e);
+      if (!stored_before && announce_ && prefix_->events_enabled())
+        prefix_->QueueEvent(StoredEvent(entry));
       ++per_group_[static_cast<size_t>(group)];
       ++live_;
       ++stats_.demoted;
@@ -139,6 +144,36 @@ Status PrefixHostTier::Promote(int group, std::span<const int32_t> entries,
   return Status::Ok();
 }
 
+bool PrefixHostTier::HasKey(int group, const BlockHash& key) const {
+  const auto [first, last] = index_[static_cast<size_t>(group)].equal_range(key.lo);
+  return std::any_of(first, last, [&](const auto& kv) {
+    return entries_[static_cast<size_t>(kv.second)].key == key;
+  });
+}
+
+BlockStored PrefixHostTier::StoredEvent(const Entry& e) {
+  return BlockStored{.hash = e.key,
+                     .has_parent = e.parent_id != 0,
+                     .parent = e.parent_key,
+                     .tokens = e.tokens,
+                     .ns = e.ns,
+                     .adapter_id = e.adapter_id,
+                     .group = e.group,
+                     .medium = CacheMedium::kHost};
+}
+
+std::vector<BlockStored> PrefixHostTier::StoredKeys() const {
+  std::vector<BlockStored> out;
+  std::set<std::tuple<int, uint64_t, uint64_t>> seen;  // one event per (group, key)
+  for (int32_t e = head_; e >= 0; e = entries_[static_cast<size_t>(e)].next) {
+    const Entry& entry = entries_[static_cast<size_t>(e)];
+    if (seen.emplace(entry.group, entry.key.hi, entry.key.lo).second) {
+      out.push_back(StoredEvent(entry));
+    }
+  }
+  return out;
+}
+
 void PrefixHostTier::Unlink(int32_t e) {
   Entry& entry = entries_[static_cast<size_t>(e)];
   (entry.prev >= 0 ? entries_[static_cast<size_t>(entry.prev)].next : head_) = entry.next;
@@ -165,6 +200,10 @@ void PrefixHostTier::Drop(int32_t e) {
       index.erase(it);
       break;
     }
+  }
+  if (announce_ && prefix_->events_enabled() && !HasKey(entry.group, entry.key)) {
+    prefix_->QueueEvent(
+        BlockRemoved{.hash = entry.key, .group = entry.group, .medium = CacheMedium::kHost});
   }
   Unlink(e);
   --per_group_[static_cast<size_t>(entry.group)];

@@ -11,6 +11,11 @@
 // The level has its own LRU over all groups; it shares the host slots with preempted sequences,
 // which come first (MakeRoom drops the least recently used entries for them).
 //
+// With announce on (StateManagerConfig.kv_events sets it), its stores and drops are events (medium
+// kHost) in the prefix cache's queue, so that a router learns what the host holds as it learns
+// what the device holds. Off, the queue stays the device's alone, as in-process consumers (and
+// prefix_cache_model_test's reference) know it.
+//
 // Copies are synchronous on the scheduling thread: a demotion must be done before the evicted
 // block is handed to its new owner, a promotion before the engine's next forward reads it.
 #pragma once
@@ -71,6 +76,10 @@ class PrefixHostTier final : public BlockPool::EvictionListener {
   int64_t Clear();
 
   int64_t size() const { return live_; }
+  void set_announce(bool announce) { announce_ = announce; }
+  // BlockStored (medium kHost) for every key the level holds, once per (group, key): what a
+  // subscriber that lost events needs to rebuild the level (KV events' resync).
+  std::vector<BlockStored> StoredKeys() const;
   const Stats& stats() const { return stats_; }
   // Every entry is indexed once under its key, its handle live on the host, the LRU list holds
   // exactly the entries.
@@ -95,6 +104,10 @@ class PrefixHostTier final : public BlockPool::EvictionListener {
     bool pinned = false;
   };
 
+  // Whether a live entry of `group` holds `key` (the level's events, like the device's, are
+  // about keys: a second copy of a key says nothing, and only its last copy's drop is a removal).
+  bool HasKey(int group, const BlockHash& key) const;
+  static BlockStored StoredEvent(const Entry& e);
   void Unlink(int32_t e);
   void PushBack(int32_t e);
   void Drop(int32_t e);
@@ -114,6 +127,7 @@ class PrefixHostTier final : public BlockPool::EvictionListener {
   int32_t tail_ = -1;
   int64_t live_ = 0;
   Stats stats_;
+  bool announce_ = false;
 };
 
 }  // namespace blockkv::internal

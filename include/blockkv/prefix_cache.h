@@ -39,6 +39,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -86,19 +87,30 @@ struct PrefixCacheConfig {
   BlockHashFunction hash_function = nullptr;  // nullptr = Xxh3BlockHash
 };
 
-// Events for cache-aware routers (vLLM's KV events).
+// Which level of the cache an event is about. On the wire (docs/kv_events.md) these are vLLM's
+// `medium` strings where vLLM has one: "GPU" for the device blocks the kernels read (whatever the
+// device; vLLM's CPU backend says "GPU" too), "CPU" for the host level (vLLM's offloading
+// connector); blockkv's own for the levels vLLM has no name for: "DISK", "REMOTE".
+enum class CacheMedium : uint8_t { kDevice, kHost, kDisk, kRemote };
+// "GPU", "CPU", "DISK", "REMOTE".
+const char* CacheMediumName(CacheMedium medium);
+
+// Events for cache-aware routers (vLLM's KV events). Per (medium, group) they describe a set of
+// keys: BlockStored adds one, BlockRemoved takes one away, AllCleared empties every set.
 struct BlockStored {  // `hash` became cached in `group` (a second copy says nothing)
-  BlockHash hash;
+  BlockHash hash{};
   bool has_parent = false;
-  BlockHash parent;  // valid when has_parent
+  BlockHash parent{};  // valid when has_parent
   std::vector<TokenId> tokens{};
   std::string ns{};
   int64_t adapter_id = 0;
   int group = 0;
+  CacheMedium medium = CacheMedium::kDevice;
 };
 struct BlockRemoved {  // the last cached copy of `hash` in `group` is gone
-  BlockHash hash;
+  BlockHash hash{};
   int group = 0;
+  CacheMedium medium = CacheMedium::kDevice;
 };
 struct AllCleared {};  // nothing is cached any more
 using CacheEvent = std::variant<BlockStored, BlockRemoved, AllCleared>;
@@ -200,6 +212,12 @@ class PrefixCache : public BlockPool::EvictionListener {
   int64_t Reset();
 
   CacheEventBatch DrainEvents();
+  // Queues an event of a level below the device (PrefixHostTier, a remote tier), so that one
+  // queue keeps every level's events in the order they happened. Nothing when events are off.
+  void QueueEvent(CacheEvent event) { Emit(std::move(event)); }
+  bool events_enabled() const { return config_.max_events > 0; }
+  // Whether DrainEvents would return anything (events, or a count of dropped ones).
+  bool has_pending_events() const { return !events_.empty() || dropped_events_ > 0; }
   // Stats of one namespace ("" = the default), or of all of them together.
   PrefixCacheStats stats(std::string_view ns) const;
   PrefixCacheStats total_stats() const;
