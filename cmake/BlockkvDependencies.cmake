@@ -13,6 +13,13 @@ if(NOT BLOCKKV_XXHASH_INCLUDE_DIR)
   message(FATAL_ERROR "xxhash.h not found: apt-get install libxxhash-dev (scripts/deps.sh does)")
 endif()
 
+# ZeroMQ (libzmq3-dev): the KV events publisher (docs/kv_events.md).
+find_path(BLOCKKV_ZMQ_INCLUDE_DIR zmq.h)
+find_library(BLOCKKV_ZMQ_LIBRARY zmq)
+if(NOT BLOCKKV_ZMQ_INCLUDE_DIR OR NOT BLOCKKV_ZMQ_LIBRARY)
+  message(FATAL_ERROR "zmq.h / libzmq not found: apt-get install libzmq3-dev (scripts/deps.sh does)")
+endif()
+
 # CUDA: AUTO builds it when the toolkit is found, ON fails at configure time without it.
 set(BLOCKKV_HAVE_CUDA OFF)
 if(NOT BLOCKKV_CUDA STREQUAL "OFF")

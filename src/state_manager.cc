@@ -53,6 +53,16 @@ Status StateManagerConfig::Validate() const {
                                        ") must be <= max_ragged_batch_size (",
                                        max_ragged_batch_size, ")"));
   }
+  if (kv_events) {
+    if (Status s = kv_events->Validate(); !s.ok()) {
+      return {s.code(), StrCat("StateManagerConfig.kv_events: ", s.message())};
+    }
+    if (!prefix_cache.enabled || prefix_cache.max_events == 0) {
+      return InvalidArgumentError(
+          "StateManagerConfig.kv_events needs prefix_cache.enabled = true and "
+          "prefix_cache.max_events > 0: the events it publishes are the prefix cache's");
+    }
+  }
   return memory_config.Validate();
 }
 
@@ -201,6 +211,7 @@ Result<std::unique_ptr<StateManager>> StateManager::Create(StateManagerConfig co
   Impl& impl = *manager->impl_;
   impl.owner_ = manager.get();
   if (impl.config_.offload) BLOCKKV_RETURN_IF_ERROR(impl.EnableOffload());
+  if (impl.config_.kv_events) BLOCKKV_RETURN_IF_ERROR(impl.EnableKVEvents());
   return manager;
 }
 
@@ -221,7 +232,11 @@ Status StateManager::AppendTokens(SeqId uid, std::span<const TokenId> tokens) {
 }
 const Sequence* StateManager::GetSequence(SeqId uid) const { return impl_->GetSequence(uid); }
 bool StateManager::Owns(const Sequence& seq) const { return impl_->Owns(seq); }
-Status StateManager::FlushSequence(SeqId uid) { return impl_->FlushSequence(uid); }
+Status StateManager::FlushSequence(SeqId uid) {
+  Status s = impl_->FlushSequence(uid);
+  impl_->MaybePublishKVEvents();
+  return s;
+}
 Result<KVRequirement> StateManager::Query(SeqId uid, const KVBudget& budget, int group) const {
   return impl_->Query(uid, budget, group);
 }
@@ -229,17 +244,26 @@ Result<SchedulingResult> StateManager::CanSchedule(const ScheduleRequest& reques
   return impl_->CanSchedule(request);
 }
 Status StateManager::Schedule(const ScheduleRequest& request, SchedulingResult* result) {
-  return impl_->Schedule(request, result);
+  Status s = impl_->Schedule(request, result);
+  impl_->MaybePublishKVEvents();
+  return s;
 }
 Status StateManager::ScheduleBatch(const ScheduleRequest& request, std::span<const TokenId> tokens,
                                    RaggedBatch& batch, bool padding, SchedulingResult* result) {
-  return impl_->ScheduleBatch(request, tokens, batch, padding, result);
+  Status s = impl_->ScheduleBatch(request, tokens, batch, padding, result);
+  impl_->MaybePublishKVEvents();
+  return s;
 }
 Status StateManager::PostForward(std::span<const SeqId> uids, std::span<const int64_t> accepted) {
-  return accepted.empty() ? impl_->PostForward(uids) : impl_->PostForwardAccepted(uids, accepted);
+  Status s =
+      accepted.empty() ? impl_->PostForward(uids) : impl_->PostForwardAccepted(uids, accepted);
+  impl_->MaybePublishKVEvents();
+  return s;
 }
 Status StateManager::PostForward(const RaggedBatch& batch, std::span<const int64_t> accepted) {
-  return impl_->PostForward(batch, accepted);
+  Status s = impl_->PostForward(batch, accepted);
+  impl_->MaybePublishKVEvents();
+  return s;
 }
 Status StateManager::Rollback(SeqId uid, int64_t n) { return impl_->Rollback(uid, n); }
 Status StateManager::FreeLeadingBlocks(SeqId uid, int32_t num_blocks, int group) {
@@ -251,14 +275,38 @@ int64_t StateManager::RemainingBlockCapacity(SeqId uid, int group) const {
 }
 const PrefixCache* StateManager::prefix_cache() const { return impl_->prefix_cache(); }
 CacheEventBatch StateManager::DrainCacheEvents() { return impl_->DrainCacheEvents(); }
-int64_t StateManager::ResetPrefixCache() { return impl_->ResetPrefixCache(); }
+int64_t StateManager::ResetPrefixCache() {
+  const int64_t n = impl_->ResetPrefixCache();
+  impl_->MaybePublishKVEvents();
+  return n;
+}
+std::vector<BlockHash> StateManager::cached_keys(int group, CacheMedium medium) const {
+  return impl_->cached_keys(group, medium);
+}
+void StateManager::PublishKVEvents(bool wait) {
+  if (impl_->kv_publisher_ == nullptr) return;
+  impl_->PublishKVEvents();
+  if (!wait) return;
+  impl_->kv_publisher_->Flush();
+  if (impl_->kv_resync_) {  // the queue was full: it has room now (unless paused for a test)
+    impl_->PublishKVEvents();
+    impl_->kv_publisher_->Flush();
+  }
+}
+KVEventPublisher* StateManager::kv_event_publisher() const { return impl_->kv_publisher_.get(); }
 Status StateManager::SaveSnapshot(const std::string& path) const {
   return impl_->SaveSnapshot(path);
 }
 Result<std::vector<std::byte>> StateManager::SaveSnapshot() const { return impl_->SaveSnapshot(); }
-Status StateManager::LoadSnapshot(const std::string& path) { return impl_->LoadSnapshot(path); }
+Status StateManager::LoadSnapshot(const std::string& path) {
+  Status s = impl_->LoadSnapshot(path);
+  impl_->MaybePublishKVEvents();
+  return s;
+}
 Status StateManager::LoadSnapshot(std::span<const std::byte> bytes) {
-  return impl_->LoadSnapshot(bytes);
+  Status s = impl_->LoadSnapshot(bytes);
+  impl_->MaybePublishKVEvents();
+  return s;
 }
 Result<OffloadTicket> StateManager::PreemptSequence(SeqId uid) {
   return impl_->PreemptSequence(uid);

@@ -75,6 +75,19 @@ class StateManager::Impl {
   const PrefixCache* prefix_cache() const { return prefix_.get(); }
   CacheEventBatch DrainCacheEvents();
   int64_t ResetPrefixCache();
+  std::vector<BlockHash> cached_keys(int group, CacheMedium medium) const;
+  // KV events on the wire (state_manager_prefix.cc): the publisher, created by Create.
+  Status EnableKVEvents();
+  void MaybePublishKVEvents() {
+    if (kv_publisher_ != nullptr && (kv_resync_ || prefix_->has_pending_events())) {
+      PublishKVEvents();
+    }
+  }
+  // Hands the queued events to the publisher as one batch; after a batch was dropped, a resync
+  // instead (AllCleared, then every key every level holds).
+  void PublishKVEvents();
+  std::unique_ptr<KVEventPublisher> kv_publisher_;
+  bool kv_resync_ = false;  // a batch was lost: the next one is a resync
   Status SaveSnapshot(const std::string& path) const;
   Result<std::vector<std::byte>> SaveSnapshot() const;
   Status LoadSnapshot(const std::string& path);

@@ -2,9 +2,14 @@
 // The StateManager's prefix caching: registering prompts, looking up a first Schedule's cached
 // prefix, publishing blocks as they fill. The rest of the manager is in state_manager.cc.
 #include <algorithm>
+#include <chrono>
 #include <limits>
 #include <numeric>
+#include <set>
 #include <string>
+#include <tuple>
+#include <utility>
+#include <variant>
 
 #include "blockkv/state_manager.h"
 #include "internal/block_size.h"
@@ -340,9 +345,90 @@ CacheEventBatch StateManager::Impl::DrainCacheEvents() {
   return prefix_ != nullptr ? prefix_->DrainEvents() : CacheEventBatch{};
 }
 
+std::vector<BlockHash> StateManager::Impl::cached_keys(int group, CacheMedium medium) const {
+  std::vector<BlockHash> keys;
+  if (prefix_ == nullptr) return keys;
+  std::set<std::pair<uint64_t, uint64_t>> seen;
+  auto add = [&](const BlockHash& key) {
+    if (seen.emplace(key.hi, key.lo).second) keys.push_back(key);
+  };
+  if (medium == CacheMedium::kDevice) {
+    for (const PrefixCache::CachedBlock& b : prefix_->CachedBlocks(group)) add(b.key);
+  } else if (medium == CacheMedium::kHost && host_prefix_ != nullptr) {
+    for (const BlockStored& e : host_prefix_->StoredKeys()) {
+      if (e.group == group) add(e.hash);
+    }
+  }
+  return keys;
+}
+
+Status StateManager::Impl::EnableKVEvents() {
+  std::vector<int32_t> block_sizes(static_cast<size_t>(num_groups()));
+  for (int g = 0; g < num_groups(); ++g) block_sizes[static_cast<size_t>(g)] = kv_block_size(g);
+  Result<std::unique_ptr<KVEventPublisher>> publisher =
+      KVEventPublisher::Create(*config_.kv_events, std::move(block_sizes));
+  if (!publisher.ok()) {
+    return {publisher.status().code(),
+            StrCat("StateManagerConfig.kv_events: ", publisher.status().message())};
+  }
+  kv_publisher_ = std::move(*publisher);
+  if (host_prefix_ != nullptr) host_prefix_->set_announce(true);
+  return Status::Ok();
+}
+
+void StateManager::Impl::PublishKVEvents() {
+  CacheEventBatch drained = prefix_->DrainEvents();
+  if (drained.dropped > 0) {  // the prefix cache's own queue overflowed: a router is behind
+    kv_publisher_->CountDropped(drained.dropped);
+    kv_resync_ = true;
+  }
+  const auto now = [] {
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  };
+  if (!kv_resync_) {
+    if (drained.events.empty()) return;
+    kv_resync_ = !kv_publisher_->Publish(std::move(drained.events), now());
+    return;
+  }
+  // A resync: the state now, which the events just drained led to, so they are not needed. Not
+  // built while the queue is full (it would only be dropped: O(cached blocks) for nothing).
+  if (!kv_publisher_->has_room()) {
+    kv_publisher_->CountDroppedBatch(drained.events.size());
+    return;
+  }
+  std::vector<CacheEvent> events;
+  events.emplace_back(AllCleared{});
+  for (int g = 0; g < num_groups(); ++g) {
+    std::set<std::pair<uint64_t, uint64_t>> seen;
+    for (const PrefixCache::CachedBlock& b : prefix_->CachedBlocks(g)) {
+      if (!seen.emplace(b.key.hi, b.key.lo).second) continue;
+      events.emplace_back(BlockStored{.hash = b.key,
+                                      .has_parent = b.parent_id != 0,
+                                      .parent = b.parent_key,
+                                      .tokens = {b.tokens.begin(), b.tokens.end()},
+                                      .ns = std::string(b.ns),
+                                      .adapter_id = b.adapter_id,
+                                      .group = g,
+                                      .medium = CacheMedium::kDevice});
+    }
+  }
+  if (host_prefix_ != nullptr) {
+    for (BlockStored& e : host_prefix_->StoredKeys()) events.emplace_back(std::move(e));
+  }
+  if (kv_publisher_->Publish(std::move(events), now(), /*resync=*/true)) {
+    kv_resync_ = false;
+  } else {
+    kv_publisher_->CountDropped(drained.events.size());
+  }
+}
+
 int64_t StateManager::Impl::ResetPrefixCache() {
   if (prefix_ == nullptr) return 0;
-  return prefix_->Reset() + (host_prefix_ != nullptr ? host_prefix_->Clear() : 0);
+  // The host level first, so that the device's AllCleared, when it says nothing is left, comes
+  // last (a router that applies it clears every level).
+  const int64_t host = host_prefix_ != nullptr ? host_prefix_->Clear() : 0;
+  return prefix_->Reset() + host;
 }
 
 void StateManager::Impl::UndoSchedule() {

@@ -37,6 +37,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -47,6 +48,7 @@
 #include "blockkv/config.h"
 #include "blockkv/device.h"
 #include "blockkv/kv_cache.h"
+#include "blockkv/kv_events.h"
 #include "blockkv/offload.h"
 #include "blockkv/prefix_cache.h"
 #include "blockkv/sequence.h"
@@ -69,6 +71,9 @@ struct StateManagerConfig {
   bool offload = false;
   OffloadConfig offload_config{};
   PrefixCacheConfig prefix_cache{};  // off by default, as in DeepSpeed
+  // Publish the prefix cache's events over ZeroMQ in vLLM's format (kv_events.h,
+  // docs/kv_events.md). Needs prefix_cache.enabled with max_events > 0.
+  std::optional<KVEventsConfig> kv_events{};
 
   // Every count > 0, max_ragged_sequence_count <= max_tracked_sequences and
   // <= max_ragged_batch_size, a valid memory_config. kInvalidArgument names the field.
@@ -281,8 +286,25 @@ class StateManager {
 
   // Prefix cache (nullptr / empty / 0 when StateManagerConfig.prefix_cache.enabled is false).
   const PrefixCache* prefix_cache() const;
-  // Events queued since the last drain, for cache-aware routers.
+  // Events queued since the last drain, for cache-aware routers. With kv_events configured the
+  // manager drains them itself (below), so this returns only what it has not published yet.
   CacheEventBatch DrainCacheEvents();
+  // The distinct keys `medium` holds for `group` (kDevice: the prefix cache, kHost: the host
+  // level), in no particular order: what a subscriber to the events should hold. Empty without
+  // prefix caching or that level. REQUIRES: a valid group.
+  std::vector<BlockHash> cached_keys(int group = 0,
+                                     CacheMedium medium = CacheMedium::kDevice) const;
+
+  // ---- KV events on the wire (StateManagerConfig.kv_events) ----
+  // Schedule, ScheduleBatch, PostForward, FlushSequence, ResetPrefixCache and LoadSnapshot end by
+  // handing what the prefix cache queued during them (and before them, by other calls) to the
+  // publisher as one batch, without blocking (vLLM publishes once per scheduler step). This does
+  // the same now; `wait`: then blocks until the publisher thread has sent it (and, when a resync
+  // was owed and the queue was full, sends the resync once the queue has room). A no-op without
+  // kv_events.
+  void PublishKVEvents(bool wait = false);
+  // The publisher (endpoints, stats, Flush); nullptr without kv_events.
+  KVEventPublisher* kv_event_publisher() const;
   // Drops every cached block no sequence references; returns how many.
   int64_t ResetPrefixCache();
 

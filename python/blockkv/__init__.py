@@ -48,6 +48,8 @@ from ._blockkv import (
     MemoryConfig,
     OffloadConfig,
     OffloadTicket,
+    KVEventsConfig,
+    KVEventsStats,
     PrefixCacheConfig,
     PrefixCacheStats,
     RaggedBatchWrapper,
@@ -85,6 +87,8 @@ __all__ = [
     "OffloadConfig",
     "OffloadTicket",
     "PlaceholderSequenceDescriptor",
+    "KVEventsConfig",
+    "KVEventsStats",
     "PrefixCacheConfig",
     "PrefixCacheStats",
     "RaggedBatchWrapper",
@@ -106,7 +110,8 @@ __all__ = [
 
 # The classes print as blockkv.X, not blockkv._blockkv.X.
 for _cls in (AllCleared, AllocationMode, BlockedAllocator, BlockedKVCache, BlockRemoved,
-             BlockStored, CacheEventBatch, Device, KVCacheConfig, MemoryConfig, OffloadConfig,
+             BlockStored, CacheEventBatch, Device, KVCacheConfig, KVEventsConfig, KVEventsStats,
+             MemoryConfig, OffloadConfig,
              OffloadTicket, PrefixCacheConfig, PrefixCacheStats, RaggedBatchWrapper, ResourceExhaustedError, SchedulingResult,
              SequenceDescriptor, StateManager, StateManagerConfig, Tensor):
     _cls.__module__ = __name__

@@ -18,6 +18,7 @@
 #include "blockkv/prefix_cache.h"
 #include "blockkv/state_manager.h"
 #include "common.h"
+#include "kv_events.h"
 
 namespace blockkv::python {
 namespace {
@@ -202,7 +203,8 @@ std::string Repr(const StateManagerConfig& c) {
          ", memory_config=" + Repr(c.memory_config) +
          ", offload=" + (c.offload ? "True" : "False") +
          ", offload_config=" + (IsDefault(c.offload_config) ? "None" : Repr(c.offload_config)) +
-         ", prefix_cache=" + (IsDefault(c.prefix_cache) ? "None" : Repr(c.prefix_cache)) + ")";
+         ", prefix_cache=" + (IsDefault(c.prefix_cache) ? "None" : Repr(c.prefix_cache)) +
+         ", kv_events=" + KVEventsRepr(c.kv_events) + ")";
 }
 
 // copy.copy / copy.deepcopy give an independent config; pickle round-trips through a tuple of
@@ -594,7 +596,7 @@ void BindStateManagerConfig(py::module_& m) {
                       Int<int32_t, "max_ragged_sequence_count"> max_ragged_sequence_count,
                       Int<int64_t, "max_context"> max_context, const py::object& memory_config,
                       bool offload, const py::object& offload_config,
-                      const py::object& prefix_cache) {
+                      const py::object& prefix_cache, const py::object& kv_events) {
             C c;
             c.max_tracked_sequences = max_tracked_sequences;
             c.max_ragged_batch_size = max_ragged_batch_size;
@@ -604,6 +606,7 @@ void BindStateManagerConfig(py::module_& m) {
             c.offload = offload;
             c.offload_config = ToOffloadConfig(offload_config);
             c.prefix_cache = ToPrefixCache(prefix_cache);
+            c.kv_events = ToKVEventsConfig(kv_events);
             ThrowIfError(c.Validate());
             return c;
           }),
@@ -611,7 +614,7 @@ void BindStateManagerConfig(py::module_& m) {
           py::arg("max_ragged_batch_size") = 768, py::arg("max_ragged_sequence_count") = 512,
           py::arg("max_context") = 8192, py::arg("memory_config") = py::none(),
           py::arg("offload") = false, py::arg("offload_config") = py::none(),
-          py::arg("prefix_cache") = py::none())
+          py::arg("prefix_cache") = py::none(), py::arg("kv_events") = py::none())
       .def_property(
           "max_tracked_sequences", [](const C& c) { return c.max_tracked_sequences; },
           Int32Setter(&C::max_tracked_sequences, "max_tracked_sequences"))
@@ -661,6 +664,18 @@ void BindStateManagerConfig(py::module_& m) {
           },
           "None (prefix caching off, the default) or the PrefixCacheConfig, a view of this "
           "config's own (as memory_config is)")
+      .def_property(
+          "kv_events",
+          [](const C& c) -> py::object {
+            if (!c.kv_events) return py::none();
+            return py::cast(*c.kv_events);
+          },
+          [](C& c, py::handle v) {
+            const std::optional<KVEventsConfig> events = ToKVEventsConfig(v);
+            SetValidated(c, [&](C& copy) { copy.kv_events = events; });
+          },
+          "None (no KV events on the wire, the default) or a KVEventsConfig: publish the prefix "
+          "cache's events over ZeroMQ in vLLM's format (docs/kv_events.md)")
       .def("__eq__",
            [](const C& a, const C& b) {
              return a.max_tracked_sequences == b.max_tracked_sequences &&
@@ -669,16 +684,18 @@ void BindStateManagerConfig(py::module_& m) {
                     a.max_context == b.max_context &&
                     a.memory_config.mode == b.memory_config.mode &&
                     a.memory_config.size == b.memory_config.size && a.offload == b.offload &&
-                    a.offload_config == b.offload_config && a.prefix_cache == b.prefix_cache;
+                    a.offload_config == b.offload_config && a.prefix_cache == b.prefix_cache &&
+                    a.kv_events == b.kv_events;
            })
       .def("__repr__", py::overload_cast<const C&>(&Repr));
   AddValueMethods(
       cls,
       [](const C& c) {
-        return py::make_tuple(c.max_tracked_sequences, c.max_ragged_batch_size,
-                              c.max_ragged_sequence_count, c.max_context,
-                              MemoryState(c.memory_config), c.offload, PrefixState(c.prefix_cache),
-                              OffloadState(c.offload_config));
+        return py::make_tuple(
+            c.max_tracked_sequences, c.max_ragged_batch_size, c.max_ragged_sequence_count,
+            c.max_context, MemoryState(c.memory_config), c.offload, PrefixState(c.prefix_cache),
+            OffloadState(c.offload_config),
+            c.kv_events ? py::object(KVEventsState(*c.kv_events)) : py::object(py::none()));
       },
       [](const py::tuple& state) {
         C c;
@@ -692,6 +709,10 @@ void BindStateManagerConfig(py::module_& m) {
         if (state.size() > 6) c.prefix_cache = PrefixFromState(state[6].cast<py::tuple>());
         // ... and seven before offload_config was.
         if (state.size() > 7) c.offload_config = OffloadFromState(state[7].cast<py::tuple>());
+        // ... and eight before kv_events was.
+        if (state.size() > 8 && !state[8].is_none()) {
+          c.kv_events = KVEventsFromState(state[8].cast<py::tuple>());
+        }
         return c;
       });
 }
@@ -703,6 +724,7 @@ void BindConfig(py::module_& m) {
   BindMemoryConfig(m);
   BindPrefixCacheConfig(m);
   BindOffloadConfig(m);
+  BindKVEventsConfig(m);
   BindStateManagerConfig(m);
 }
 

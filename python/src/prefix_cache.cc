@@ -154,11 +154,15 @@ void BindEvents(py::module_& m) {
       .def_property_readonly("namespace", [](const BlockStored& e) { return e.ns; })
       .def_readonly("adapter_id", &BlockStored::adapter_id)
       .def_readonly("group", &BlockStored::group, "Cache group")
+      .def_property_readonly(
+          "medium", [](const BlockStored& e) { return CacheMediumName(e.medium); },
+          R"(Which level: "GPU" (the device), "CPU" (the host level), "DISK", "REMOTE")")
       .def("__eq__",
            [](const BlockStored& a, const BlockStored& b) {
              return a.hash == b.hash && a.has_parent == b.has_parent &&
                     (!a.has_parent || a.parent == b.parent) && a.tokens == b.tokens &&
-                    a.ns == b.ns && a.adapter_id == b.adapter_id && a.group == b.group;
+                    a.ns == b.ns && a.adapter_id == b.adapter_id && a.group == b.group &&
+                    a.medium == b.medium;
            })
       .def("__repr__", [](const BlockStored& e) {
         return "BlockStored(hash=" + ToString(e.hash) +
@@ -174,8 +178,13 @@ void BindEvents(py::module_& m) {
       .def_property_readonly("hash", [](const BlockRemoved& e) { return HashToInt(e.hash); })
       .def_property_readonly("hash_hex", [](const BlockRemoved& e) { return ToString(e.hash); })
       .def_readonly("group", &BlockRemoved::group)
-      .def("__eq__", [](const BlockRemoved& a,
-                        const BlockRemoved& b) { return a.hash == b.hash && a.group == b.group; })
+      .def_property_readonly(
+          "medium", [](const BlockRemoved& e) { return CacheMediumName(e.medium); },
+          R"(Which level: "GPU", "CPU", "DISK", "REMOTE")")
+      .def("__eq__",
+           [](const BlockRemoved& a, const BlockRemoved& b) {
+             return a.hash == b.hash && a.group == b.group && a.medium == b.medium;
+           })
       .def("__repr__", [](const BlockRemoved& e) {
         return "BlockRemoved(hash=" + ToString(e.hash) + ", group=" + std::to_string(e.group) + ")";
       });

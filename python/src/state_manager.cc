@@ -19,6 +19,7 @@
 
 #include "batch_wrapper.h"
 #include "common.h"
+#include "kv_events.h"
 #include "object_lock.h"
 #include "offload_ticket.h"
 #include "sequence.h"
@@ -555,6 +556,7 @@ void BindManager(py::module_& m) {
           "RuntimeError naming the first broken invariant of the manager, its pools, offload "
           "store and prefix cache; None when they hold.");
   BindPrefixCacheMethods(m, cls);
+  BindKVEventsMethods(cls);
 }
 
 }  // namespace
