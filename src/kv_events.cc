@@ -16,7 +16,6 @@
 #include <utility>
 #include <variant>
 
-#include "internal/check.h"
 #include "internal/msgpack_writer.h"
 #include "internal/strings.h"
 
@@ -97,8 +96,18 @@ Status KVEventsConfig::Validate() const {
   return Status::Ok();
 }
 
-std::string EncodeKVEventBatch(std::span<const CacheEvent> events, double ts,
-                               std::span<const int32_t> block_sizes, const KVEventsConfig& config) {
+Result<std::string> EncodeKVEventBatch(std::span<const CacheEvent> events, double ts,
+                                       std::span<const int32_t> block_sizes,
+                                       const KVEventsConfig& config) {
+  for (size_t i = 0; i < events.size(); ++i) {
+    int group = 0;
+    if (const auto* s = std::get_if<BlockStored>(&events[i])) group = s->group;
+    if (const auto* r = std::get_if<BlockRemoved>(&events[i])) group = r->group;
+    if (group < 0 || static_cast<size_t>(group) >= block_sizes.size()) {
+      return InvalidArgumentError(StrCat("EncodeKVEventBatch: event ", i, " names cache group ",
+                                         group, ", block_sizes has ", block_sizes.size()));
+    }
+  }
   // Runs [begin, end) of events that become one wire event.
   std::vector<std::pair<size_t, size_t>> runs;
   for (size_t i = 0; i < events.size();) {
@@ -145,8 +154,6 @@ std::string EncodeKVEventBatch(std::span<const CacheEvent> events, double ts,
       for (size_t k = begin; k < end; ++k) {
         for (const TokenId t : std::get<BlockStored>(events[k]).tokens) w.Int(t);
       }
-      BLOCKKV_CHECK(static_cast<size_t>(first->group) < block_sizes.size(),
-                    "EncodeKVEventBatch: an event's group has no block size");
       w.Int(block_sizes[static_cast<size_t>(first->group)]);  // block_size
       if (first->adapter_id != 0) {                           // lora_id
         w.Int(first->adapter_id);
@@ -333,8 +340,8 @@ class KVEventPublisher::Impl {
           sending_ = !taken.empty();
         }
       }
-      for (const Batch& batch : taken) Send(batch);
-      const auto published = static_cast<uint64_t>(taken.size());
+      uint64_t published = 0;
+      for (const Batch& batch : taken) published += Send(batch) ? 1 : 0;
       taken.clear();
       const uint64_t replays = ServeReplays();
       {
@@ -352,8 +359,16 @@ class KVEventPublisher::Impl {
     for (int i = 0; i < 8; ++i) out[i] = static_cast<char>(u >> (56 - 8 * i));
   }
 
-  void Send(const Batch& batch) {
-    std::string payload = EncodeKVEventBatch(batch.events, batch.ts, block_sizes_, config_);
+  // False when the batch could not be encoded (and was counted as dropped).
+  bool Send(const Batch& batch) {
+    Result<std::string> encoded = EncodeKVEventBatch(batch.events, batch.ts, block_sizes_, config_);
+    if (!encoded.ok()) {  // a caller's batch naming a group without a block size: dropped
+      std::lock_guard lock(mu_);
+      ++stats_.batches_dropped;
+      stats_.events_dropped += batch.events.size();
+      return false;
+    }
+    std::string payload = std::move(*encoded);
     const int64_t seq = next_seq_++;
     char seq_bytes[8];
     SeqBytes(seq, seq_bytes);
@@ -364,6 +379,7 @@ class KVEventPublisher::Impl {
     zmq_send(pub_, payload.data(), payload.size(), ZMQ_DONTWAIT);
     buffer_.emplace_back(seq, std::move(payload));
     if (buffer_.size() > config_.buffer_steps) buffer_.pop_front();
+    return true;
   }
 
   // Answers every waiting replay request as vLLM does: for a request [identity, "", start (8

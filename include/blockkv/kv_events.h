@@ -8,16 +8,17 @@
 //   config.kv_events = KVEventsConfig{.endpoint = "tcp://*:5557",
 //                                     .replay_endpoint = "tcp://*:5558"};
 //   auto mgr = StateManager::Create(config, {llama}, CudaDevice(0).value());
-//   ... every Schedule / PostForward / FlushSequence / ResetPrefixCache publishes what the prefix
-//   cache queued during it as one batch ...
+//
+// Every Schedule, PostForward, FlushSequence and ResetPrefixCache then publishes what the prefix
+// cache queued during it as one batch.
 //
 // The wire format, field by field, and where blockkv differs from vLLM: docs/kv_events.md.
 //
 // Publishing never blocks the scheduling thread: a batch is moved into a bounded queue (a mutex
 // held for a push) and a publisher thread encodes it (msgpack), sends it (PUB: topic, 8-byte
 // big-endian sequence number, payload) and keeps it for replay (ROUTER). A batch that finds the
-// queue full is dropped and counted; the next batch that fits is then preceded by a resync (every
-// key the cache holds, after AllBlocksCleared), so a subscriber's view is exact again.
+// queue full is dropped and counted; the StateManager's next batch that fits is then a resync
+// (AllBlocksCleared, then every key the cache holds), so a subscriber's view is exact again.
 #pragma once
 
 #include <cstddef>
@@ -67,10 +68,11 @@ struct KVEventsStats {
 // The msgpack payload of one KVEventBatch: [ts, [events...], data_parallel_rank]. Consecutive
 // BlockStored events of one chain (same group, medium and adapter, each the previous one's child)
 // become one BlockStored with several hashes, as vLLM sends a request's new blocks; consecutive
-// BlockRemoved of one group and medium become one. `block_sizes[g]` is group g's block size.
-// REQUIRES: every event's group < block_sizes.size().
-std::string EncodeKVEventBatch(std::span<const CacheEvent> events, double ts,
-                               std::span<const int32_t> block_sizes, const KVEventsConfig& config);
+// BlockRemoved of one group and medium become one. `block_sizes[g]` is group g's block size: an
+// event of a group outside it is kInvalidArgument.
+Result<std::string> EncodeKVEventBatch(std::span<const CacheEvent> events, double ts,
+                                       std::span<const int32_t> block_sizes,
+                                       const KVEventsConfig& config);
 
 // The ZeroMQ publisher. Thread-safe: Publish may be called from any thread; one publisher thread
 // does the rest.
@@ -87,7 +89,9 @@ class KVEventPublisher {
   KVEventPublisher& operator=(const KVEventPublisher&) = delete;
 
   // Queues one batch (`ts`: seconds since the epoch) without blocking; false (and counted) when
-  // the queue is full. `resync`: the batch is a full state after drops (counted in stats).
+  // the queue is full. A batch with an event of a group past the block sizes given to Create is
+  // dropped (and counted) by the publisher thread. `resync`: the batch is a full state after drops
+  // (counted in stats).
   bool Publish(std::vector<CacheEvent> events, double ts, bool resync = false);
   // Whether Publish would queue a batch now (the scheduling thread skips building a resync that
   // would only be dropped).

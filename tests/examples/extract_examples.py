@@ -58,6 +58,9 @@ HEADER_SETUP = {
         TensorView q{}, k{}, v{}, out{};
     """,
     "kv_cache.h": "",
+    "kv_events.h": """
+        KVCacheConfig llama;
+    """,
     "log.h": """
         static auto MyLogger = [](std::string_view) {};
     """,

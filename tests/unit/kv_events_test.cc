@@ -80,7 +80,7 @@ const std::vector<int32_t> kBlockSizes = {2, 16};
 
 TEST(EncodeKVEventBatchTest, AllBlocksClearedIsATaggedOneElementArray) {
   const std::vector<CacheEvent> events = {AllCleared{}};
-  const std::string got = EncodeKVEventBatch(events, 1.5, kBlockSizes, KVEventsConfig{});
+  const std::string got = EncodeKVEventBatch(events, 1.5, kBlockSizes, KVEventsConfig{}).value();
   // [1.5, [["AllBlocksCleared"]], 0]
   EXPECT_EQ(Hex(got), Hex(Bytes({0x93, 0xcb, 0x3f, 0xf8, 0, 0, 0, 0, 0, 0, 0x91, 0x91, 0xb0})) +
                           Hex("AllBlocksCleared") + "00");
@@ -91,7 +91,7 @@ TEST(EncodeKVEventBatchTest, BlockStoredHasVllmsTenFieldsWithTheKeyAsSixteenByte
       BlockStored{.hash = {.lo = 2, .hi = 1}, .tokens = {1, 200}, .group = 0}};
   KVEventsConfig config;
   config.data_parallel_rank = 3;
-  const std::string got = EncodeKVEventBatch(events, 0.0, kBlockSizes, config);
+  const std::string got = EncodeKVEventBatch(events, 0.0, kBlockSizes, config).value();
   const std::string want =
       Bytes({0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x91, 0x9a, 0xab}) + "BlockStored" +
       Bytes({0x91, 0xc4, 0x10, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 2}) +  // hashes
@@ -113,7 +113,7 @@ TEST(EncodeKVEventBatchTest, AChainOfStoresBecomesOneEventAndIntHashesAreTheLow6
   };
   KVEventsConfig config;
   config.int_block_hashes = true;
-  const std::string got = EncodeKVEventBatch(events, 0.0, kBlockSizes, config);
+  const std::string got = EncodeKVEventBatch(events, 0.0, kBlockSizes, config).value();
   const std::string head = Bytes({0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x92});
   const std::string first = Bytes({0x9a, 0xab}) + "BlockStored" + Bytes({0x92, 10, 11, 0xc0}) +
                             Bytes({0x94, 1, 2, 3, 4, 0x02, 0x07, 0xa3}) + "GPU" +
@@ -132,12 +132,22 @@ TEST(EncodeKVEventBatchTest, RemovalsOfOneGroupAndMediumBecomeOneEvent) {
   };
   KVEventsConfig config;
   config.int_block_hashes = true;
-  const std::string got = EncodeKVEventBatch(events, 0.0, kBlockSizes, config);
+  const std::string got = EncodeKVEventBatch(events, 0.0, kBlockSizes, config).value();
   const std::string want = Bytes({0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x92}) + Bytes({0x94, 0xac}) +
                            "BlockRemoved" + Bytes({0x92, 1, 2, 0xa3}) + "CPU" + Bytes({0x01}) +
                            Bytes({0x94, 0xac}) + "BlockRemoved" + Bytes({0x91, 3, 0xa3}) + "GPU" +
                            Bytes({0x01}) + Bytes({0x00});
   EXPECT_EQ(Hex(got), Hex(want));
+}
+
+TEST(EncodeKVEventBatchTest, AGroupWithoutABlockSizeIsInvalidArgument) {
+  const std::vector<CacheEvent> events = {AllCleared{},
+                                          BlockRemoved{.hash = {.lo = 1}, .group = 2}};
+  const Result<std::string> got = EncodeKVEventBatch(events, 0.0, kBlockSizes, KVEventsConfig{});
+  ASSERT_EQ(got.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(got.status().message().find("event 1 names cache group 2, block_sizes has 2"),
+            std::string::npos)
+      << got.status();
 }
 
 TEST(CacheMediumTest, NamesAreVllmsWhereVllmHasThem) {
@@ -275,7 +285,7 @@ TEST(KVEventPublisherTest, ReplayReturnsBufferedBatchesFromTheStartSeqThenTheEnd
   for (size_t k = 0; k < all.size(); ++k) {
     EXPECT_EQ(all[k].first, static_cast<int64_t>(k + 2));
     EXPECT_EQ(Hex(all[k].second),
-              Hex(EncodeKVEventBatch(One(k + 2), 2.0, std::vector<int32_t>{16}, Local())));
+              Hex(*EncodeKVEventBatch(One(k + 2), 2.0, std::vector<int32_t>{16}, Local())));
   }
   const auto tail = client.Replay(4);
   ASSERT_EQ(tail.size(), 1U);
@@ -319,7 +329,7 @@ TEST(KVEventPublisherTest, APubSubscriberGetsTopicSequenceNumberAndPayloadFrames
   for (const char c : frames[1]) seq = (seq << 8) | static_cast<uint8_t>(c);
   EXPECT_LT(seq, sent);
   EXPECT_EQ(Hex(frames[2]),
-            Hex(EncodeKVEventBatch(One(seq), 1.0, std::vector<int32_t>{16}, Local())));
+            Hex(*EncodeKVEventBatch(One(seq), 1.0, std::vector<int32_t>{16}, Local())));
   zmq_close(sub);
   zmq_ctx_term(ctx);
 }
