@@ -343,13 +343,12 @@ class KVEventPublisher::Impl {
       uint64_t published = 0;
       for (const Batch& batch : taken) published += Send(batch) ? 1 : 0;
       taken.clear();
-      const uint64_t replays = ServeReplays();
       {
         std::lock_guard lock(mu_);
         stats_.batches_published += published;
-        stats_.replay_requests += replays;
         sending_ = false;
       }
+      ServeReplays();
       done_cv_.notify_all();
     }
   }
@@ -385,9 +384,8 @@ class KVEventPublisher::Impl {
   // Answers every waiting replay request as vLLM does: for a request [identity, "", start (8
   // bytes, big-endian)], every buffered batch with seq >= start as [identity, "", seq, payload],
   // then [identity, "", -1 (8 bytes), ""]. Malformed requests are ignored.
-  uint64_t ServeReplays() {
-    if (replay_ == nullptr) return 0;
-    uint64_t served = 0;
+  void ServeReplays() {
+    if (replay_ == nullptr) return;
     while (true) {
       std::vector<std::string> frames;
       while (true) {
@@ -395,7 +393,7 @@ class KVEventPublisher::Impl {
         zmq_msg_init(&msg);
         if (zmq_msg_recv(&msg, replay_, ZMQ_DONTWAIT) < 0) {
           zmq_msg_close(&msg);
-          if (frames.empty()) return served;
+          if (frames.empty()) return;
           break;
         }
         frames.emplace_back(static_cast<const char*>(zmq_msg_data(&msg)), zmq_msg_size(&msg));
@@ -416,13 +414,17 @@ class KVEventPublisher::Impl {
         zmq_send(replay_, seq_bytes, sizeof seq_bytes, ZMQ_SNDMORE | ZMQ_DONTWAIT);
         zmq_send(replay_, payload.data(), payload.size(), ZMQ_DONTWAIT);
       }
+      {
+        // Counted before the end marker goes, so that a client that has it sees the count.
+        std::lock_guard lock(mu_);
+        ++stats_.replay_requests;
+      }
       char end[8];
       SeqBytes(-1, end);
       zmq_send(replay_, id.data(), id.size(), ZMQ_SNDMORE | ZMQ_DONTWAIT);
       zmq_send(replay_, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT);
       zmq_send(replay_, end, sizeof end, ZMQ_SNDMORE | ZMQ_DONTWAIT);
       zmq_send(replay_, "", 0, ZMQ_DONTWAIT);
-      ++served;
     }
   }
 
