@@ -20,6 +20,14 @@ if(NOT BLOCKKV_ZMQ_INCLUDE_DIR OR NOT BLOCKKV_ZMQ_LIBRARY)
   message(FATAL_ERROR "zmq.h / libzmq not found: apt-get install libzmq3-dev (scripts/deps.sh does)")
 endif()
 
+# hiredis (libhiredis-dev) for the remote prefix tier (docs/remote_tier.md); tests start Debian's
+# redis-server. Debian's HiredisConfig.cmake defines no target, so find it directly.
+find_path(BLOCKKV_HIREDIS_INCLUDE_DIR hiredis/hiredis.h)
+find_library(BLOCKKV_HIREDIS_LIBRARY hiredis)
+if(NOT BLOCKKV_HIREDIS_INCLUDE_DIR OR NOT BLOCKKV_HIREDIS_LIBRARY)
+  message(FATAL_ERROR "hiredis not found: apt-get install libhiredis-dev (scripts/deps.sh does)")
+endif()
+
 # CUDA: AUTO builds it when the toolkit is found, ON fails at configure time without it.
 set(BLOCKKV_HAVE_CUDA OFF)
 if(NOT BLOCKKV_CUDA STREQUAL "OFF")

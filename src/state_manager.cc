@@ -19,6 +19,7 @@
 #include "internal/validate.h"
 #include "prefix_host_tier.h"
 #include "ragged_batch_impl.h"
+#include "remote_tier.h"
 #include "state_manager_impl.h"
 #include "state_manager_keys.h"
 #include "state_manager_offload.h"
@@ -62,6 +63,10 @@ Status StateManagerConfig::Validate() const {
           "StateManagerConfig.kv_events needs prefix_cache.enabled = true and "
           "prefix_cache.max_events > 0: the events it publishes are the prefix cache's");
     }
+  }
+  if (remote_tier && !prefix_cache.enabled) {
+    return InvalidArgumentError(
+        "StateManagerConfig.remote_tier needs prefix caching on (prefix_cache.enabled)");
   }
   return memory_config.Validate();
 }
@@ -212,6 +217,7 @@ Result<std::unique_ptr<StateManager>> StateManager::Create(StateManagerConfig co
   impl.owner_ = manager.get();
   if (impl.config_.offload) BLOCKKV_RETURN_IF_ERROR(impl.EnableOffload());
   if (impl.config_.kv_events) BLOCKKV_RETURN_IF_ERROR(impl.EnableKVEvents());
+  if (impl.config_.remote_tier) BLOCKKV_RETURN_IF_ERROR(impl.EnableRemoteTier());
   return manager;
 }
 
@@ -676,6 +682,7 @@ Result<SchedulingResult> StateManager::Impl::Check(const ScheduleRequest& reques
     hit_blocks_.clear();
     hit_starts_.clear();
     promote_entries_.clear();
+    remote_values_.clear();
     promoted_ = 0;
   }
   SchedulingResult verdict = SchedulingResult::kSuccess;
@@ -881,7 +888,7 @@ Status StateManager::Impl::ScheduleInto(const ScheduleRequest& request, Scheduli
   if (prefix_ != nullptr) ShareHitBlocks(/*share=*/true);
   // What this batch promotes from the host level must survive the demotions its own evictions
   // cause.
-  if (prefix_ != nullptr && promoted_ > 0) host_prefix_->Pin(promote_entries_, true);
+  if (host_prefix_ != nullptr && promoted_ > 0) host_prefix_->Pin(promote_entries_, true);
   // Take every group's blocks at once; Check counted them and guaranteed they are there.
   const auto groups = static_cast<size_t>(num_groups());
   for (size_t g = 0; g < groups; ++g) {
@@ -900,7 +907,7 @@ Status StateManager::Impl::ScheduleInto(const ScheduleRequest& request, Scheduli
   if (prefix_ != nullptr && promoted_ > 0) {
     const std::span<const BlockId> fresh(scratch_[0]);
     if (Status s = PromoteHits(fresh.last(static_cast<size_t>(promoted_))); !s.ok()) {
-      host_prefix_->Pin(promote_entries_, false);
+      if (host_prefix_ != nullptr) host_prefix_->Pin(promote_entries_, false);
       UndoSchedule();  // a device error copying from the host: nothing scheduled
       return s;
     }

@@ -28,6 +28,7 @@ namespace blockkv {
 namespace internal {
 class BlockSize;
 class PrefixHostTier;
+class RemoteTier;
 class UidMap;
 }  // namespace internal
 
@@ -96,6 +97,8 @@ class StateManager::Impl {
   Result<OffloadTicket> ResumeSequence(SeqId uid);
   const OffloadStore* offload_store() const { return offload_.get(); }
   HostPrefixStats host_prefix_stats() const;
+  RemoteTierStats remote_tier_stats() const;
+  void FlushRemoteTier();
   Result<TensorView> GetCache(int64_t cache_id, int group) const;
   const BlockedKVCache& kv_cache() const { return *cache_; }
   const BlockPool& pool(int group) const { return pools_[group]; }
@@ -194,22 +197,6 @@ class StateManager::Impl {
   class PoolOwner;         // OffloadStore::BlockOwner over pools_
   struct Parked;           // a preempted or resuming sequence's handles, by slot
   Status EnableOffload();  // from Create
-  // Waits for a resume of `seq` in flight; when its copy failed, parks the sequence again and
-  // returns the error. OK when nothing is in flight.
-  Status SettleRestore(Sequence& seq);
-  // SettleRestore, then kFailedPrecondition when `seq` is preempted; `who` names it in the
-  // message ("Fork: parent 7").
-  Status RequireResident(Sequence& seq, std::string_view who);
-  // Without waiting: true when no resume of `seq` is in flight, or it is done and succeeded
-  // (then it is settled); false while it runs, or when it failed (left for the next call that
-  // settles it to report).
-  bool RestoreDone(Sequence& seq);
-  // Waits for every resume in flight among `uids` (Schedule, before it checks anything).
-  Status SettleRestores(std::span<const SeqId> uids);
-  // FlushSequence's part: a preempted sequence's handles are dropped.
-  void DropParked(Sequence& seq);
-  Status CheckParked(const Sequence& seq, int group) const;
-
   // ---- prefix caching (state_manager_prefix.cc) ----
   struct SequenceKeys;  // a sequence's known tokens and key state, by slot
   // The prefix a first Schedule of the i-th uid takes, decided by Check.
@@ -222,6 +209,9 @@ class StateManager::Impl {
     // hit_blocks_ until Schedule promotes them; their entries at promote_entries_[promote_first].
     int32_t promoted = 0;
     size_t promote_first = 0;
+    // The last `remote` of those come from the remote tier: remote_values_[remote_first, ...).
+    int32_t remote = 0;
+    size_t remote_first = 0;
   };
   int64_t SlidingWindow(int group) const;  // 0: full attention
   // The first block a windowed group needs for a hit of `blocks` blocks (0 without a window).
@@ -257,6 +247,38 @@ class StateManager::Impl {
   void ResetKeys(int32_t slot);
   void ForkKeys(const Sequence& from, const Sequence& to);
   Status CheckKeys(const Sequence& seq) const;
+
+  // ---- the remote tier (state_manager_remote.cc) ----
+  // From Create, after EnableOffload: opens the remote tier (state_manager_remote.cc). An
+  // unreachable server leaves it off with one log line; other failures are returned.
+  Status EnableRemoteTier();
+  // Continues a run of `run` matched blocks of group 0 from the remote tier, at most `max`
+  // blocks: fetches, verifies and appends the values to remote_values_; returns how many.
+  int32_t MatchRemote(const SequenceKeys& keys, int32_t run, int32_t max);
+  // Copies remote_values_[first, first + blocks.size()) into `blocks` (fresh) and publishes them
+  // chained on `parent` (what the block before them was published as; nullptr for block 0).
+  // `run`: the index of blocks[0] in the sequence; `priority`: the sequence's retention priority.
+  Status PlaceRemote(const SequenceKeys& keys, size_t first, std::span<const BlockId> blocks,
+                     int32_t run, const PrefixCache::Published* parent, int32_t priority);
+  // Queues a newly published block of group 0 for the remote tier (a dropped store is counted).
+  void StoreRemote(const SequenceKeys& keys, BlockId block, int32_t index, const BlockHash& key,
+                   const BlockHash* parent_key);
+  // Waits for a resume of `seq` in flight; when its copy failed, parks the sequence again and
+  // returns the error. OK when nothing is in flight.
+  Status SettleRestore(Sequence& seq);
+  // SettleRestore, then kFailedPrecondition when `seq` is preempted; `who` names it in the
+  // message ("Fork: parent 7").
+  Status RequireResident(Sequence& seq, std::string_view who);
+  // Without waiting: true when no resume of `seq` is in flight, or it is done and succeeded
+  // (then it is settled); false while it runs, or when it failed (left for the next call that
+  // settles it to report).
+  bool RestoreDone(Sequence& seq);
+  // Waits for every resume in flight among `uids` (Schedule, before it checks anything).
+  Status SettleRestores(std::span<const SeqId> uids);
+  // FlushSequence's part: a preempted sequence's handles are dropped.
+  void DropParked(Sequence& seq);
+  Status CheckParked(const Sequence& seq, int group) const;
+
 
   // ---- snapshots (snapshot.cc) ----
   // kFailedPrecondition naming the first sequence (by slot) whose state a snapshot cannot hold —
@@ -312,6 +334,15 @@ class StateManager::Impl {
   std::unique_ptr<internal::PrefixHostTier> host_prefix_;
   std::vector<int32_t> promote_entries_;  // this call's host-level hits
   int32_t promoted_ = 0;                  // blocks of group 0 they need (Check counts them)
+  // The remote tier (remote_tier.h) when configured and reachable at Create.
+  std::unique_ptr<internal::RemoteTier> remote_;
+  uint64_t remote_fingerprint_ = 0;
+  struct RemoteValue {
+    std::string value;   // as fetched and verified
+    size_t payload = 0;  // offset of the block's bytes in it
+  };
+  std::vector<RemoteValue> remote_values_;  // this call's remote hits
+  std::vector<BlockHash> remote_keys_;      // scratch: a lookup's chain keys
 
   // Scratch reused across calls so a step allocates nothing once warm.
   std::vector<std::vector<BlockId>> scratch_;  // per group: blocks taken in one Schedule

@@ -16,6 +16,7 @@
 #include "internal/check.h"
 #include "internal/strings.h"
 #include "prefix_host_tier.h"
+#include "remote_tier.h"
 #include "state_manager_impl.h"
 #include "state_manager_keys.h"
 
@@ -166,6 +167,8 @@ const StateManager::Impl::PrefixHit* StateManager::Impl::LookupPrefix(size_t i, 
   int64_t most = cap;
   int32_t promoted = 0;  // blocks of the run found on the host level
   size_t promote_first = 0;
+  int32_t remote = 0;  // blocks of the run found on the remote tier, after those
+  size_t remote_first = 0;
   for (int g = 0; g < num_groups(); ++g) {
     std::vector<BlockId>& blocks = match_blocks_[static_cast<size_t>(g)];
     const auto limit = static_cast<int32_t>(cap / kv_block_size(g));
@@ -176,19 +179,22 @@ const StateManager::Impl::PrefixHit* StateManager::Impl::LookupPrefix(size_t i, 
     } else {
       BlockHash last;
       int32_t run = prefix_->Match(g, keys.tokens, keys.ns_id, keys.extras, limit, blocks, &last);
-      if (host_prefix_ != nullptr && run < limit) {
-        // The host level continues the device's run (one group, so g == 0); each block it
-        // promotes takes a fresh block, so it goes no further than the free blocks do.
-        const PrefixCache::Published parent =
-            run > 0 ? prefix_->published(g, blocks[static_cast<size_t>(run) - 1])
-                    : PrefixCache::Published{};
-        // The evictable blocks of the device run are revived by this hit (counted below): they
-        // are not there for promotions.
-        int64_t free = free_scratch_[g];
+      // Promotions (host level, remote tier) continue the device's run (one group, so g == 0);
+      // each block they bring takes a fresh block, so they go no further than the free blocks.
+      // The evictable blocks of the device run are revived by this hit (counted below): they
+      // are not there for promotions.
+      int64_t free = 0;
+      if ((host_prefix_ != nullptr || remote_ != nullptr) && run < limit) {
+        free = free_scratch_[g];
         for (int32_t b = 0; b < run; ++b) {
           const BlockId block = blocks[static_cast<size_t>(b)];
           free -= pools_[g].is_evictable(block) && block_marks_[g][block] != mark_epoch_;
         }
+      }
+      if (host_prefix_ != nullptr && run < limit) {
+        const PrefixCache::Published parent =
+            run > 0 ? prefix_->published(g, blocks[static_cast<size_t>(run) - 1])
+                    : PrefixCache::Published{};
         promote_first = promote_entries_.size();
         promoted = host_prefix_->Match(
             g, keys.tokens, keys.ns_id, keys.extras, run, run > 0 ? &parent : nullptr,
@@ -205,6 +211,14 @@ const StateManager::Impl::PrefixHit* StateManager::Impl::LookupPrefix(size_t i, 
         }
         promote_entries_.resize(promote_first + static_cast<size_t>(promoted));
         run += promoted;
+      }
+      if (remote_ != nullptr && run < limit) {
+        // The remote tier continues past the local levels (synchronously: docs/remote_tier.md).
+        remote_first = remote_values_.size();
+        remote = MatchRemote(keys, run,
+                             static_cast<int32_t>(std::max<int64_t>(
+                                 0, std::min<int64_t>(limit - run, free - promoted))));
+        run += remote;
       }
       most = std::min(most, int64_t{run} * kv_block_size(g));
     }
@@ -227,11 +241,13 @@ const StateManager::Impl::PrefixHit* StateManager::Impl::LookupPrefix(size_t i, 
   hits_.push_back({.tokens = tokens,
                    .in_flight = tokens > 0 ? std::min(length, known - tokens) : length,
                    .first = hit_blocks_.size(),
-                   .promoted = promoted,
-                   .promote_first = promote_first});
-  if (promoted > 0) {
-    free_scratch_[0] -= promoted;
-    promoted_ += promoted;
+                   .promoted = promoted + remote,
+                   .promote_first = promote_first,
+                   .remote = remote,
+                   .remote_first = remote_first});
+  if (promoted + remote > 0) {
+    free_scratch_[0] -= promoted + remote;
+    promoted_ += promoted + remote;
   }
   for (int g = 0; g < num_groups(); ++g) {
     const auto n = static_cast<int32_t>(tokens / kv_block_size(g));
@@ -298,14 +314,27 @@ Status StateManager::Impl::PromoteHits(std::span<const BlockId> blocks) {
     const PrefixHit& hit = hits_[static_cast<size_t>(hit_index_[i])];
     if (hit.promoted == 0) continue;
     const auto count = static_cast<size_t>(hit.promoted);
+    const auto remote = static_cast<size_t>(hit.remote);
     const std::span<const BlockId> into = blocks.subspan(next, count);
-    BLOCKKV_RETURN_IF_ERROR(
-        host_prefix_->Promote(0, std::span(promote_entries_).subspan(hit.promote_first, count),
-                              into, keys_[slot_scratch_[i]].priority));
+    const int32_t priority = keys_[slot_scratch_[i]].priority;
+    if (count > remote) {
+      BLOCKKV_RETURN_IF_ERROR(host_prefix_->Promote(
+          0, std::span(promote_entries_).subspan(hit.promote_first, count - remote),
+          into.first(count - remote), priority));
+    }
     // One group, no window: the hit's blocks are table entries [0, n), the promoted ones last.
     const auto n = static_cast<size_t>(hit.tokens / kv_block_size(0));
     std::copy(into.begin(), into.end(),
               hit_blocks_.begin() + static_cast<std::ptrdiff_t>(hit.first + n - count));
+    if (remote > 0) {
+      const size_t run = n - remote;
+      const PrefixCache::Published parent =
+          run > 0 ? prefix_->published(0, hit_blocks_[hit.first + run - 1])
+                  : PrefixCache::Published{};
+      BLOCKKV_RETURN_IF_ERROR(PlaceRemote(keys_[slot_scratch_[i]], hit.remote_first,
+                                          into.last(remote), static_cast<int32_t>(run),
+                                          run > 0 ? &parent : nullptr, priority));
+    }
     next += count;
   }
   return Status::Ok();
@@ -333,10 +362,17 @@ void StateManager::Impl::PublishFullBlocks(Sequence& seq) {
       const BlockHash key = prefix_->Hash(parent ? &parent->key : nullptr, tokens, keys.extras,
                                           static_cast<size_t>(index));
       // A fork's sibling may have published a block both hold: chain on from its publish.
-      state.last = pools_[g].is_cached(block)
-                       ? prefix_->published(g, block)
-                       : prefix_->Publish(g, block, parent, key, tokens, keys.ns_id, keys.extras,
-                                          static_cast<size_t>(index), keys.priority);
+      if (pools_[g].is_cached(block)) {
+        state.last = prefix_->published(g, block);
+      } else {
+        const BlockHash parent_key = parent != nullptr ? parent->key : BlockHash{};
+        state.last = prefix_->Publish(g, block, parent, key, tokens, keys.ns_id, keys.extras,
+                                      static_cast<size_t>(index), keys.priority);
+        // Write-through of a newly computed block (the remote tier is for one group: g == 0).
+        if (remote_ != nullptr) {
+          StoreRemote(keys, block, index, key, parent != nullptr ? &parent_key : nullptr);
+        }
+      }
     }
   }
 }

@@ -51,6 +51,7 @@
 #include "blockkv/kv_events.h"
 #include "blockkv/offload.h"
 #include "blockkv/prefix_cache.h"
+#include "blockkv/remote_tier.h"
 #include "blockkv/sequence.h"
 #include "blockkv/status.h"
 
@@ -74,6 +75,9 @@ struct StateManagerConfig {
   // Publish the prefix cache's events over ZeroMQ in vLLM's format (kv_events.h,
   // docs/kv_events.md). Needs prefix_cache.enabled with max_events > 0.
   std::optional<KVEventsConfig> kv_events{};
+  // A prefix tier in Redis shared by every engine (docs/remote_tier.md): needs prefix caching on,
+  // one cache group without a sliding window. Unset: no remote tier.
+  std::optional<RemoteTierConfig> remote_tier{};
 
   // Every count > 0, max_ragged_sequence_count <= max_tracked_sequences and
   // <= max_ragged_batch_size, a valid memory_config. kInvalidArgument names the field.
@@ -372,6 +376,12 @@ class StateManager {
     int64_t dropped = 0;   // host blocks dropped for room or by ResetPrefixCache
   };
   HostPrefixStats host_prefix_stats() const;
+  // The remote tier's counters (docs/remote_tier.md); zeros without the tier (not configured, or
+  // its server was unreachable when the manager was created).
+  RemoteTierStats remote_tier_stats() const;
+  // Waits until every block queued for the remote tier so far was stored or failed (each command
+  // is bounded by RemoteTierConfig::timeout_ms). Nothing to wait for without the tier.
+  void FlushRemoteTier();
 
   // One layer's cache, as BlockedKVCache::GetCache.
   Result<TensorView> GetCache(int64_t cache_id, int group = 0) const;

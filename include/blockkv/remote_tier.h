@@ -1,0 +1,44 @@
+// SPDX-License-Identifier: Apache-2.0
+// A prefix-cache tier shared by every engine: full prompt blocks stored in Redis, below the
+// device and host levels (docs/remote_tier.md). Given as StateManagerConfig::remote_tier with
+// prefix caching on; the StateManager writes newly published full blocks through a bounded queue
+// on a worker thread and, when a prefix lookup runs past its local matches, fetches the following
+// blocks (one MGET) into fresh blocks. Every fetched value is verified (header, fingerprint, key,
+// parent key, tokens, namespace, adapter, extra bytes, checksum): what does not verify is a
+// counted miss, never data in the cache.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace blockkv {
+
+struct RemoteTierConfig {
+  // redis://[user:password@]host:port[/db]  (a password alone: redis://:password@host:port)
+  std::string url;
+  // Identifies the model whose KV the blocks hold; part of every key's fingerprint, so two
+  // models never share a block. The engine supplies it (e.g. "meta-llama/Llama-3-8B@rev").
+  std::string model_id{};
+  // Connect and command timeout; a lookup waits at most this long for a fetch.
+  int32_t timeout_ms = 1000;
+  // Stores waiting for the worker; a store past this is dropped and counted (never blocks).
+  int32_t max_pending = 1024;
+  // Part of the fingerprint: tensor-parallel rank and world size of this engine.
+  int32_t tp_rank = 0;
+  int32_t tp_size = 1;
+};
+
+struct RemoteTierStats {
+  int64_t hits = 0;           // blocks fetched, verified and placed in the cache
+  int64_t misses = 0;         // lookups whose run stopped at a block the tier did not give
+  int64_t invalid = 0;        // fetched values that did not verify (counted in misses too)
+  int64_t fetched_bytes = 0;  // value bytes received
+  int64_t stored = 0;         // blocks stored
+  int64_t stored_bytes = 0;   // value bytes stored
+  int64_t dropped = 0;        // stores dropped: queue full, or the server unreachable
+  int64_t errors = 0;         // failed commands, connects and fetch timeouts
+  int64_t reconnects = 0;     // connections made again after a failure
+  bool connected = false;     // the worker's connection is up now
+};
+
+}  // namespace blockkv

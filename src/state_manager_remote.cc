@@ -1,0 +1,210 @@
+// SPDX-License-Identifier: Apache-2.0
+// StateManager's remote prefix tier (docs/remote_tier.md): opening it, fetching a lookup's
+// following blocks from Redis into fresh blocks, and writing newly published blocks through. The
+// client is remote_tier.cc.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "blockkv/log.h"
+#include "blockkv/state_manager.h"
+#include "internal/strings.h"
+#include "remote_tier.h"
+#include "state_manager_impl.h"
+#include "state_manager_keys.h"
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+namespace blockkv {
+
+using internal::StrCat;
+
+namespace {
+
+// Bumped whenever the bytes a block holds for the same config could differ (a kernel's layout).
+constexpr uint32_t kRemoteLayoutVersion = 1;
+
+template <typename T>
+void Append(std::string& out, T v) {
+  out.append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+
+std::string_view ExtraBytes(const BlockKeyExtras& extras, size_t index) {
+  return index < extras.block_bytes.size() ? std::string_view(extras.block_bytes[index])
+                                           : std::string_view();
+}
+
+int64_t LayerBlockBytes(const KVCacheConfig& c) {
+  return c.elements_per_layer_block() * static_cast<int64_t>(ElementSize(c.cache_dtype));
+}
+
+}  // namespace
+
+Status StateManager::Impl::EnableRemoteTier() {
+  const RemoteTierConfig& rc = *config_.remote_tier;
+  if (prefix_ == nullptr) {
+    return InvalidArgumentError(
+        "StateManagerConfig.remote_tier needs prefix caching on (prefix_cache.enabled)");
+  }
+  if (num_groups() != 1 || SlidingWindow(0) != 0) {
+    return UnimplementedError(StrCat("StateManagerConfig.remote_tier: ", num_groups(),
+                                     " cache groups; the remote tier supports one cache group "
+                                     "without a sliding window"));
+  }
+  Result<std::unique_ptr<internal::RemoteTier>> tier = internal::RemoteTier::Open(rc);
+  if (!tier.ok()) {
+    if (tier.status().code() == StatusCode::kUnavailable) {
+      Log(LogLevel::kWarning, StrCat("remote tier off: ", tier.status().message()));
+      return Status::Ok();
+    }
+    return {tier.status().code(),
+            StrCat("StateManagerConfig.remote_tier: ", tier.status().message())};
+  }
+  remote_ = std::move(*tier);
+  // Everything that makes two engines' bytes for one key comparable.
+  const KVCacheConfig& c = cache_->config(0);
+  std::string fp = "blockkv-remote";
+  Append<uint32_t>(fp, kRemoteLayoutVersion);
+  Append<uint64_t>(fp, config_.prefix_cache.hash_seed);
+  Append<int32_t>(fp, c.block_size);
+  Append<int32_t>(fp, static_cast<int32_t>(c.type));
+  Append<int32_t>(fp, static_cast<int32_t>(c.cache_dtype));
+  for (const int64_t d : c.cache_shape) Append<int64_t>(fp, d);
+  Append<int64_t>(fp, c.latent_dim);
+  Append<int64_t>(fp, c.rope_dim);
+  Append<int64_t>(fp, LayerBlockBytes(c));
+  Append<int32_t>(fp, rc.tp_rank);
+  Append<int32_t>(fp, rc.tp_size);
+  Append<uint64_t>(fp, rc.model_id.size());
+  fp += rc.model_id;
+  remote_fingerprint_ = XXH3_64bits(fp.data(), fp.size());
+  return Status::Ok();
+}
+
+RemoteTierStats StateManager::Impl::remote_tier_stats() const {
+  return remote_ != nullptr ? remote_->stats() : RemoteTierStats{};
+}
+
+void StateManager::Impl::FlushRemoteTier() {
+  if (remote_ != nullptr) remote_->Drain();
+}
+
+int32_t StateManager::Impl::MatchRemote(const SequenceKeys& keys, int32_t run, int32_t max) {
+  if (max <= 0) return 0;
+  const auto bs = static_cast<size_t>(kv_block_size(0));
+  const auto end = static_cast<size_t>(run + max);
+  remote_keys_.resize(end);
+  for (size_t i = 0; i < end; ++i) {
+    remote_keys_[i] = prefix_->Hash(i == 0 ? nullptr : &remote_keys_[i - 1],
+                                    std::span(keys.tokens).subspan(i * bs, bs), keys.extras, i);
+  }
+  std::vector<std::string> names;
+  names.reserve(static_cast<size_t>(max));
+  for (size_t i = static_cast<size_t>(run); i < end; ++i) {
+    names.push_back(internal::RemoteKey(remote_fingerprint_, keys.extras.ns, remote_keys_[i]));
+  }
+  std::vector<std::string> values = remote_->Fetch(std::move(names));
+  const KVCacheConfig& c = cache_->config(0);
+  int32_t n = 0;
+  int64_t invalid = 0;
+  for (; n < max; ++n) {
+    std::string& value = values[static_cast<size_t>(n)];
+    if (value.empty()) break;
+    const size_t i = static_cast<size_t>(run + n);
+    const internal::RemoteBlockMeta want{
+        .fingerprint = remote_fingerprint_,
+        .key = remote_keys_[i],
+        .parent_key = i == 0 ? BlockHash{} : remote_keys_[i - 1],
+        .index = static_cast<uint32_t>(i),
+        .adapter_id = keys.extras.adapter_id,
+        .ns = keys.extras.ns,
+        .extra = ExtraBytes(keys.extras, i),
+        .tokens = std::span(keys.tokens).subspan(i * bs, bs),
+        .payload_bytes = static_cast<uint64_t>(c.num_caches() * LayerBlockBytes(c))};
+    const int64_t payload = internal::VerifyRemoteValue(value, want);
+    if (payload < 0) {
+      ++invalid;
+      break;
+    }
+    remote_values_.push_back({.value = std::move(value), .payload = static_cast<size_t>(payload)});
+  }
+  remote_->CountLookup(0, n < max, invalid);
+  return n;
+}
+
+Status StateManager::Impl::PlaceRemote(const SequenceKeys& keys, size_t first,
+                                       std::span<const BlockId> blocks, int32_t run,
+                                       const PrefixCache::Published* parent, int32_t priority) {
+  const KVCacheConfig& c = cache_->config(0);
+  const auto layer_block = static_cast<size_t>(LayerBlockBytes(c));
+  BLOCKKV_ASSIGN_OR_RETURN(TensorView storage, cache_->GetGroupStorage(0));
+  auto* base = static_cast<std::byte*>(storage.data);
+  const auto num_blocks = static_cast<size_t>(cache_->num_blocks());
+  Device& device = *cache_->device();
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    const RemoteValue& v = remote_values_[first + b];
+    for (size_t layer = 0; layer < static_cast<size_t>(c.num_caches()); ++layer) {
+      std::byte* dst = base + (layer * num_blocks + static_cast<size_t>(blocks[b])) * layer_block;
+      const Status copied = device.CopyFromHost(
+          dst, v.value.data() + v.payload + layer * layer_block, static_cast<int64_t>(layer_block));
+      if (!copied.ok()) {
+        return {copied.code(),
+                StrCat("copying a remote tier block to the device: ", copied.message())};
+      }
+    }
+  }
+  const auto bs = static_cast<size_t>(kv_block_size(0));
+  PrefixCache::Published last = parent != nullptr ? *parent : PrefixCache::Published{};
+  for (size_t b = 0; b < blocks.size(); ++b) {
+    const size_t index = static_cast<size_t>(run) + b;
+    const std::span<const TokenId> tokens = std::span(keys.tokens).subspan(index * bs, bs);
+    const BlockHash key =
+        prefix_->Hash(index == 0 ? nullptr : &last.key, tokens, keys.extras, index);
+    last = prefix_->Publish(0, blocks[b], index == 0 ? nullptr : &last, key, tokens, keys.ns_id,
+                            keys.extras, index, priority);
+  }
+  remote_->CountLookup(std::ssize(blocks), false, 0);
+  return Status::Ok();
+}
+
+void StateManager::Impl::StoreRemote(const SequenceKeys& keys, BlockId block, int32_t index,
+                                     const BlockHash& key, const BlockHash* parent_key) {
+  const KVCacheConfig& c = cache_->config(0);
+  const auto layer_block = static_cast<size_t>(LayerBlockBytes(c));
+  const auto i = static_cast<size_t>(index);
+  const auto bs = static_cast<size_t>(kv_block_size(0));
+  const internal::RemoteBlockMeta meta{
+      .fingerprint = remote_fingerprint_,
+      .key = key,
+      .parent_key = parent_key != nullptr ? *parent_key : BlockHash{},
+      .index = static_cast<uint32_t>(index),
+      .adapter_id = keys.extras.adapter_id,
+      .ns = keys.extras.ns,
+      .extra = ExtraBytes(keys.extras, i),
+      .tokens = std::span(keys.tokens).subspan(i * bs, bs),
+      .payload_bytes = static_cast<uint64_t>(c.num_caches()) * layer_block};
+  size_t offset = 0;
+  std::string value = internal::EncodeRemoteValue(meta, &offset);
+  const Result<TensorView> storage = cache_->GetGroupStorage(0);
+  if (!storage.ok()) return;
+  const auto* base = static_cast<const std::byte*>(storage->data);
+  const auto num_blocks = static_cast<size_t>(cache_->num_blocks());
+  Device& device = *cache_->device();
+  for (size_t layer = 0; layer < static_cast<size_t>(c.num_caches()); ++layer) {
+    const std::byte* src = base + (layer * num_blocks + static_cast<size_t>(block)) * layer_block;
+    if (!device
+             .CopyToHost(value.data() + offset + layer * layer_block, src,
+                         static_cast<int64_t>(layer_block))
+             .ok()) {
+      return;  // a block not written through is only a later miss
+    }
+  }
+  internal::SealRemoteValue(value);
+  remote_->Store(internal::RemoteKey(remote_fingerprint_, keys.extras.ns, key), std::move(value));
+}
+
+RemoteTierStats StateManager::remote_tier_stats() const { return impl_->remote_tier_stats(); }
+void StateManager::FlushRemoteTier() { impl_->FlushRemoteTier(); }
+
+}  // namespace blockkv

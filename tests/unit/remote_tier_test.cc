@@ -1,0 +1,370 @@
+// SPDX-License-Identifier: Apache-2.0
+// The remote prefix tier against a real redis-server that each test starts itself (redis_server.h):
+// two managers share blocks through it byte for byte, and every fault — no server, a server
+// killed and restarted, a wrong password, a corrupted value, another namespace or model — is a
+// counted miss or a clear error, never wrong data in the cache.
+#include <gtest/gtest.h>
+#include <hiredis/hiredis.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "blockkv/log.h"
+#include "blockkv/state_manager.h"
+#include "unit/redis_server.h"
+
+namespace blockkv {
+namespace {
+
+using testing::RedisServer;
+
+constexpr int32_t kBlockSize = 4;
+constexpr int64_t kLayers = 2;
+
+class Engine {
+ public:
+  static std::unique_ptr<Engine> Make(RemoteTierConfig remote, Status* status = nullptr) {
+    StateManagerConfig config;
+    config.max_tracked_sequences = 16;
+    config.max_ragged_batch_size = 256;
+    config.max_ragged_sequence_count = 16;
+    config.memory_config = {.mode = AllocationMode::kAllocate, .size = 32};
+    config.prefix_cache.enabled = true;
+    config.remote_tier = std::move(remote);
+    auto mgr = StateManager::Create(config,
+                                    {KVCacheConfig{.block_size = kBlockSize,
+                                                   .cache_shape = {kLayers, 2, 8},
+                                                   .cache_dtype = DType::kFloat32,
+                                                   .max_blocks_per_allocation_group = 32}},
+                                    CpuDevice(64 << 20));
+    if (status != nullptr) *status = mgr.status();
+    if (!mgr.ok()) return nullptr;
+    auto e = std::make_unique<Engine>();
+    e->mgr = std::move(*mgr);
+    return e;
+  }
+
+  // What a model would write for the block holding `tokens`: a function of them alone.
+  static uint8_t Byte(std::span<const TokenId> tokens, int64_t layer, size_t i) {
+    uint32_t h = static_cast<uint32_t>(layer) * 2654435761u + static_cast<uint32_t>(i);
+    for (const TokenId t : tokens) h = h * 31 + static_cast<uint32_t>(t);
+    return static_cast<uint8_t>(h ^ (h >> 13));
+  }
+  size_t LayerBlockBytes() const {
+    const TensorView view = *mgr->GetCache(0, 0);
+    return static_cast<size_t>(view.stride(0)) * ElementSize(view.dtype);
+  }
+  std::vector<uint8_t> Expected(std::span<const TokenId> tokens) const {
+    std::vector<uint8_t> out;
+    for (int64_t layer = 0; layer < kLayers; ++layer) {
+      for (size_t i = 0; i < LayerBlockBytes(); ++i) out.push_back(Byte(tokens, layer, i));
+    }
+    return out;
+  }
+  std::vector<uint8_t> Bytes(BlockId b) const {
+    std::vector<uint8_t> out;
+    const size_t n = LayerBlockBytes();
+    for (int64_t layer = 0; layer < kLayers; ++layer) {
+      const TensorView view = *mgr->GetCache(layer, 0);
+      const auto* p = static_cast<const uint8_t*>(view.data) + static_cast<size_t>(b) * n;
+      out.insert(out.end(), p, p + n);
+    }
+    return out;
+  }
+  void Write(BlockId b, std::span<const TokenId> tokens) {
+    const std::vector<uint8_t> bytes = Expected(tokens);
+    const size_t n = LayerBlockBytes();
+    for (int64_t layer = 0; layer < kLayers; ++layer) {
+      const TensorView view = *mgr->GetCache(layer, 0);
+      std::memcpy(static_cast<uint8_t*>(view.data) + static_cast<size_t>(b) * n,
+                  &bytes[static_cast<size_t>(layer) * n], n);
+    }
+  }
+  // Adds `uid` with `prompt`, computes what the cache does not give (writing each block it
+  // computes), and returns the tokens taken from the cache.
+  int64_t Prefill(SeqId uid, const std::vector<TokenId>& prompt, const std::string& ns = "") {
+    EXPECT_TRUE(mgr->AddSequence(uid, prompt, {.keys = {.ns = ns}}).ok());
+    const SeqId uids[] = {uid};
+    const int64_t lengths[] = {static_cast<int64_t>(prompt.size())};
+    const Status s = mgr->Schedule({.uids = uids, .lengths = lengths});
+    EXPECT_TRUE(s.ok()) << s;
+    const Sequence* seq = mgr->GetSequence(uid);
+    const int64_t cached = seq->seen_tokens();
+    const std::span<const BlockId> table = seq->block_table(0);
+    for (size_t b = static_cast<size_t>(cached / kBlockSize); b < table.size(); ++b) {
+      if (prompt.size() >= (b + 1) * kBlockSize) {
+        Write(table[b], std::span(prompt).subspan(b * kBlockSize, kBlockSize));
+      }
+    }
+    EXPECT_TRUE(mgr->PostForward(uids).ok());
+    return cached;
+  }
+  // Every block of the first `blocks` of `uid`'s table holds what the model would have written.
+  void ExpectPrefixData(SeqId uid, const std::vector<TokenId>& prompt, size_t blocks) const {
+    const std::span<const BlockId> table = mgr->GetSequence(uid)->block_table(0);
+    for (size_t b = 0; b < blocks; ++b) {
+      EXPECT_EQ(Bytes(table[b]), Expected(std::span(prompt).subspan(b * kBlockSize, kBlockSize)))
+          << "block " << b;
+    }
+    const Status ok = mgr->CheckInvariants();
+    EXPECT_TRUE(ok.ok()) << ok;
+  }
+
+  std::unique_ptr<StateManager> mgr;
+};
+
+std::vector<TokenId> Prompt(TokenId first, size_t n) {
+  std::vector<TokenId> p(n);
+  for (size_t i = 0; i < n; ++i) p[i] = first + static_cast<TokenId>(i);
+  return p;
+}
+
+// Every key the server holds.
+std::vector<std::string> Keys(redisContext* c) {
+  std::vector<std::string> out;
+  auto* r = static_cast<redisReply*>(redisCommand(c, "KEYS *"));
+  for (size_t i = 0; r != nullptr && i < r->elements; ++i) {
+    out.emplace_back(r->element[i]->str, r->element[i]->len);
+  }
+  freeReplyObject(r);
+  return out;
+}
+
+TEST(RemoteTierTest, ASecondEngineHitsTheFirstEnginesBlocks) {
+  RedisServer server;
+  const std::vector<TokenId> prompt = Prompt(100, 17);  // 4 full blocks, 1 token left
+  auto a = Engine::Make({.url = server.url(), .model_id = "m"});
+  ASSERT_NE(a, nullptr);
+  EXPECT_TRUE(a->mgr->remote_tier_stats().connected);
+  EXPECT_EQ(a->Prefill(1, prompt), 0);
+  a->mgr->FlushRemoteTier();
+  RemoteTierStats sa = a->mgr->remote_tier_stats();
+  EXPECT_EQ(sa.stored, 4);
+  EXPECT_GT(sa.stored_bytes, int64_t{4} * kLayers * static_cast<int64_t>(a->LayerBlockBytes()));
+  EXPECT_EQ(sa.misses, 1);  // its own first lookup found nothing
+  EXPECT_EQ(sa.hits, 0);
+  redisContext* c = server.Connect();
+  EXPECT_EQ(Keys(c).size(), 4u);
+  redisFree(c);
+
+  auto b = Engine::Make({.url = server.url(), .model_id = "m"});
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(b->Prefill(7, prompt), 16);  // its first prompt: every full block from the tier
+  b->ExpectPrefixData(7, prompt, 4);
+  const RemoteTierStats sb = b->mgr->remote_tier_stats();
+  EXPECT_EQ(sb.hits, 4);
+  EXPECT_EQ(sb.misses, 0);
+  EXPECT_EQ(sb.invalid, 0);
+  EXPECT_EQ(sb.fetched_bytes, sa.stored_bytes);
+  EXPECT_EQ(sb.stored, 0);  // fetched blocks are not written back
+  // The fetched blocks are cached on b's device now: a second request hits them there.
+  ASSERT_TRUE(b->mgr->FlushSequence(7).ok());
+  EXPECT_EQ(b->Prefill(8, prompt), 16);
+  EXPECT_EQ(b->mgr->remote_tier_stats().hits, 4);
+  b->ExpectPrefixData(8, prompt, 4);
+  // A longer prompt: the local run continues on the tier past what b has.
+  const std::vector<TokenId> longer = Prompt(100, 25);
+  EXPECT_EQ(a->Prefill(2, longer), 16);
+  a->mgr->FlushRemoteTier();
+  EXPECT_EQ(a->mgr->remote_tier_stats().stored, 6);
+  EXPECT_EQ(b->Prefill(9, longer), 24);
+  EXPECT_EQ(b->mgr->remote_tier_stats().hits, 6);
+  b->ExpectPrefixData(9, longer, 6);
+}
+
+TEST(RemoteTierTest, NoServerAtStartLeavesTheTierOffWithOneLogLine) {
+  const int port = testing::FreePort();
+  std::vector<std::string> lines;
+  std::mutex mu;
+  SetLogSink([&](LogLevel level, std::string_view line) {
+    std::lock_guard lock(mu);
+    if (level == LogLevel::kWarning) lines.emplace_back(line);
+  });
+  auto e = Engine::Make({.url = "redis://127.0.0.1:" + std::to_string(port)});
+  SetLogSink(nullptr);
+  ASSERT_NE(e, nullptr);
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_NE(lines[0].find("remote tier off"), std::string::npos) << lines[0];
+  EXPECT_NE(lines[0].find(std::to_string(port)), std::string::npos) << lines[0];
+  const std::vector<TokenId> prompt = Prompt(1, 9);
+  EXPECT_EQ(e->Prefill(1, prompt), 0);
+  ASSERT_TRUE(e->mgr->FlushSequence(1).ok());
+  EXPECT_EQ(e->Prefill(2, prompt), 8);  // the local prefix cache works as without the tier
+  e->ExpectPrefixData(2, prompt, 2);
+  const RemoteTierStats s = e->mgr->remote_tier_stats();
+  EXPECT_FALSE(s.connected);
+  EXPECT_EQ(s.stored + s.hits + s.misses + s.errors, 0);
+}
+
+TEST(RemoteTierTest, AKilledServerIsMissesThenARestartedOneIsReconnected) {
+  RedisServer server;
+  const std::vector<TokenId> prompt = Prompt(100, 17);
+  auto a = Engine::Make({.url = server.url(), .timeout_ms = 500});
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->Prefill(1, prompt), 0);
+  a->mgr->FlushRemoteTier();
+  EXPECT_EQ(a->mgr->remote_tier_stats().stored, 4);
+
+  server.Kill();
+  auto b = Engine::Make({.url = server.url(), .timeout_ms = 500}, nullptr);
+  ASSERT_NE(b, nullptr);  // created while the server is down: its tier is off
+  EXPECT_FALSE(b->mgr->remote_tier_stats().connected);
+  // a's connection is gone: its lookup misses and recomputes, its stores are dropped.
+  EXPECT_EQ(a->Prefill(2, Prompt(300, 9)), 0);
+  a->ExpectPrefixData(2, Prompt(300, 9), 2);
+  a->mgr->FlushRemoteTier();
+  RemoteTierStats s = a->mgr->remote_tier_stats();
+  EXPECT_GE(s.errors, 1);
+  EXPECT_EQ(s.stored, 4);
+  EXPECT_EQ(s.dropped, 2);
+  EXPECT_FALSE(s.connected);
+
+  // Restarted (empty: persistence is off). a reconnects once its backoff has passed.
+  server.Start();
+  for (int i = 0; i < 100 && a->mgr->remote_tier_stats().reconnects == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT_EQ(a->Prefill(10 + i, Prompt(1000 + 10 * i, 5)), 0);
+    ASSERT_TRUE(a->mgr->FlushSequence(10 + i).ok());
+  }
+  a->mgr->FlushRemoteTier();
+  s = a->mgr->remote_tier_stats();
+  EXPECT_EQ(s.reconnects, 1);
+  EXPECT_TRUE(s.connected);
+  const std::vector<TokenId> next = Prompt(5000, 9);
+  const int64_t stored = s.stored;
+  EXPECT_EQ(a->Prefill(3, next), 0);
+  a->mgr->FlushRemoteTier();
+  EXPECT_EQ(a->mgr->remote_tier_stats().stored, stored + 2);
+  auto c = Engine::Make({.url = server.url()});
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->Prefill(1, next), 8);
+  c->ExpectPrefixData(1, next, 2);
+  EXPECT_EQ(c->Prefill(2, prompt), 0);  // what the killed server held is gone: a miss
+}
+
+TEST(RemoteTierTest, AWrongPasswordIsAClearErrorWhenTheTierOpens) {
+  RedisServer server({"--requirepass", "secret"});
+  Status status;
+  EXPECT_EQ(Engine::Make({.url = server.url(":wrong")}, &status), nullptr);
+  EXPECT_EQ(status.code(), StatusCode::kPermissionDenied) << status;
+  EXPECT_NE(status.message().find("StateManagerConfig.remote_tier"), std::string::npos) << status;
+  EXPECT_NE(status.message().find("AUTH"), std::string::npos) << status;
+  EXPECT_EQ(status.message().find("wrong"), std::string::npos) << "the password leaked: " << status;
+  // The right one, as user:password and as :password.
+  auto right = Engine::Make({.url = server.url("default:secret")}, &status);
+  ASSERT_NE(right, nullptr) << status;
+  const std::vector<TokenId> prompt = Prompt(7, 9);
+  EXPECT_EQ(right->Prefill(1, prompt), 0);
+  right->mgr->FlushRemoteTier();
+  EXPECT_EQ(right->mgr->remote_tier_stats().stored, 2);
+  auto other = Engine::Make({.url = server.url(":secret")});
+  ASSERT_NE(other, nullptr);
+  EXPECT_EQ(other->Prefill(1, prompt), 8);
+}
+
+TEST(RemoteTierTest, ACorruptedValueIsACountedMissAndNothingWrongIsCached) {
+  RedisServer server;
+  const std::vector<TokenId> prompt = Prompt(100, 17);
+  auto a = Engine::Make({.url = server.url()});
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->Prefill(1, prompt), 0);
+  a->mgr->FlushRemoteTier();
+  // Flip one byte of block 2's KV bytes (the block index is at offset 48 of the value).
+  redisContext* c = server.Connect();
+  bool flipped = false;
+  for (const std::string& key : Keys(c)) {
+    auto* r = static_cast<redisReply*>(redisCommand(c, "GET %b", key.data(), key.size()));
+    ASSERT_NE(r, nullptr);
+    std::string value(r->str, r->len);
+    freeReplyObject(r);
+    uint32_t index = 0;
+    std::memcpy(&index, value.data() + 48, sizeof(index));
+    if (index != 2) continue;
+    value[value.size() - 9] = static_cast<char>(value[value.size() - 9] ^ 0x40);
+    freeReplyObject(
+        redisCommand(c, "SET %b %b", key.data(), key.size(), value.data(), value.size()));
+    flipped = true;
+  }
+  redisFree(c);
+  ASSERT_TRUE(flipped);
+  auto b = Engine::Make({.url = server.url()});
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(b->Prefill(1, prompt), 8);  // blocks 0 and 1; block 2 does not verify
+  b->ExpectPrefixData(1, prompt, 4);    // 2 and 3 were recomputed
+  const RemoteTierStats s = b->mgr->remote_tier_stats();
+  EXPECT_EQ(s.hits, 2);
+  EXPECT_EQ(s.invalid, 1);
+  EXPECT_EQ(s.misses, 1);
+}
+
+TEST(RemoteTierTest, AnotherNamespaceOrModelNeverHits) {
+  RedisServer server;
+  const std::vector<TokenId> prompt = Prompt(100, 17);
+  auto a = Engine::Make({.url = server.url(), .model_id = "llama"});
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->Prefill(1, prompt, "tenant-a"), 0);
+  a->mgr->FlushRemoteTier();
+  auto b = Engine::Make({.url = server.url(), .model_id = "llama"});
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(b->Prefill(1, prompt, "tenant-b"), 0);
+  EXPECT_EQ(b->Prefill(2, prompt, ""), 0);
+  auto other_model = Engine::Make({.url = server.url(), .model_id = "mistral"});
+  ASSERT_NE(other_model, nullptr);
+  EXPECT_EQ(other_model->Prefill(1, prompt, "tenant-a"), 0);
+  EXPECT_EQ(other_model->mgr->remote_tier_stats().hits, 0);
+  auto other_rank =
+      Engine::Make({.url = server.url(), .model_id = "llama", .tp_rank = 1, .tp_size = 2});
+  ASSERT_NE(other_rank, nullptr);
+  EXPECT_EQ(other_rank->Prefill(1, prompt, "tenant-a"), 0);
+  // The same tenant and model: a hit (so the misses above are the keys, not the setup).
+  auto same = Engine::Make({.url = server.url(), .model_id = "llama"});
+  ASSERT_NE(same, nullptr);
+  EXPECT_EQ(same->Prefill(1, prompt, "tenant-a"), 16);
+  same->ExpectPrefixData(1, prompt, 4);
+}
+
+TEST(RemoteTierTest, AFullQueueDropsStoresAndCountsThem) {
+  RedisServer server;
+  auto e = Engine::Make({.url = server.url(), .max_pending = 0});
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->Prefill(1, Prompt(1, 17)), 0);
+  e->mgr->FlushRemoteTier();
+  const RemoteTierStats s = e->mgr->remote_tier_stats();
+  EXPECT_EQ(s.dropped, 4);
+  EXPECT_EQ(s.stored, 0);
+  EXPECT_EQ(s.errors, 0);
+}
+
+TEST(RemoteTierTest, BadConfigsAreClearErrors) {
+  Status status;
+  EXPECT_EQ(Engine::Make({.url = "http://127.0.0.1:6379"}, &status), nullptr);
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("http://127.0.0.1:6379"), std::string::npos) << status;
+  EXPECT_EQ(Engine::Make({.url = "redis://127.0.0.1:99999"}, &status), nullptr);
+  EXPECT_NE(status.message().find("port"), std::string::npos) << status;
+  EXPECT_EQ(Engine::Make({.url = "redis://127.0.0.1:1", .timeout_ms = 0}, &status), nullptr);
+  EXPECT_NE(status.message().find("timeout_ms is 0"), std::string::npos) << status;
+  EXPECT_EQ(Engine::Make({.url = "redis://127.0.0.1:1", .tp_rank = 2, .tp_size = 2}, &status),
+            nullptr);
+  EXPECT_NE(status.message().find("tp_rank 2"), std::string::npos) << status;
+  // Without prefix caching there is nothing to key blocks by.
+  StateManagerConfig config;
+  config.memory_config = {.mode = AllocationMode::kAllocate, .size = 8};
+  config.remote_tier = RemoteTierConfig{.url = "redis://127.0.0.1:1"};
+  auto mgr = StateManager::Create(
+      config, {KVCacheConfig{.block_size = 4, .cache_shape = {1, 1, 8}}}, CpuDevice(16 << 20));
+  ASSERT_FALSE(mgr.ok());
+  EXPECT_EQ(mgr.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(mgr.status().message().find("prefix_cache.enabled"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace blockkv
