@@ -26,6 +26,7 @@ struct RemoteTierConfig {
   // Part of the fingerprint: tensor-parallel rank and world size of this engine.
   int32_t tp_rank = 0;
   int32_t tp_size = 1;
+  friend bool operator==(const RemoteTierConfig&, const RemoteTierConfig&) = default;
 };
 
 struct RemoteTierStats {

@@ -53,6 +53,7 @@ from ._blockkv import (
     PrefixCacheConfig,
     PrefixCacheStats,
     RaggedBatchWrapper,
+    RemoteTierConfig,
     ResourceExhaustedError,
     SchedulingResult,
     SequenceDescriptor,
@@ -92,6 +93,7 @@ __all__ = [
     "PrefixCacheConfig",
     "PrefixCacheStats",
     "RaggedBatchWrapper",
+    "RemoteTierConfig",
     "ResourceExhaustedError",
     "SchedulingError",
     "SchedulingResult",
@@ -112,7 +114,7 @@ __all__ = [
 for _cls in (AllCleared, AllocationMode, BlockedAllocator, BlockedKVCache, BlockRemoved,
              BlockStored, CacheEventBatch, Device, KVCacheConfig, KVEventsConfig, KVEventsStats,
              MemoryConfig, OffloadConfig,
-             OffloadTicket, PrefixCacheConfig, PrefixCacheStats, RaggedBatchWrapper, ResourceExhaustedError, SchedulingResult,
+             OffloadTicket, PrefixCacheConfig, PrefixCacheStats, RaggedBatchWrapper, RemoteTierConfig, ResourceExhaustedError, SchedulingResult,
              SequenceDescriptor, StateManager, StateManagerConfig, Tensor):
     _cls.__module__ = __name__
 del _cls

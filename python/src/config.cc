@@ -9,6 +9,7 @@
 
 #include <array>
 #include <cctype>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -16,6 +17,7 @@
 #include "blockkv/config.h"
 #include "blockkv/offload.h"
 #include "blockkv/prefix_cache.h"
+#include "blockkv/remote_tier.h"
 #include "blockkv/state_manager.h"
 #include "common.h"
 #include "kv_events.h"
@@ -195,6 +197,60 @@ bool operator==(const OffloadConfig& a, const OffloadConfig& b) {
          a.disk_blocks == b.disk_blocks;
 }
 
+std::string Repr(const RemoteTierConfig& c) {
+  // The URL may hold a password: show only where it points.
+  const size_t at = c.url.rfind('@');
+  const std::string url = at == std::string::npos ? c.url : "redis://***@" + c.url.substr(at + 1);
+  return "RemoteTierConfig(" + std::string(py::repr(py::str(url))) +
+         ", model_id=" + std::string(py::repr(py::str(c.model_id))) +
+         ", timeout_ms=" + std::to_string(c.timeout_ms) +
+         ", max_pending=" + std::to_string(c.max_pending) +
+         ", tp_rank=" + std::to_string(c.tp_rank) + ", tp_size=" + std::to_string(c.tp_size) + ")";
+}
+
+Status ValidateRemoteTier(const RemoteTierConfig& c) {
+  if (c.url.empty()) return InvalidArgumentError("RemoteTierConfig.url is empty");
+  if (c.timeout_ms <= 0) {
+    return InvalidArgumentError("RemoteTierConfig.timeout_ms is " + std::to_string(c.timeout_ms) +
+                                "; it must be > 0");
+  }
+  if (c.max_pending < 0) {
+    return InvalidArgumentError("RemoteTierConfig.max_pending is " + std::to_string(c.max_pending) +
+                                "; it must be >= 0");
+  }
+  if (c.tp_size < 1 || c.tp_rank < 0 || c.tp_rank >= c.tp_size) {
+    return InvalidArgumentError("RemoteTierConfig.tp_rank " + std::to_string(c.tp_rank) +
+                                " is outside [0, tp_size=" + std::to_string(c.tp_size) + ")");
+  }
+  return Status::Ok();
+}
+
+py::object RemoteState(const std::optional<RemoteTierConfig>& c) {
+  if (!c) return py::none();
+  return py::make_tuple(c->url, c->model_id, c->timeout_ms, c->max_pending, c->tp_rank, c->tp_size);
+}
+
+std::optional<RemoteTierConfig> RemoteFromState(py::handle state) {
+  if (state.is_none()) return std::nullopt;
+  const auto t = state.cast<py::tuple>();
+  return RemoteTierConfig{.url = t[0].cast<std::string>(),
+                          .model_id = t[1].cast<std::string>(),
+                          .timeout_ms = t[2].cast<int32_t>(),
+                          .max_pending = t[3].cast<int32_t>(),
+                          .tp_rank = t[4].cast<int32_t>(),
+                          .tp_size = t[5].cast<int32_t>()};
+}
+
+// StateManagerConfig.remote_tier: None (no tier) or a RemoteTierConfig.
+std::optional<RemoteTierConfig> ToRemoteTier(py::handle obj) {
+  if (obj.is_none()) return std::nullopt;
+  if (!py::isinstance<RemoteTierConfig>(obj)) {
+    Throw(PyExc_TypeError, "remote_tier must be None or a blockkv.RemoteTierConfig, got " +
+                               std::string(py::str(py::type::of(obj).attr("__name__"))));
+  }
+  return obj.cast<RemoteTierConfig>();
+}
+
 std::string Repr(const StateManagerConfig& c) {
   return "StateManagerConfig(max_tracked_sequences=" + std::to_string(c.max_tracked_sequences) +
          ", max_ragged_batch_size=" + std::to_string(c.max_ragged_batch_size) +
@@ -204,7 +260,8 @@ std::string Repr(const StateManagerConfig& c) {
          ", offload=" + (c.offload ? "True" : "False") +
          ", offload_config=" + (IsDefault(c.offload_config) ? "None" : Repr(c.offload_config)) +
          ", prefix_cache=" + (IsDefault(c.prefix_cache) ? "None" : Repr(c.prefix_cache)) +
-         ", kv_events=" + KVEventsRepr(c.kv_events) + ")";
+         ", kv_events=" + KVEventsRepr(c.kv_events) +
+         ", remote_tier=" + (c.remote_tier ? Repr(*c.remote_tier) : std::string("None")) + ")";
 }
 
 // copy.copy / copy.deepcopy give an independent config; pickle round-trips through a tuple of
@@ -586,35 +643,72 @@ void BindMemoryConfig(py::module_& m) {
       .def("__repr__", py::overload_cast<const MemoryConfig&>(&Repr));
   AddValueMethods(cls, &MemoryState, &MemoryFromState);
 }
+void BindRemoteTierConfig(py::module_& m) {
+  using R = RemoteTierConfig;
+  py::class_<R> cls(m, "RemoteTierConfig",
+                    "A prefix-cache tier in Redis shared by every engine "
+                    "(StateManagerConfig(remote_tier=...), prefix caching on); see "
+                    "docs/remote_tier.md.");
+  cls.def(py::init([](std::string url, std::string model_id, Int<int32_t, "timeout_ms"> timeout_ms,
+                      Int<int32_t, "max_pending"> max_pending, Int<int32_t, "tp_rank"> tp_rank,
+                      Int<int32_t, "tp_size"> tp_size) {
+            R c{.url = std::move(url),
+                .model_id = std::move(model_id),
+                .timeout_ms = timeout_ms,
+                .max_pending = max_pending,
+                .tp_rank = tp_rank,
+                .tp_size = tp_size};
+            ThrowIfError(ValidateRemoteTier(c));
+            return c;
+          }),
+          py::arg("url"), py::kw_only(), py::arg("model_id") = "", py::arg("timeout_ms") = 1000,
+          py::arg("max_pending") = 1024, py::arg("tp_rank") = 0, py::arg("tp_size") = 1)
+      .def_readonly("url", &R::url, "redis://[user:password@]host:port[/db]")
+      .def_readonly("model_id", &R::model_id, "The model's identity: part of every key")
+      .def_readonly("timeout_ms", &R::timeout_ms, "Connect and command timeout")
+      .def_readonly("max_pending", &R::max_pending, "Stores queued at most (more are dropped)")
+      .def_readonly("tp_rank", &R::tp_rank, "This engine's tensor-parallel rank: part of keys")
+      .def_readonly("tp_size", &R::tp_size, "The tensor-parallel world size: part of keys")
+      .def("__eq__", [](const R& a, const R& b) { return a == b; })
+      .def("__repr__", py::overload_cast<const R&>(&Repr))
+      .def("__copy__", [](const R& c) { return c; })
+      .def(
+          "__deepcopy__", [](const R& c, const py::dict&) { return c; }, py::arg("memo"))
+      .def(py::pickle([](const R& c) { return RemoteState(c).cast<py::tuple>(); },
+                      [](const py::tuple& state) { return *RemoteFromState(state); }));
+}
 
 void BindStateManagerConfig(py::module_& m) {
   using C = StateManagerConfig;
   py::class_<C> cls(m, "StateManagerConfig",
                     "Limits of a StateManager and its batches (DeepSpeed's DSStateManagerConfig).");
-  cls.def(py::init([](Int<int32_t, "max_tracked_sequences"> max_tracked_sequences,
-                      Int<int32_t, "max_ragged_batch_size"> max_ragged_batch_size,
-                      Int<int32_t, "max_ragged_sequence_count"> max_ragged_sequence_count,
-                      Int<int64_t, "max_context"> max_context, const py::object& memory_config,
-                      bool offload, const py::object& offload_config,
-                      const py::object& prefix_cache, const py::object& kv_events) {
-            C c;
-            c.max_tracked_sequences = max_tracked_sequences;
-            c.max_ragged_batch_size = max_ragged_batch_size;
-            c.max_ragged_sequence_count = max_ragged_sequence_count;
-            c.max_context = max_context;
-            if (!memory_config.is_none()) c.memory_config = memory_config.cast<MemoryConfig>();
-            c.offload = offload;
-            c.offload_config = ToOffloadConfig(offload_config);
-            c.prefix_cache = ToPrefixCache(prefix_cache);
-            c.kv_events = ToKVEventsConfig(kv_events);
-            ThrowIfError(c.Validate());
-            return c;
-          }),
-          py::kw_only(), py::arg("max_tracked_sequences") = 2048,
-          py::arg("max_ragged_batch_size") = 768, py::arg("max_ragged_sequence_count") = 512,
-          py::arg("max_context") = 8192, py::arg("memory_config") = py::none(),
-          py::arg("offload") = false, py::arg("offload_config") = py::none(),
-          py::arg("prefix_cache") = py::none(), py::arg("kv_events") = py::none())
+  cls.def(
+         py::init([](Int<int32_t, "max_tracked_sequences"> max_tracked_sequences,
+                     Int<int32_t, "max_ragged_batch_size"> max_ragged_batch_size,
+                     Int<int32_t, "max_ragged_sequence_count"> max_ragged_sequence_count,
+                     Int<int64_t, "max_context"> max_context, const py::object& memory_config,
+                     bool offload, const py::object& offload_config, const py::object& prefix_cache,
+                     const py::object& kv_events, const py::object& remote_tier) {
+           C c;
+           c.max_tracked_sequences = max_tracked_sequences;
+           c.max_ragged_batch_size = max_ragged_batch_size;
+           c.max_ragged_sequence_count = max_ragged_sequence_count;
+           c.max_context = max_context;
+           if (!memory_config.is_none()) c.memory_config = memory_config.cast<MemoryConfig>();
+           c.offload = offload;
+           c.offload_config = ToOffloadConfig(offload_config);
+           c.prefix_cache = ToPrefixCache(prefix_cache);
+           c.kv_events = ToKVEventsConfig(kv_events);
+           c.remote_tier = ToRemoteTier(remote_tier);
+           ThrowIfError(c.Validate());
+           return c;
+         }),
+         py::kw_only(), py::arg("max_tracked_sequences") = 2048,
+         py::arg("max_ragged_batch_size") = 768, py::arg("max_ragged_sequence_count") = 512,
+         py::arg("max_context") = 8192, py::arg("memory_config") = py::none(),
+         py::arg("offload") = false, py::arg("offload_config") = py::none(),
+         py::arg("prefix_cache") = py::none(), py::arg("kv_events") = py::none(),
+         py::arg("remote_tier") = py::none())
       .def_property(
           "max_tracked_sequences", [](const C& c) { return c.max_tracked_sequences; },
           Int32Setter(&C::max_tracked_sequences, "max_tracked_sequences"))
@@ -676,6 +770,17 @@ void BindStateManagerConfig(py::module_& m) {
           },
           "None (no KV events on the wire, the default) or a KVEventsConfig: publish the prefix "
           "cache's events over ZeroMQ in vLLM's format (docs/kv_events.md)")
+      .def_property(
+          "remote_tier",
+          [](const C& c) -> py::object {
+            return c.remote_tier ? py::cast(*c.remote_tier) : py::none();
+          },
+          [](C& c, py::handle v) {
+            std::optional<RemoteTierConfig> remote = ToRemoteTier(v);
+            SetValidated(c, [&](C& copy) { copy.remote_tier = std::move(remote); });
+          },
+          "None (no remote tier, the default) or a RemoteTierConfig (a copy: assign a new one "
+          "to change it); needs prefix_cache")
       .def("__eq__",
            [](const C& a, const C& b) {
              return a.max_tracked_sequences == b.max_tracked_sequences &&
@@ -685,7 +790,7 @@ void BindStateManagerConfig(py::module_& m) {
                     a.memory_config.mode == b.memory_config.mode &&
                     a.memory_config.size == b.memory_config.size && a.offload == b.offload &&
                     a.offload_config == b.offload_config && a.prefix_cache == b.prefix_cache &&
-                    a.kv_events == b.kv_events;
+                    a.kv_events == b.kv_events && a.remote_tier == b.remote_tier;
            })
       .def("__repr__", py::overload_cast<const C&>(&Repr));
   AddValueMethods(
@@ -695,7 +800,8 @@ void BindStateManagerConfig(py::module_& m) {
             c.max_tracked_sequences, c.max_ragged_batch_size, c.max_ragged_sequence_count,
             c.max_context, MemoryState(c.memory_config), c.offload, PrefixState(c.prefix_cache),
             OffloadState(c.offload_config),
-            c.kv_events ? py::object(KVEventsState(*c.kv_events)) : py::object(py::none()));
+            c.kv_events ? py::object(KVEventsState(*c.kv_events)) : py::object(py::none()),
+            RemoteState(c.remote_tier));
       },
       [](const py::tuple& state) {
         C c;
@@ -713,6 +819,8 @@ void BindStateManagerConfig(py::module_& m) {
         if (state.size() > 8 && !state[8].is_none()) {
           c.kv_events = KVEventsFromState(state[8].cast<py::tuple>());
         }
+        // ... and nine before remote_tier was.
+        if (state.size() > 9) c.remote_tier = RemoteFromState(state[9]);
         return c;
       });
 }
@@ -725,6 +833,7 @@ void BindConfig(py::module_& m) {
   BindPrefixCacheConfig(m);
   BindOffloadConfig(m);
   BindKVEventsConfig(m);
+  BindRemoteTierConfig(m);
   BindStateManagerConfig(m);
 }
 

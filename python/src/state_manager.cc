@@ -547,6 +547,35 @@ void BindManager(py::module_& m) {
           "The prefix cache's host level (offload and prefix caching both on, one cache group "
           "without a sliding window): a dict of entries (blocks on the host now), demoted, "
           "promoted, dropped. Zeros without that level.")
+      .def(
+          "remote_tier_stats",
+          [](const Manager& self) {
+            const RemoteTierStats s =
+                Locked(self->lock, [&] { return self->manager->remote_tier_stats(); });
+            py::dict d;
+            d["hits"] = s.hits;
+            d["misses"] = s.misses;
+            d["invalid"] = s.invalid;
+            d["fetched_bytes"] = s.fetched_bytes;
+            d["stored"] = s.stored;
+            d["stored_bytes"] = s.stored_bytes;
+            d["dropped"] = s.dropped;
+            d["errors"] = s.errors;
+            d["reconnects"] = s.reconnects;
+            d["connected"] = s.connected;
+            return d;
+          },
+          "The remote tier's counters (docs/remote_tier.md): a dict of hits (blocks fetched and "
+          "placed), misses (lookups the tier stopped), invalid (values that did not verify), "
+          "fetched_bytes, stored, stored_bytes, dropped, errors, reconnects, connected. Zeros "
+          "without the tier.")
+      .def(
+          "flush_remote_tier",
+          [](const Manager& self) {
+            py::gil_scoped_release release;
+            Locked(self->lock, [&] { self->manager->FlushRemoteTier(); });
+          },
+          "Waits until every block queued for the remote tier was stored or failed")
       .def_property_readonly("config", [](const Manager& self) { return self->manager->config(); })
       .def(
           "check_invariants",

@@ -1,0 +1,136 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The remote prefix tier from Python: RemoteTierConfig, StateManagerConfig(remote_tier=...),
+two managers sharing blocks through a redis-server this file starts itself (a test that cannot
+start one fails), remote_tier_stats, and the errors."""
+
+import copy
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+import blockkv
+import pytest
+import torch
+
+from conftest import allocate, kv_config
+
+BLOCK = 16
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def redis_server():
+    """A redis-server on 127.0.0.1 on a free port, persistence off; its port."""
+    port = free_port()
+    scratch = tempfile.mkdtemp(prefix="blockkv-redis-")
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", scratch, "--requirepass", "pw"],
+        stdout=subprocess.DEVNULL)
+    try:
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None, "redis-server exited at start"
+                time.sleep(0.05)
+        else:
+            pytest.fail(f"redis-server did not answer on port {port}")
+        yield port
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def make_manager(remote):
+    config = blockkv.StateManagerConfig(memory_config=allocate(32),
+                                        prefix_cache=blockkv.PrefixCacheConfig(),
+                                        remote_tier=remote)
+    return blockkv.StateManager(config, (kv_config(block_size=BLOCK),), device="cpu")
+
+
+def caches(manager):
+    return [torch.from_dlpack(manager.get_cache(i)).view(torch.int16) for i in range(2)]
+
+
+def prefill(manager, uid, prompt, fill):
+    """Schedules `uid`'s prompt; writes `fill(block index)` into every block it computes."""
+    seq = manager.add_sequence(uid, prompt)
+    manager.schedule([uid], [len(prompt)])
+    table = seq.block_table()
+    for b in range(seq.cached_prefix_tokens // BLOCK, len(prompt) // BLOCK):
+        for layer in caches(manager):
+            layer[table[b]] = fill(b)
+    manager.post_forward([uid])
+    manager.check_invariants()
+    return seq
+
+
+def test_config_values_copy_pickle_and_errors():
+    r = blockkv.RemoteTierConfig("redis://:secret@127.0.0.1:6379/2", model_id="llama")
+    assert (r.url, r.model_id, r.timeout_ms, r.tp_rank, r.tp_size) == (
+        "redis://:secret@127.0.0.1:6379/2", "llama", 1000, 0, 1)
+    assert "secret" not in repr(r)
+    c = blockkv.StateManagerConfig(prefix_cache=blockkv.PrefixCacheConfig(), remote_tier=r)
+    assert c.remote_tier == r
+    assert pickle.loads(pickle.dumps(c)) == c
+    assert copy.deepcopy(r) == r and pickle.loads(pickle.dumps(r)) == r
+    assert blockkv.StateManagerConfig().remote_tier is None
+    with pytest.raises(ValueError, match="timeout_ms is 0"):
+        blockkv.RemoteTierConfig("redis://h:1", timeout_ms=0)
+    with pytest.raises(ValueError, match="max_pending is -1"):
+        blockkv.RemoteTierConfig("redis://h:1", max_pending=-1)
+    with pytest.raises(ValueError, match="prefix_cache.enabled"):
+        blockkv.StateManagerConfig(remote_tier=r)
+    with pytest.raises(TypeError, match="remote_tier must be None or a blockkv.RemoteTierConfig"):
+        blockkv.StateManagerConfig(prefix_cache=blockkv.PrefixCacheConfig(), remote_tier="redis://")
+    with pytest.raises(ValueError, match="not a redis:// URL"):
+        make_manager(blockkv.RemoteTierConfig("http://127.0.0.1:1"))
+
+
+def test_two_managers_share_blocks_through_redis(redis_server):
+    url = f"redis://:pw@127.0.0.1:{redis_server}"
+    prompt = list(range(500, 500 + 3 * BLOCK + 1))  # 3 full blocks
+    a = make_manager(blockkv.RemoteTierConfig(url, model_id="m"))
+    prefill(a, 1, prompt, lambda b: 100 + b)
+    a.flush_remote_tier()
+    sa = a.remote_tier_stats()
+    assert (sa["stored"], sa["misses"], sa["hits"], sa["dropped"], sa["errors"]) == (3, 1, 0, 0, 0)
+    assert sa["connected"]
+
+    b = make_manager(blockkv.RemoteTierConfig(url, model_id="m"))
+    seq = prefill(b, 1, prompt, lambda b: -1)
+    assert seq.cached_prefix_tokens == 3 * BLOCK
+    table = seq.block_table()
+    for layer in caches(b):
+        for i in range(3):
+            assert torch.all(layer[table[i]] == 100 + i)
+    sb = b.remote_tier_stats()
+    assert (sb["hits"], sb["misses"], sb["invalid"]) == (3, 0, 0)
+    assert sb["fetched_bytes"] == sa["stored_bytes"]
+
+    other = make_manager(blockkv.RemoteTierConfig(url, model_id="other"))
+    assert prefill(other, 1, prompt, lambda b: 7).cached_prefix_tokens == 0
+
+
+def test_wrong_password_is_a_permission_error(redis_server):
+    with pytest.raises(PermissionError, match="AUTH"):
+        make_manager(blockkv.RemoteTierConfig(f"redis://:nope@127.0.0.1:{redis_server}"))
+
+
+def test_no_server_leaves_the_tier_off():
+    m = make_manager(blockkv.RemoteTierConfig(f"redis://127.0.0.1:{free_port()}"))
+    prefill(m, 1, list(range(40)), lambda b: 1)
+    s = m.remote_tier_stats()
+    assert not s["connected"] and s["stored"] == 0 and s["hits"] == 0
