@@ -186,7 +186,8 @@ std::string RemoteKey(uint64_t fingerprint, std::string_view ns, const BlockHash
 // ---- the client ----------------------------------------------------------------------------
 
 Result<redisContext*> RemoteTier::Connect(const RedisUrl& url, int32_t timeout_ms) {
-  const timeval tv{.tv_sec = timeout_ms / 1000, .tv_usec = (timeout_ms % 1000) * 1000};
+  const timeval tv{.tv_sec = timeout_ms / 1000,
+                   .tv_usec = static_cast<suseconds_t>(timeout_ms % 1000) * 1000};
   redisContext* ctx = redisConnectWithTimeout(url.host.c_str(), url.port, tv);
   const std::string where = StrCat("redis at ", url.host, ":", url.port);
   if (ctx == nullptr) return UnavailableError(StrCat(where, ": cannot allocate a connection"));

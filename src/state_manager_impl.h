@@ -261,8 +261,8 @@ class StateManager::Impl {
   Status PlaceRemote(const SequenceKeys& keys, size_t first, std::span<const BlockId> blocks,
                      int32_t run, const PrefixCache::Published* parent, int32_t priority);
   // Queues a newly published block of group 0 for the remote tier (a dropped store is counted).
-  void StoreRemote(const SequenceKeys& keys, BlockId block, int32_t index, const BlockHash& key,
-                   const BlockHash* parent_key);
+  void StoreRemote(const SequenceKeys& keys, int32_t index, const BlockHash& key,
+                   const BlockHash* parent_key, BlockId block);
   // Waits for a resume of `seq` in flight; when its copy failed, parks the sequence again and
   // returns the error. OK when nothing is in flight.
   Status SettleRestore(Sequence& seq);
@@ -278,7 +278,6 @@ class StateManager::Impl {
   // FlushSequence's part: a preempted sequence's handles are dropped.
   void DropParked(Sequence& seq);
   Status CheckParked(const Sequence& seq, int group) const;
-
 
   // ---- snapshots (snapshot.cc) ----
   // kFailedPrecondition naming the first sequence (by slot) whose state a snapshot cannot hold —

@@ -370,7 +370,7 @@ void StateManager::Impl::PublishFullBlocks(Sequence& seq) {
                                       static_cast<size_t>(index), keys.priority);
         // Write-through of a newly computed block (the remote tier is for one group: g == 0).
         if (remote_ != nullptr) {
-          StoreRemote(keys, block, index, key, parent != nullptr ? &parent_key : nullptr);
+          StoreRemote(keys, index, key, parent != nullptr ? &parent_key : nullptr, block);
         }
       }
     }

@@ -93,7 +93,7 @@ void StateManager::Impl::FlushRemoteTier() {
 int32_t StateManager::Impl::MatchRemote(const SequenceKeys& keys, int32_t run, int32_t max) {
   if (max <= 0) return 0;
   const auto bs = static_cast<size_t>(kv_block_size(0));
-  const auto end = static_cast<size_t>(run + max);
+  const auto end = static_cast<size_t>(run) + static_cast<size_t>(max);
   remote_keys_.resize(end);
   for (size_t i = 0; i < end; ++i) {
     remote_keys_[i] = prefix_->Hash(i == 0 ? nullptr : &remote_keys_[i - 1],
@@ -101,7 +101,7 @@ int32_t StateManager::Impl::MatchRemote(const SequenceKeys& keys, int32_t run, i
   }
   std::vector<std::string> names;
   names.reserve(static_cast<size_t>(max));
-  for (size_t i = static_cast<size_t>(run); i < end; ++i) {
+  for (auto i = static_cast<size_t>(run); i < end; ++i) {
     names.push_back(internal::RemoteKey(remote_fingerprint_, keys.extras.ns, remote_keys_[i]));
   }
   std::vector<std::string> values = remote_->Fetch(std::move(names));
@@ -111,7 +111,7 @@ int32_t StateManager::Impl::MatchRemote(const SequenceKeys& keys, int32_t run, i
   for (; n < max; ++n) {
     std::string& value = values[static_cast<size_t>(n)];
     if (value.empty()) break;
-    const size_t i = static_cast<size_t>(run + n);
+    const auto i = static_cast<size_t>(run) + static_cast<size_t>(n);
     const internal::RemoteBlockMeta want{
         .fingerprint = remote_fingerprint_,
         .key = remote_keys_[i],
@@ -168,8 +168,8 @@ Status StateManager::Impl::PlaceRemote(const SequenceKeys& keys, size_t first,
   return Status::Ok();
 }
 
-void StateManager::Impl::StoreRemote(const SequenceKeys& keys, BlockId block, int32_t index,
-                                     const BlockHash& key, const BlockHash* parent_key) {
+void StateManager::Impl::StoreRemote(const SequenceKeys& keys, int32_t index, const BlockHash& key,
+                                     const BlockHash* parent_key, BlockId block) {
   const KVCacheConfig& c = cache_->config(0);
   const auto layer_block = static_cast<size_t>(LayerBlockBytes(c));
   const auto i = static_cast<size_t>(index);

@@ -99,7 +99,7 @@ class Engine {
     const Sequence* seq = mgr->GetSequence(uid);
     const int64_t cached = seq->seen_tokens();
     const std::span<const BlockId> table = seq->block_table(0);
-    for (size_t b = static_cast<size_t>(cached / kBlockSize); b < table.size(); ++b) {
+    for (auto b = static_cast<size_t>(cached / kBlockSize); b < table.size(); ++b) {
       if (prompt.size() >= (b + 1) * kBlockSize) {
         Write(table[b], std::span(prompt).subspan(b * kBlockSize, kBlockSize));
       }
