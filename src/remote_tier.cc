@@ -270,7 +270,7 @@ bool RemoteTier::Store(std::string key, std::string value) {
   return true;
 }
 
-std::vector<std::string> RemoteTier::Fetch(std::vector<std::string> keys) {
+RemoteTier::Fetched RemoteTier::Fetch(std::vector<std::string> keys) {
   const size_t n = keys.size();
   auto job = std::make_shared<FetchJob>();
   job->keys = std::move(keys);
@@ -282,9 +282,9 @@ std::vector<std::string> RemoteTier::Fetch(std::vector<std::string> keys) {
     // Late: a miss. The worker still runs it if it started (its result is dropped).
     std::erase(fetches_, job);
     ++errors_;
-    return std::vector<std::string>(n);
+    return {.reply = nullptr, .values = std::vector<std::string_view>(n)};
   }
-  return std::move(job->values);
+  return std::move(job->fetched);
 }
 
 void RemoteTier::Drain() {
@@ -320,10 +320,10 @@ void RemoteTier::Run() {
       fetches_.pop_front();
       std::vector<std::string> keys = job->keys;
       lock.unlock();
-      FetchJob result{.keys = std::move(keys), .values = {}};
+      FetchJob result{.keys = std::move(keys), .fetched = {}};
       DoFetch(result);
       lock.lock();
-      job->values = std::move(result.values);
+      job->fetched = std::move(result.fetched);
       job->done = true;
       done_cv_.notify_all();
       continue;
@@ -373,11 +373,11 @@ void RemoteTier::Disconnect() {
 }
 
 void RemoteTier::DoFetch(FetchJob& job) {
-  job.values.assign(job.keys.size(), std::string());
+  job.fetched.values.assign(job.keys.size(), std::string_view());
   if (!EnsureConnected()) return;
   std::vector<std::string_view> args = {"MGET"};
   args.insert(args.end(), job.keys.begin(), job.keys.end());
-  const Reply reply = Command(ctx_, args);
+  Reply reply = Command(ctx_, args);
   if (!reply || reply->type != REDIS_REPLY_ARRAY || reply->elements != job.keys.size()) {
     Disconnect();
     return;
@@ -385,9 +385,10 @@ void RemoteTier::DoFetch(FetchJob& job) {
   for (size_t i = 0; i < reply->elements; ++i) {
     const redisReply* e = reply->element[i];
     if (e->type != REDIS_REPLY_STRING) continue;
-    job.values[i].assign(e->str, e->len);
+    job.fetched.values[i] = std::string_view(e->str, e->len);
     fetched_bytes_ += static_cast<int64_t>(e->len);
   }
+  job.fetched.reply = std::shared_ptr<const redisReply>(reply.release(), ReplyDeleter());
 }
 
 void RemoteTier::DoStores(std::vector<std::pair<std::string, std::string>>& batch) {

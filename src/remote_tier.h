@@ -79,9 +79,14 @@ class RemoteTier {
 
   // Queues a SET; false (and counted) when the queue is full.
   bool Store(std::string key, std::string value);
-  // The values of `keys` ("" for a key with none), waiting at most timeout_ms: all "" on a
-  // timeout or an error (counted).
-  std::vector<std::string> Fetch(std::vector<std::string> keys);
+  // What a fetch got: the values of its keys ("" for a key with none), views into `reply`
+  // (hiredis's own buffers: no copy), which the caller keeps as long as it reads them.
+  struct Fetched {
+    std::shared_ptr<const void> reply;
+    std::vector<std::string_view> values;
+  };
+  // The values of `keys`, waiting at most timeout_ms: all "" on a timeout or an error (counted).
+  Fetched Fetch(std::vector<std::string> keys);
   // Waits until every store queued so far was sent or failed.
   void Drain();
 
@@ -92,7 +97,7 @@ class RemoteTier {
  private:
   struct FetchJob {
     std::vector<std::string> keys;
-    std::vector<std::string> values;
+    Fetched fetched;
     bool done = false;
   };
   RemoteTier(RemoteTierConfig config, RedisUrl url, redisContext* ctx);

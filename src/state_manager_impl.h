@@ -337,8 +337,9 @@ class StateManager::Impl {
   std::unique_ptr<internal::RemoteTier> remote_;
   uint64_t remote_fingerprint_ = 0;
   struct RemoteValue {
-    std::string value;   // as fetched and verified
-    size_t payload = 0;  // offset of the block's bytes in it
+    std::shared_ptr<const void> reply;  // owns `value` (hiredis's reply)
+    std::string_view value;             // as fetched and verified
+    size_t payload = 0;                 // offset of the block's bytes in it
   };
   std::vector<RemoteValue> remote_values_;  // this call's remote hits
   std::vector<BlockHash> remote_keys_;      // scratch: a lookup's chain keys

@@ -104,12 +104,12 @@ int32_t StateManager::Impl::MatchRemote(const SequenceKeys& keys, int32_t run, i
   for (auto i = static_cast<size_t>(run); i < end; ++i) {
     names.push_back(internal::RemoteKey(remote_fingerprint_, keys.extras.ns, remote_keys_[i]));
   }
-  std::vector<std::string> values = remote_->Fetch(std::move(names));
+  internal::RemoteTier::Fetched fetched = remote_->Fetch(std::move(names));
   const KVCacheConfig& c = cache_->config(0);
   int32_t n = 0;
   int64_t invalid = 0;
   for (; n < max; ++n) {
-    std::string& value = values[static_cast<size_t>(n)];
+    const std::string_view value = fetched.values[static_cast<size_t>(n)];
     if (value.empty()) break;
     const auto i = static_cast<size_t>(run) + static_cast<size_t>(n);
     const internal::RemoteBlockMeta want{
@@ -127,7 +127,8 @@ int32_t StateManager::Impl::MatchRemote(const SequenceKeys& keys, int32_t run, i
       ++invalid;
       break;
     }
-    remote_values_.push_back({.value = std::move(value), .payload = static_cast<size_t>(payload)});
+    remote_values_.push_back(
+        {.reply = fetched.reply, .value = value, .payload = static_cast<size_t>(payload)});
   }
   remote_->CountLookup(0, n < max, invalid);
   return n;
