@@ -269,6 +269,11 @@ constexpr FlagSpec kSimulateFlags[] = {
     {"host-blocks", "N",
      "host tier for preemption, in blocks (default: as many as --blocks; 0: none, recompute)"},
     {"no-prefix-cache", nullptr, "turn prefix caching off"},
+    {"engines", "N",
+     "engines (StateManagers) the requests are dealt to, round-robin (default 1, at most 64)"},
+    {"remote", "URL",
+     "redis://[user:password@]host:port[/db]: a remote prefix tier every engine shares; the "
+     "report compares the same run without it"},
     {"plot", "FILE", "write an SVG of occupancy and hit rate per step"},
     {"no-progress", nullptr, "no progress bar (it is drawn only when stderr is a terminal)"},
     {"json", nullptr, "print JSON"},
@@ -296,6 +301,7 @@ int RunSimulate(const Command& c, Flags& flags, const CliOptions& cli) {
   flags.Double("shared-fraction", 0, 1, &workload.shared_fraction);
   flags.Double("rate", 1e-6, 1e6, &workload.rate);
   flags.Int("seed", 0, &workload.seed);
+  flags.Int("engines", 1, &options.engines, kMaxSimulatedEngines);
   std::string trace, plot;
   flags.File("trace", &trace);
   flags.File("plot", &plot);
@@ -306,6 +312,17 @@ int RunSimulate(const Command& c, Flags& flags, const CliOptions& cli) {
     return BadArguments(c, "--trace replays a file: the generator's flags do not apply");
   }
   options.engine.prefix_cache = !flags.Has("no-prefix-cache");
+  if (flags.Has("remote")) {
+    if (!options.engine.prefix_cache) {
+      return BadArguments(c, "--remote needs prefix caching: drop --no-prefix-cache");
+    }
+    RemoteTierConfig remote;
+    flags.String("remote", &remote.url);
+    // Part of every key: only another `blockkv simulate` (whose NullRunner writes no KV) shares
+    // these blocks; the fingerprint adds the cache's shape, dtype and block size.
+    remote.model_id = "blockkv-simulate-null-runner";
+    options.remote = remote;
+  }
   options.progress = !flags.Has("no-progress") && StderrIsTerminal();
   if (cli.dry_run) return 0;
   // Both sources hand the engine one request at a time: a trace is read as it is replayed.

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -202,9 +203,18 @@ class TraceReader : public RequestSource {
 Result<std::vector<EngineRequest>> ReadTrace(const std::string& path,
                                              int64_t max_tokens = EngineOptions{}.max_context);
 
+// `simulate --engines N`: at most this many engines in one process.
+inline constexpr int32_t kMaxSimulatedEngines = 64;
+
 struct SimulateOptions {
   EngineOptions engine;
   bool progress = false;  // a progress bar on stderr
+  // The requests are dealt round-robin (request i to engine i mod N) over this many engines, each
+  // its own StateManager; they run one after another, in engine order.
+  int32_t engines = 1;
+  // `--remote URL`: every engine gets this remote tier (engine.prefix_cache must be on), and the
+  // same requests also run over the same engines without it, for the report's comparison.
+  std::optional<RemoteTierConfig> remote{};
 };
 // Per forward step, for the plot.
 struct StepSample {
@@ -220,6 +230,13 @@ struct SimulateReport {
   // Every step's, up to kMaxSamples; a longer run keeps every 2nd, 4th, ... step's.
   static constexpr int64_t kMaxSamples = 1 << 16;
   std::vector<StepSample> samples;
+  int32_t engines = 1;
+  // With --remote: the tier's counters summed over the engines, whether it was reachable, and
+  // the same run's stats without the tier.
+  bool remote = false;
+  bool remote_connected = false;
+  RemoteTierStats tier{};
+  EngineStats without_tier{};
 };
 // Runs the requests of `source` (which Simulate reads as it replays them).
 Result<SimulateReport> Simulate(RequestSource& source, const SimulateOptions& options);

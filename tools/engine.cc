@@ -70,6 +70,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   config.memory_config.mode = AllocationMode::kAllocate;
   config.memory_config.size = options.num_blocks;
   config.prefix_cache.enabled = options.prefix_cache;
+  config.remote_tier = options.remote_tier;
   if (options.host_blocks > 0) {
     config.offload = true;
     config.offload_config.host_blocks = options.host_blocks;
@@ -82,7 +83,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
 
 Engine::Engine(EngineOptions options, std::unique_ptr<StateManager> manager,
                std::unique_ptr<RaggedBatch> batch)
-    : options_(options), manager_(std::move(manager)), batch_(std::move(batch)) {
+    : options_(std::move(options)), manager_(std::move(manager)), batch_(std::move(batch)) {
   stats_.num_blocks = manager_->pool().num_blocks();
   watermark_blocks_ =
       std::max<int32_t>(1, static_cast<int32_t>(std::ceil(options_.watermark * stats_.num_blocks)));

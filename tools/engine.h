@@ -30,6 +30,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -37,6 +38,7 @@
 #include "blockkv/dtype.h"
 #include "blockkv/prefix_cache.h"
 #include "blockkv/ragged_batch.h"
+#include "blockkv/remote_tier.h"
 #include "blockkv/state_manager.h"
 #include "blockkv/status.h"
 
@@ -86,6 +88,8 @@ struct EngineOptions {
   DType cache_dtype = DType::kFloat16;
   // Keep every request's generated tokens for outputs() (demo); simulate keeps none.
   bool keep_outputs = true;
+  // The remote prefix tier (docs/remote_tier.md) for `simulate --remote`; needs prefix_cache.
+  std::optional<RemoteTierConfig> remote_tier{};
 };
 
 struct EngineStats {
@@ -165,6 +169,8 @@ class Engine {
 
   const EngineStats& stats() const { return stats_; }
   const StateManager& manager() const { return *manager_; }
+  // StateManager::FlushRemoteTier: waits for the stores queued so far.
+  void FlushRemoteTier() { manager_->FlushRemoteTier(); }
   const EngineOptions& options() const { return options_; }
   // Blocks held by sequences now (the rest are free or cached and evictable).
   int32_t used_blocks() const;

@@ -3,6 +3,7 @@
 // prefix cache and ragged batch do all their work, the model none — and reports what the cache
 // went through.
 #include <unistd.h>
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <ctime>
@@ -73,44 +74,145 @@ Result<SimulateReport> Simulate(std::span<const EngineRequest> requests,
   return Simulate(source, options);
 }
 
-Result<SimulateReport> Simulate(RequestSource& requests, const SimulateOptions& options) {
-  EngineOptions engine_options = options.engine;
+namespace {
+
+// One engine over `requests` to the end: its stats, its samples (when `samples` is given) and its
+// remote tier's counters, after the stores it queued were flushed.
+Result<EngineStats> RunEngine(RequestSource& requests, const EngineOptions& options,
+                              bool show_progress, std::vector<StepSample>* samples,
+                              RemoteTierStats* tier, bool* connected) {
+  EngineOptions engine_options = options;
   engine_options.keep_outputs = false;
   BLOCKKV_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(engine_options));
-  SimulateReport report;
+  if (connected != nullptr) *connected = engine->manager().remote_tier_stats().connected;
   NullRunner runner;
-  ProgressBar progress(options.progress, requests.total());
-  const auto start = std::chrono::steady_clock::now();
-  const std::clock_t cpu_start = std::clock();
+  ProgressBar progress(show_progress, requests.total());
   // One sample every `stride` steps, the stride doubling (and every other sample dropped) when
   // kMaxSamples are held: a long run's plot costs bounded memory.
   int64_t stride = 1;
   Status status = engine->Run(requests, runner, [&](const Engine& e) {
     const EngineStats& s = e.stats();
-    if (s.steps % stride == 0) {
-      report.samples.push_back(
+    if (samples != nullptr && s.steps % stride == 0) {
+      samples->push_back(
           {s.steps, static_cast<double>(e.used_blocks()) / s.num_blocks, s.hit_rate()});
-      if (std::ssize(report.samples) == SimulateReport::kMaxSamples) {
-        for (size_t i = 0; 2 * i + 1 < report.samples.size(); ++i) {
-          report.samples[i] = report.samples[2 * i + 1];
-        }
-        report.samples.resize(report.samples.size() / 2);
+      if (std::ssize(*samples) == SimulateReport::kMaxSamples) {
+        for (size_t i = 0; 2 * i + 1 < samples->size(); ++i) (*samples)[i] = (*samples)[2 * i + 1];
+        samples->resize(samples->size() / 2);
         stride *= 2;
       }
     }
     progress.Update(e);
   });
-  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  report.cpu_seconds = static_cast<double>(std::clock() - cpu_start) / CLOCKS_PER_SEC;
   progress.Finish();
   BLOCKKV_RETURN_IF_ERROR(status);
-  report.stats = engine->stats();
   // Every request finished, so every block must be free or cached, and the manager consistent.
   BLOCKKV_RETURN_IF_ERROR(engine->manager().CheckInvariants());
   if (engine->used_blocks() != 0 || engine->manager().n_tracked_sequences() != 0) {
     return InternalError(std::to_string(engine->used_blocks()) +
                          " blocks still held after every request finished");
   }
+  // The next engine must find every block this one stored.
+  engine->FlushRemoteTier();
+  if (tier != nullptr) {
+    const RemoteTierStats t = engine->manager().remote_tier_stats();
+    tier->hits += t.hits;
+    tier->misses += t.misses;
+    tier->invalid += t.invalid;
+    tier->fetched_bytes += t.fetched_bytes;
+    tier->stored += t.stored;
+    tier->stored_bytes += t.stored_bytes;
+    tier->dropped += t.dropped;
+    tier->errors += t.errors;
+    tier->reconnects += t.reconnects;
+    tier->connected = tier->connected || t.connected;
+  }
+  return engine->stats();
+}
+
+// Sums the counts of several engines' runs (the peak is the largest engine's).
+void AddStats(EngineStats* sum, const EngineStats& s) {
+  sum->requests += s.requests;
+  sum->finished += s.finished;
+  sum->steps += s.steps;
+  sum->clock += s.clock;
+  sum->prompt_tokens += s.prompt_tokens;
+  sum->decode_tokens += s.decode_tokens;
+  sum->generated += s.generated;
+  sum->queried_tokens += s.queried_tokens;
+  sum->hit_tokens += s.hit_tokens;
+  sum->evictions += s.evictions;
+  sum->preemptions += s.preemptions;
+  sum->resumes += s.resumes;
+  sum->preempted_blocks += s.preempted_blocks;
+  sum->offloaded_blocks += s.offloaded_blocks;
+  sum->restored_blocks += s.restored_blocks;
+  sum->host_demoted += s.host_demoted;
+  sum->host_promoted += s.host_promoted;
+  sum->host_dropped += s.host_dropped;
+  sum->recomputations += s.recomputations;
+  sum->deferred_steps += s.deferred_steps;
+  sum->num_blocks = s.num_blocks;
+  sum->peak_used_blocks = std::max(sum->peak_used_blocks, s.peak_used_blocks);
+  sum->occupancy_sum += s.occupancy_sum;
+}
+
+// The requests dealt round-robin over options.engines engines, run one after another.
+Result<EngineStats> RunEngines(std::span<const std::vector<EngineRequest>> slices,
+                               const EngineOptions& options, bool progress,
+                               std::vector<StepSample>* samples, RemoteTierStats* tier,
+                               bool* connected) {
+  EngineStats sum;
+  for (size_t i = 0; i < slices.size(); ++i) {
+    SpanSource source(slices[i]);
+    BLOCKKV_ASSIGN_OR_RETURN(EngineStats s,
+                             RunEngine(source, options, progress, i == 0 ? samples : nullptr, tier,
+                                       i == 0 ? connected : nullptr));
+    AddStats(&sum, s);
+  }
+  return sum;
+}
+
+}  // namespace
+
+Result<SimulateReport> Simulate(RequestSource& requests, const SimulateOptions& options) {
+  if (options.engines < 1 || options.engines > kMaxSimulatedEngines) {
+    return InvalidArgumentError("engines " + std::to_string(options.engines) + ": expected 1 to " +
+                                std::to_string(kMaxSimulatedEngines));
+  }
+  if (options.remote && !options.engine.prefix_cache) {
+    return InvalidArgumentError("the remote tier needs prefix caching on");
+  }
+  SimulateReport report;
+  report.engines = options.engines;
+  const auto start = std::chrono::steady_clock::now();
+  const std::clock_t cpu_start = std::clock();
+  if (options.engines == 1 && !options.remote) {
+    BLOCKKV_ASSIGN_OR_RETURN(report.stats, RunEngine(requests, options.engine, options.progress,
+                                                     &report.samples, nullptr, nullptr));
+  } else {
+    // Several engines (or two runs): the requests are read once and dealt round-robin.
+    std::vector<std::vector<EngineRequest>> slices(static_cast<size_t>(options.engines));
+    EngineRequest request;
+    for (size_t i = 0;; ++i) {
+      BLOCKKV_ASSIGN_OR_RETURN(bool more, requests.Next(&request));
+      if (!more) break;
+      slices[i % slices.size()].push_back(std::move(request));
+    }
+    EngineOptions with = options.engine;
+    with.remote_tier = options.remote;
+    BLOCKKV_ASSIGN_OR_RETURN(
+        report.stats, RunEngines(slices, with, options.progress, &report.samples, &report.tier,
+                                 &report.remote_connected));
+    if (options.remote) {
+      report.remote = true;
+      EngineOptions without = options.engine;
+      without.remote_tier.reset();
+      BLOCKKV_ASSIGN_OR_RETURN(report.without_tier, RunEngines(slices, without, options.progress,
+                                                               nullptr, nullptr, nullptr));
+    }
+  }
+  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  report.cpu_seconds = static_cast<double>(std::clock() - cpu_start) / CLOCKS_PER_SEC;
   return report;
 }
 
@@ -184,7 +286,49 @@ std::string FormatSimulate(const SimulateReport& report, const EngineOptions& en
         .Double(peak)
         .Key("mean_occupancy")
         .Double(s.mean_occupancy())
-        .EndObject();
+        .Key("engines")
+        .Int(report.engines);
+    if (report.remote) {
+      const RemoteTierStats& t = report.tier;
+      const EngineStats& o = report.without_tier;
+      w.Key("remote")
+          .BeginObject()
+          .Key("connected")
+          .Bool(report.remote_connected)
+          .Key("hits")
+          .Int(t.hits)
+          .Key("misses")
+          .Int(t.misses)
+          .Key("invalid")
+          .Int(t.invalid)
+          .Key("fetched_bytes")
+          .Int(t.fetched_bytes)
+          .Key("stored")
+          .Int(t.stored)
+          .Key("stored_bytes")
+          .Int(t.stored_bytes)
+          .Key("dropped")
+          .Int(t.dropped)
+          .Key("errors")
+          .Int(t.errors)
+          .Key("reconnects")
+          .Int(t.reconnects)
+          .EndObject()
+          .Key("without_remote")
+          .BeginObject()
+          .Key("prompt_tokens")
+          .Int(o.prompt_tokens)
+          .Key("queried_tokens")
+          .Int(o.queried_tokens)
+          .Key("hit_tokens")
+          .Int(o.hit_tokens)
+          .Key("hit_rate")
+          .Double(o.hit_rate())
+          .Key("steps")
+          .Int(o.steps)
+          .EndObject();
+    }
+    w.EndObject();
     return w.str();
   }
   std::string text;
@@ -211,6 +355,25 @@ std::string FormatSimulate(const SimulateReport& report, const EngineOptions& en
       ll(s.deferred_steps));
   add("host prefix   %lld evicted blocks demoted to the host, %lld promoted back, %lld dropped\n",
       ll(s.host_demoted), ll(s.host_promoted), ll(s.host_dropped));
+  if (report.engines > 1 || report.remote) {
+    add("engines       %d, requests dealt round-robin, run one after another; counts summed\n",
+        report.engines);
+  }
+  if (report.remote) {
+    const RemoteTierStats& t = report.tier;
+    const EngineStats& o = report.without_tier;
+    if (!report.remote_connected) {
+      text += "remote tier   off: the server was unreachable, the engines ran without it\n";
+    }
+    add("remote tier   %lld blocks hit, %lld misses (%lld invalid); %lld bytes fetched, %lld "
+        "blocks (%lld bytes) stored, %lld dropped, %lld errors\n",
+        ll(t.hits), ll(t.misses), ll(t.invalid), ll(t.fetched_bytes), ll(t.stored),
+        ll(t.stored_bytes), ll(t.dropped), ll(t.errors));
+    add("with tier     %.1f%% hit, %lld prompt tokens computed\n", 100 * s.hit_rate(),
+        ll(s.prompt_tokens));
+    add("without tier  %.1f%% hit, %lld prompt tokens computed (the same requests and engines)\n",
+        100 * o.hit_rate(), ll(o.prompt_tokens));
+  }
   return text;
 }
 

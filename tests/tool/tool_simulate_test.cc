@@ -13,14 +13,16 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cli.h"
 #include "commands.h"
 #include "json.h"
+#include "unit/redis_server.h"
 
 namespace blockkv::tool {
 namespace {
 
 std::string WriteTemp(const std::string& name, const std::string& text) {
-  const std::string path = testing::TempDir() + "/" + name;
+  std::string path = ::testing::TempDir() + "/" + name;
   std::ofstream(path) << text;
   return path;
 }
@@ -81,6 +83,122 @@ TEST(Simulate, KnownHitRate) {
   EXPECT_EQ(s.recomputations, 0);
   EXPECT_EQ(s.evictions, 0);
   EXPECT_EQ(std::ssize(report->samples), s.steps);
+}
+
+// Four requests sharing a 256-token prompt prefix (16 blocks), far apart, dealt round-robin to
+// two engines: engine 0 gets requests 1 and 3, engine 1 requests 2 and 4. Without the tier each
+// engine computes the prefix once (its second request hits it locally): 300 + 44 per engine.
+// With it, engine 1 (run after engine 0, whose stores were flushed) fetches the 16 blocks for its
+// first request too: 300 + 44 + 44 + 44.
+std::string SharedPrefixTrace() {
+  std::string text;
+  for (int i = 0; i < 4; ++i) {
+    text += R"({"arrival": )" + std::to_string(10 * i) +
+            R"(, "prompt_len": 300, "prefix_group": "sys", "prefix_len": 256, "output_len": 2})" +
+            "\n";
+  }
+  return WriteTemp("shared_prefix.jsonl", text);
+}
+
+TEST(SimulateRemote, SecondEngineFetchesTheFirstEnginesPrefixFromTheTier) {
+  blockkv::testing::RedisServer server;
+  ASSERT_TRUE(server.running());
+  Result<std::vector<EngineRequest>> trace = ReadTrace(SharedPrefixTrace());
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  SimulateOptions options;
+  options.engine.num_blocks = 256;
+  options.engines = 2;
+  options.remote = RemoteTierConfig{.url = server.url(), .model_id = "tool-test"};
+  Result<SimulateReport> report = Simulate(*trace, options);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->engines, 2);
+  EXPECT_TRUE(report->remote);
+  EXPECT_TRUE(report->remote_connected);
+  EXPECT_EQ(report->stats.finished, 4);
+  EXPECT_EQ(report->without_tier.finished, 4);
+  EXPECT_EQ(report->tier.hits, 16);
+  EXPECT_EQ(report->tier.invalid, 0);
+  EXPECT_EQ(report->tier.errors, 0);
+  EXPECT_EQ(report->tier.dropped, 0);
+  EXPECT_GT(report->tier.fetched_bytes, 0);
+  EXPECT_GT(report->tier.stored_bytes, 0);
+  EXPECT_EQ(report->without_tier.prompt_tokens, 2 * (300 + 44));
+  EXPECT_EQ(report->stats.prompt_tokens, 300 + 3 * 44);
+  EXPECT_LT(report->stats.prompt_tokens, report->without_tier.prompt_tokens);
+  EXPECT_GT(report->stats.hit_rate(), report->without_tier.hit_rate());
+  // Both reports carry the tier's numbers and the comparison.
+  const nlohmann::json j =
+      nlohmann::json::parse(FormatSimulate(*report, options.engine, /*json=*/true));
+  EXPECT_EQ(j["engines"], 2);
+  EXPECT_EQ(j["remote"]["hits"], 16);
+  EXPECT_EQ(j["remote"]["connected"], true);
+  EXPECT_EQ(j["without_remote"]["prompt_tokens"], 688);
+  EXPECT_EQ(j["prompt_tokens"], 432);
+  const std::string text = FormatSimulate(*report, options.engine, /*json=*/false);
+  EXPECT_NE(text.find("remote tier   16 blocks hit"), std::string::npos) << text;
+  EXPECT_NE(text.find("without tier"), std::string::npos) << text;
+}
+
+TEST(SimulateRemote, UnreachableServerRunsWithoutTheTierAndSaysSo) {
+  Result<std::vector<EngineRequest>> trace = ReadTrace(SharedPrefixTrace());
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  SimulateOptions options;
+  options.engine.num_blocks = 256;
+  options.engines = 2;
+  const int port = blockkv::testing::FreePort();  // nothing listens there
+  ASSERT_GT(port, 0);
+  options.remote = RemoteTierConfig{.url = "redis://127.0.0.1:" + std::to_string(port)};
+  Result<SimulateReport> report = Simulate(*trace, options);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_FALSE(report->remote_connected);
+  EXPECT_EQ(report->tier.hits, 0);
+  EXPECT_EQ(report->stats.finished, 4);
+  EXPECT_EQ(report->stats.prompt_tokens, report->without_tier.prompt_tokens);
+  const std::string text = FormatSimulate(*report, options.engine, /*json=*/false);
+  EXPECT_NE(text.find("remote tier   off: the server was unreachable"), std::string::npos) << text;
+}
+
+// `blockkv simulate ARGS...`: its exit code, and what it wrote on stderr.
+std::pair<int, std::string> RunSimulateCli(std::vector<std::string> args) {
+  args.insert(args.begin(), {"blockkv", "simulate", "--no-progress"});
+  std::vector<char*> argv;
+  argv.reserve(args.size());
+  for (std::string& a : args) argv.push_back(a.data());
+  char* err_buffer = nullptr;
+  size_t err_size = 0;
+  std::FILE* err = open_memstream(&err_buffer, &err_size);
+  std::FILE* out = std::fopen("/dev/null", "w");
+  const int code = RunCli(argv, CliOptions{.out = out, .err = err});
+  std::fclose(out);
+  std::fclose(err);
+  std::string message(err_buffer, err_size);
+  std::free(err_buffer);
+  return {code, message};
+}
+
+TEST(SimulateRemote, BadEnginesCountsExitTwoNamingTheValueAndLimit) {
+  for (const char* bad : {"0", "65", "1000000000000", "two", "-1"}) {
+    const auto [code, message] = RunSimulateCli({"--requests", "4", "--engines", bad});
+    EXPECT_EQ(code, 2) << bad;
+    EXPECT_NE(message.find("--engines"), std::string::npos) << message;
+    EXPECT_NE(message.find("[1, 64]"), std::string::npos) << message;
+  }
+  SimulateOptions options;
+  options.engines = 65;
+  Result<SimulateReport> r = Simulate(std::span<const EngineRequest>{}, options);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("65"), std::string::npos) << r.status();
+}
+
+TEST(SimulateRemote, UnparsableUrlAndNoPrefixCacheAreClearErrors) {
+  const auto [code, message] = RunSimulateCli({"--requests", "4", "--remote", "http://nowhere"});
+  EXPECT_EQ(code, 1);
+  EXPECT_NE(message.find("http://nowhere"), std::string::npos) << message;
+  const auto [code2, message2] =
+      RunSimulateCli({"--requests", "4", "--remote", "redis://127.0.0.1:1", "--no-prefix-cache"});
+  EXPECT_EQ(code2, 2);
+  EXPECT_NE(message2.find("--remote needs prefix caching"), std::string::npos) << message2;
 }
 
 TEST(Simulate, GeneratedWorkloadUnderPressureFinishesWithEveryBlockFree) {
@@ -153,7 +271,7 @@ TEST(ReadTrace, MalformedLinesAreNamed) {
     EXPECT_NE(r.status().message().find(c.message), std::string::npos)
         << c.text << " -> " << r.status();
   }
-  EXPECT_EQ(ReadTrace(testing::TempDir() + "/no_such.jsonl").status().code(),
+  EXPECT_EQ(ReadTrace(::testing::TempDir() + "/no_such.jsonl").status().code(),
             StatusCode::kNotFound);
 }
 
@@ -259,7 +377,7 @@ TEST(TraceLine, PromptsStopAtTheContextLimit) {
 }
 
 TEST(TraceReader, LinePastTheLimitIsAnErrorNotAnAllocation) {
-  const std::string path = testing::TempDir() + "/huge_line.jsonl";
+  const std::string path = ::testing::TempDir() + "/huge_line.jsonl";
   {
     std::ofstream out(path);
     out << "{\"prompt_len\": 8, \"output_len\": 1}\n{\"id\": \"";
@@ -277,7 +395,7 @@ TEST(TraceReader, LinePastTheLimitIsAnErrorNotAnAllocation) {
 }
 
 TEST(TraceReader, DirectoryAndEmptyNameAreNamed) {
-  Result<std::vector<EngineRequest>> dir = ReadTrace(testing::TempDir());
+  Result<std::vector<EngineRequest>> dir = ReadTrace(::testing::TempDir());
   EXPECT_EQ(dir.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(dir.status().message().find("Is a directory"), std::string::npos) << dir.status();
   EXPECT_EQ(ReadTrace("").status().code(), StatusCode::kInvalidArgument);
