@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -49,6 +50,19 @@ T ValueOrThrow(Result<T> result) {
 
 // Raises the Python builtin `type` (PyExc_ValueError, ...) with `message`.
 [[noreturn]] void Throw(PyObject* type, const std::string& message);
+
+// An optional config field (StateManagerConfig.kv_events, .remote_tier): None, or an instance of
+// the bound class T, copied. Anything else raises TypeError naming `field`, `type_name` and what
+// was given.
+template <class T>
+std::optional<T> OptionalConfig(py::handle obj, const char* field, const char* type_name) {
+  if (obj.is_none()) return std::nullopt;
+  if (!py::isinstance<T>(obj)) {
+    Throw(PyExc_TypeError, std::string(field) + " must be None or a " + type_name + ", got " +
+                               std::string(py::str(py::type::of(obj).attr("__name__"))));
+  }
+  return obj.cast<T>();
+}
 
 // Runs `fn` (returning a Status) with the GIL released and raises its error once the GIL is back.
 template <class Fn>

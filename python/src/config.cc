@@ -243,12 +243,7 @@ std::optional<RemoteTierConfig> RemoteFromState(py::handle state) {
 
 // StateManagerConfig.remote_tier: None (no tier) or a RemoteTierConfig.
 std::optional<RemoteTierConfig> ToRemoteTier(py::handle obj) {
-  if (obj.is_none()) return std::nullopt;
-  if (!py::isinstance<RemoteTierConfig>(obj)) {
-    Throw(PyExc_TypeError, "remote_tier must be None or a blockkv.RemoteTierConfig, got " +
-                               std::string(py::str(py::type::of(obj).attr("__name__"))));
-  }
-  return obj.cast<RemoteTierConfig>();
+  return OptionalConfig<RemoteTierConfig>(obj, "remote_tier", "blockkv.RemoteTierConfig");
 }
 
 std::string Repr(const StateManagerConfig& c) {

@@ -68,12 +68,7 @@ KVEventsConfig KVEventsFromState(const py::tuple& state) {
 }
 
 std::optional<KVEventsConfig> ToKVEventsConfig(py::handle obj) {
-  if (obj.is_none()) return std::nullopt;
-  if (!py::isinstance<KVEventsConfig>(obj)) {
-    Throw(PyExc_TypeError, "kv_events must be None or a blockkv.KVEventsConfig, got " +
-                               std::string(py::str(py::type::of(obj).attr("__name__"))));
-  }
-  return obj.cast<KVEventsConfig>();
+  return OptionalConfig<KVEventsConfig>(obj, "kv_events", "blockkv.KVEventsConfig");
 }
 
 std::string KVEventsRepr(const std::optional<KVEventsConfig>& c) {
