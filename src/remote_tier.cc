@@ -16,6 +16,8 @@ namespace blockkv::internal {
 namespace {
 
 constexpr char kMagic[4] = {'B', 'K', 'V', 'R'};
+constexpr int kClusterSlots = 16384;
+constexpr int kMaxRedirects = 5;
 
 template <typename T>
 void Put(std::string& out, T v) {
@@ -78,17 +80,79 @@ Reply Command(redisContext* ctx, const std::vector<std::string_view>& args) {
       redisCommandArgv(ctx, static_cast<int>(argv.size()), argv.data(), lens.data())));
 }
 
+// Queues a command on `ctx` for a pipelined send (redisBufferWrite / redisGetReply send it).
+bool Append(redisContext* ctx, std::initializer_list<std::string_view> args) {
+  const char* argv[3];
+  size_t lens[3];
+  size_t n = 0;
+  for (const std::string_view a : args) {
+    argv[n] = a.data();
+    lens[n++] = a.size();
+  }
+  return redisAppendCommandArgv(ctx, static_cast<int>(n), argv, lens) == REDIS_OK;
+}
+
+// Writes everything queued on `ctx` (so that every node's commands are out before any reply is
+// read: one round trip for all of them).
+bool Flush(redisContext* ctx) {
+  int done = 0;
+  while (done == 0) {
+    if (redisBufferWrite(ctx, &done) != REDIS_OK) return false;
+  }
+  return true;
+}
+
+// "MOVED <slot> <host>:<port>" or "ASK <slot> <host>:<port>".
+bool ParseRedirect(const redisReply& reply, bool* ask, std::string* host, int* port) {
+  if (reply.type != REDIS_REPLY_ERROR) return false;
+  const std::string_view err(reply.str, reply.len);
+  if (err.starts_with("MOVED ")) {
+    *ask = false;
+  } else if (err.starts_with("ASK ")) {
+    *ask = true;
+  } else {
+    return false;
+  }
+  const std::string_view where = err.substr(err.rfind(' ') + 1);
+  const size_t colon = where.rfind(':');
+  if (colon == std::string_view::npos || colon == 0 ||
+      !ParseInt(where.substr(colon + 1), 1, 65535, port)) {
+    return false;
+  }
+  *host = std::string(where.substr(0, colon));
+  return true;
+}
+
 }  // namespace
 
 Result<RedisUrl> ParseRedisUrl(std::string_view url) {
-  const auto bad = [&](std::string_view why) {
-    return InvalidArgumentError(StrCat("RemoteTierConfig.url \"", url, "\": ", why,
-                                       " (expected redis://[user:password@]host:port[/db])"));
-  };
   constexpr std::string_view kScheme = "redis://";
-  if (url.substr(0, kScheme.size()) != kScheme) return bad("not a redis:// URL");
-  std::string_view rest = url.substr(kScheme.size());
+  constexpr std::string_view kClusterScheme = "redis+cluster://";
+  // The URL as errors show it: the password, if any, replaced by "***".
+  std::string shown(url);
+  if (const size_t at = url.rfind('@'); at != std::string_view::npos) {
+    const size_t start = url.find("://") == std::string_view::npos ? 0 : url.find("://") + 3;
+    const size_t colon = url.find(':', start);
+    if (start <= at && colon != std::string_view::npos && colon < at) {
+      shown = StrCat(url.substr(0, colon + 1), "***", url.substr(at));
+    }
+  }
+  const auto bad = [&](std::string_view why) {
+    return InvalidArgumentError(StrCat("RemoteTierConfig.url \"", shown, "\": ", why,
+                                       " (expected redis://[user:password@]host:port[/db], or "
+                                       "redis+cluster://[user:password@]host:port[,host:port...] "
+                                       "for a Redis Cluster)"));
+  };
   RedisUrl out;
+  std::string_view rest;
+  if (url.starts_with(kClusterScheme)) {
+    out.cluster = true;
+    rest = url.substr(kClusterScheme.size());
+  } else if (url.starts_with(kScheme)) {
+    rest = url.substr(kScheme.size());
+  } else {
+    return bad("not a redis:// URL (nor redis+cluster://)");
+  }
   if (const size_t at = rest.rfind('@'); at != std::string_view::npos) {
     const std::string_view auth = rest.substr(0, at);
     rest = rest.substr(at + 1);
@@ -102,17 +166,59 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
     if (out.password.empty()) return bad("an empty password");
   }
   if (const size_t slash = rest.find('/'); slash != std::string_view::npos) {
-    if (!ParseInt(rest.substr(slash + 1), 0, 1 << 20, &out.db)) return bad("a bad database");
+    if (out.cluster) {
+      return bad(
+          StrCat("a database \"", rest.substr(slash), "\": a Redis Cluster has database 0 only"));
+    }
+    if (!ParseInt(rest.substr(slash + 1), 0, 1 << 20, &out.db)) {
+      return bad(StrCat("a bad database \"", rest.substr(slash + 1), "\""));
+    }
     rest = rest.substr(0, slash);
   }
-  const size_t colon = rest.rfind(':');
-  if (colon != std::string_view::npos) {
-    if (!ParseInt(rest.substr(colon + 1), 1, 65535, &out.port)) return bad("a bad port");
-    rest = rest.substr(0, colon);
+  while (true) {
+    const size_t comma = rest.find(',');
+    const std::string_view part = rest.substr(0, comma);
+    RedisUrl::HostPort hp;
+    std::string_view host = part;
+    if (const size_t colon = part.rfind(':'); colon != std::string_view::npos) {
+      if (!ParseInt(part.substr(colon + 1), 1, 65535, &hp.port)) {
+        return bad(
+            StrCat("a bad port \"", part.substr(colon + 1), "\" in \"", part, "\" (1 to 65535)"));
+      }
+      host = part.substr(0, colon);
+    }
+    if (host.empty()) {
+      return bad(part.empty() ? std::string("no host") : StrCat("no host in \"", part, "\""));
+    }
+    hp.host = std::string(host);
+    out.hosts.push_back(std::move(hp));
+    if (comma == std::string_view::npos) break;
+    rest = rest.substr(comma + 1);
   }
-  if (rest.empty()) return bad("no host");
-  out.host = std::string(rest);
+  if (!out.cluster && out.hosts.size() > 1) {
+    return bad(StrCat(out.hosts.size(),
+                      " hosts: a Redis Cluster's seed nodes are given as "
+                      "redis+cluster://host:port,host:port"));
+  }
   return out;
+}
+
+int KeySlot(std::string_view key) {
+  if (const size_t open = key.find('{'); open != std::string_view::npos) {
+    const size_t close = key.find('}', open + 1);
+    if (close != std::string_view::npos && close > open + 1) {
+      key = key.substr(open + 1, close - open - 1);
+    }
+  }
+  uint16_t crc = 0;  // CRC16-CCITT (XMODEM): polynomial 0x1021, initial 0, as Redis Cluster has
+  for (const char c : key) {
+    crc ^= static_cast<uint16_t>(static_cast<uint8_t>(c) << 8);
+    for (int bit = 0; bit < 8; ++bit) {
+      crc = (crc & 0x8000) != 0 ? static_cast<uint16_t>((crc << 1) ^ 0x1021)
+                                : static_cast<uint16_t>(crc << 1);
+    }
+  }
+  return crc & (kClusterSlots - 1);
 }
 
 std::string EncodeRemoteValue(const RemoteBlockMeta& m, size_t* payload_offset) {
@@ -185,11 +291,12 @@ std::string RemoteKey(uint64_t fingerprint, std::string_view ns, const BlockHash
 
 // ---- the client ----------------------------------------------------------------------------
 
-Result<redisContext*> RemoteTier::Connect(const RedisUrl& url, int32_t timeout_ms) {
+Result<redisContext*> RemoteTier::Connect(const RedisUrl& url, const std::string& host, int port,
+                                          int32_t timeout_ms) {
   const timeval tv{.tv_sec = timeout_ms / 1000,
                    .tv_usec = static_cast<suseconds_t>(timeout_ms % 1000) * 1000};
-  redisContext* ctx = redisConnectWithTimeout(url.host.c_str(), url.port, tv);
-  const std::string where = StrCat("redis at ", url.host, ":", url.port);
+  redisContext* ctx = redisConnectWithTimeout(host.c_str(), port, tv);
+  const std::string where = StrCat("redis at ", host, ":", port);
   if (ctx == nullptr) return UnavailableError(StrCat(where, ": cannot allocate a connection"));
   const auto fail = [&](StatusCode code, std::string_view why) -> Status {
     Status s(code, StrCat(where, ": ", why));
@@ -237,15 +344,15 @@ Result<std::unique_ptr<RemoteTier>> RemoteTier::Open(const RemoteTierConfig& con
                                        " is outside [0, tp_size=", config.tp_size, ")"));
   }
   BLOCKKV_ASSIGN_OR_RETURN(RedisUrl url, ParseRedisUrl(config.url));
-  BLOCKKV_ASSIGN_OR_RETURN(redisContext * ctx, Connect(url, config.timeout_ms));
-  return std::unique_ptr<RemoteTier>(new RemoteTier(config, std::move(url), ctx));
+  std::unique_ptr<RemoteTier> tier(new RemoteTier(config, std::move(url)));
+  BLOCKKV_RETURN_IF_ERROR(tier->Start());
+  RemoteTier* t = tier.get();
+  tier->worker_ = std::thread([t] { t->Run(); });
+  return tier;
 }
 
-RemoteTier::RemoteTier(RemoteTierConfig config, RedisUrl url, redisContext* ctx)
-    : config_(std::move(config)), url_(std::move(url)), ctx_(ctx) {
-  connected_ = true;
-  worker_ = std::thread([this] { Run(); });
-}
+RemoteTier::RemoteTier(RemoteTierConfig config, RedisUrl url)
+    : config_(std::move(config)), url_(std::move(url)) {}
 
 RemoteTier::~RemoteTier() {
   {
@@ -253,8 +360,145 @@ RemoteTier::~RemoteTier() {
     stop_ = true;
   }
   work_cv_.notify_all();
-  worker_.join();
-  if (ctx_ != nullptr) redisFree(ctx_);
+  if (worker_.joinable()) worker_.join();
+  for (const std::unique_ptr<Node>& node : nodes_) {
+    if (node->ctx != nullptr) redisFree(node->ctx);
+  }
+}
+
+Status RemoteTier::Start() {
+  Status last = UnavailableError("no host");
+  for (const RedisUrl::HostPort& seed : url_.hosts) {
+    Result<redisContext*> ctx = Connect(url_, seed.host, seed.port, config_.timeout_ms);
+    if (!ctx.ok()) {
+      if (ctx.status().code() != StatusCode::kUnavailable) return ctx.status();
+      last = ctx.status();
+      continue;
+    }
+    Node& node = *nodes_[NodeAt(seed.host, seed.port)];
+    node.ctx = *ctx;
+    node.ever_connected = true;
+    if (!url_.cluster) {
+      node.slots = kClusterSlots;
+      num_nodes_ = 1;
+      connected_ = true;
+      return Status::Ok();
+    }
+    BLOCKKV_RETURN_IF_ERROR(RefreshSlots());
+    for (const std::unique_ptr<Node>& n : nodes_) {
+      if (n->slots > 0) EnsureConnected(*n);  // one that fails is retried after its backoff
+    }
+    UpdateConnected();
+    return Status::Ok();
+  }
+  if (url_.hosts.size() > 1) {
+    return UnavailableError(
+        StrCat("no seed of the cluster answered (", url_.hosts.size(), "); ", last.message()));
+  }
+  return last;
+}
+
+size_t RemoteTier::NodeAt(std::string_view host, int port) {
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    if (nodes_[i]->host == host && nodes_[i]->port == port) return i;
+  }
+  auto node = std::make_unique<Node>();
+  node->host = std::string(host);
+  node->port = port;
+  nodes_.push_back(std::move(node));
+  return nodes_.size() - 1;
+}
+
+int RemoteTier::NodeFor(std::string_view key) const {
+  if (!url_.cluster) return 0;
+  return slots_.empty() ? -1 : slots_[static_cast<size_t>(KeySlot(key))];
+}
+
+Status RemoteTier::RefreshSlots() {
+  // Ask a connected node first, then every other known node and the seeds.
+  std::vector<size_t> order;
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    if (nodes_[i]->ctx != nullptr) order.push_back(i);
+  }
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    if (nodes_[i]->ctx == nullptr) order.push_back(i);
+  }
+  for (const RedisUrl::HostPort& seed : url_.hosts) {
+    const size_t i = NodeAt(seed.host, seed.port);
+    if (std::find(order.begin(), order.end(), i) == order.end()) order.push_back(i);
+  }
+  for (const size_t i : order) {
+    Node& asked = *nodes_[i];
+    if (!EnsureConnected(asked)) continue;
+    const Reply reply = Command(asked.ctx, {"CLUSTER", "SLOTS"});
+    if (!reply) {
+      Disconnect(asked);
+      continue;
+    }
+    if (reply->type == REDIS_REPLY_ERROR) {
+      return InvalidArgumentError(StrCat(
+          "redis at ", asked.host, ":", asked.port,
+          ": CLUSTER SLOTS refused: ", std::string_view(reply->str, reply->len),
+          " (a redis+cluster:// URL needs a Redis Cluster; a standalone server is redis://)"));
+    }
+    if (reply->type != REDIS_REPLY_ARRAY) continue;
+    std::vector<int16_t> slots(kClusterSlots, -1);
+    for (size_t r = 0; r < reply->elements; ++r) {
+      const redisReply* range = reply->element[r];
+      if (range->type != REDIS_REPLY_ARRAY || range->elements < 3 ||
+          range->element[0]->type != REDIS_REPLY_INTEGER ||
+          range->element[1]->type != REDIS_REPLY_INTEGER ||
+          range->element[2]->type != REDIS_REPLY_ARRAY || range->element[2]->elements < 2 ||
+          range->element[2]->element[0]->type != REDIS_REPLY_STRING ||
+          range->element[2]->element[1]->type != REDIS_REPLY_INTEGER) {
+        continue;
+      }
+      const redisReply* master = range->element[2];
+      std::string_view host(master->element[0]->str, master->element[0]->len);
+      if (host.empty() || host == "?") host = asked.host;  // the node does not know its address
+      const auto port = static_cast<int>(master->element[1]->integer);
+      const auto index = static_cast<int16_t>(NodeAt(host, port));
+      const auto first = std::max<long long>(range->element[0]->integer, 0);
+      const auto last = std::min<long long>(range->element[1]->integer, kClusterSlots - 1);
+      for (long long slot = first; slot <= last; ++slot) slots[static_cast<size_t>(slot)] = index;
+    }
+    slots_ = std::move(slots);
+    for (const std::unique_ptr<Node>& n : nodes_) n->slots = 0;
+    for (const int16_t owner : slots_) {
+      if (owner >= 0) ++nodes_[static_cast<size_t>(owner)]->slots;
+    }
+    num_nodes_ = static_cast<int32_t>(
+        std::count_if(nodes_.begin(), nodes_.end(), [](const auto& n) { return n->slots > 0; }));
+    UpdateConnected();
+    return Status::Ok();
+  }
+  return UnavailableError(StrCat("no node of the redis cluster answered CLUSTER SLOTS (seed ",
+                                 url_.hosts[0].host, ":", url_.hosts[0].port, ")"));
+}
+
+void RemoteTier::MaybeRefresh() {
+  if (!url_.cluster || !refresh_needed_) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (now < refresh_at_) return;
+  refresh_needed_ = false;
+  ++refreshes_;
+  if (!RefreshSlots().ok()) {
+    ++errors_;
+    refresh_needed_ = true;
+  }
+  // Backoff: a node that stays down (its slots still its own) is not asked about every command.
+  refresh_at_ = now + refresh_backoff_;
+  refresh_backoff_ =
+      std::min<std::chrono::milliseconds>(refresh_backoff_ * 2, std::chrono::seconds(2));
+  if (connected_) refresh_backoff_ = std::chrono::milliseconds(50);
+}
+
+void RemoteTier::UpdateConnected() {
+  bool all = num_nodes_ > 0;
+  for (const std::unique_ptr<Node>& n : nodes_) {
+    if (n->slots > 0 && n->ctx == nullptr) all = false;
+  }
+  connected_ = all;
 }
 
 bool RemoteTier::Store(std::string key, std::string value) {
@@ -282,7 +526,10 @@ RemoteTier::Fetched RemoteTier::Fetch(std::vector<std::string> keys) {
     // Late: a miss. The worker still runs it if it started (its result is dropped).
     std::erase(fetches_, job);
     ++errors_;
-    return {.reply = nullptr, .values = std::vector<std::string_view>(n)};
+    return {.reply = nullptr,
+            .values = std::vector<std::string_view>(n),
+            .failed = std::vector<uint8_t>(n, 1),
+            .late = true};
   }
   return std::move(job->fetched);
 }
@@ -292,22 +539,44 @@ void RemoteTier::Drain() {
   done_cv_.wait(lock, [&] { return stores_.empty() && !storing_; });
 }
 
-void RemoteTier::CountLookup(int64_t hits, bool missed, int64_t invalid) {
+void RemoteTier::CountLookup(int64_t hits, Miss miss) {
   hits_ += hits;
-  misses_ += missed ? 1 : 0;
-  invalid_ += invalid;
+  switch (miss) {
+    case Miss::kNone:
+      return;
+    case Miss::kNotFound:
+      ++not_found_;
+      break;
+    case Miss::kVerifyFailed:
+      ++verify_failed_;
+      break;
+    case Miss::kError:
+      ++miss_error_;
+      break;
+    case Miss::kLate:
+      ++late_;
+      break;
+  }
+  ++misses_;
 }
 
 RemoteTierStats RemoteTier::stats() const {
   return {.hits = hits_,
           .misses = misses_,
-          .invalid = invalid_,
+          .misses_not_found = not_found_,
+          .misses_verify_failed = verify_failed_,
+          .misses_error = miss_error_,
+          .misses_late = late_,
+          .invalid = verify_failed_,
           .fetched_bytes = fetched_bytes_,
           .stored = stored_,
           .stored_bytes = stored_bytes_,
           .dropped = dropped_,
           .errors = errors_,
           .reconnects = reconnects_,
+          .redirects = redirects_,
+          .topology_refreshes = refreshes_,
+          .nodes = num_nodes_,
           .connected = connected_};
 }
 
@@ -346,80 +615,254 @@ void RemoteTier::Run() {
   }
 }
 
-bool RemoteTier::EnsureConnected() {
-  if (ctx_ != nullptr) return true;
+bool RemoteTier::EnsureConnected(Node& node) {
+  if (node.ctx != nullptr) return true;
   const auto now = std::chrono::steady_clock::now();
-  if (now < retry_at_) return false;
-  Result<redisContext*> ctx = Connect(url_, config_.timeout_ms);
+  if (now < node.retry_at) return false;
+  Result<redisContext*> ctx = Connect(url_, node.host, node.port, config_.timeout_ms);
   if (!ctx.ok()) {
     ++errors_;
-    retry_at_ = now + backoff_;
-    backoff_ = std::min<std::chrono::milliseconds>(backoff_ * 2, std::chrono::seconds(2));
+    node.retry_at = now + node.backoff;
+    node.backoff = std::min<std::chrono::milliseconds>(node.backoff * 2, std::chrono::seconds(2));
+    if (url_.cluster) refresh_needed_ = true;
     return false;
   }
-  ctx_ = *ctx;
-  backoff_ = std::chrono::milliseconds(50);
-  ++reconnects_;
-  connected_ = true;
+  node.ctx = *ctx;
+  node.backoff = std::chrono::milliseconds(50);
+  if (node.ever_connected) ++reconnects_;
+  node.ever_connected = true;
+  UpdateConnected();
   return true;
 }
 
-void RemoteTier::Disconnect() {
+void RemoteTier::Disconnect(Node& node) {
   ++errors_;
-  redisFree(ctx_);
-  ctx_ = nullptr;
-  connected_ = false;
-  retry_at_ = std::chrono::steady_clock::now();  // the next command tries once at once
+  redisFree(node.ctx);
+  node.ctx = nullptr;
+  node.retry_at = std::chrono::steady_clock::now();  // the next command tries once at once
+  if (url_.cluster) refresh_needed_ = true;
+  UpdateConnected();
+}
+
+redisReply* RemoteTier::FollowRedirect(Redirect r, std::string_view cmd, std::string_view key,
+                                       std::string_view value) {
+  for (int hop = 0; hop < kMaxRedirects; ++hop) {
+    ++redirects_;
+    const size_t index = NodeAt(r.host, r.port);
+    if (!r.ask && !slots_.empty()) {
+      // The slot moved for good: send its next commands there at once, and read the whole map
+      // again before the next command.
+      slots_[static_cast<size_t>(KeySlot(key))] = static_cast<int16_t>(index);
+      refresh_needed_ = true;
+    }
+    Node& node = *nodes_[index];
+    if (!EnsureConnected(node)) return nullptr;
+    bool sent = !r.ask || Append(node.ctx, {"ASKING"});
+    sent = sent &&
+           (value.empty() ? Append(node.ctx, {cmd, key}) : Append(node.ctx, {cmd, key, value}));
+    void* raw = nullptr;
+    if (sent && r.ask) {
+      sent = redisGetReply(node.ctx, &raw) == REDIS_OK;
+      freeReplyObject(raw);
+      raw = nullptr;
+    }
+    if (!sent || redisGetReply(node.ctx, &raw) != REDIS_OK) {
+      Disconnect(node);
+      return nullptr;
+    }
+    Reply reply(static_cast<redisReply*>(raw));
+    if (!ParseRedirect(*reply, &r.ask, &r.host, &r.port)) return reply.release();
+  }
+  ++errors_;
+  return nullptr;
 }
 
 void RemoteTier::DoFetch(FetchJob& job) {
-  job.fetched.values.assign(job.keys.size(), std::string_view());
-  if (!EnsureConnected()) return;
-  std::vector<std::string_view> args = {"MGET"};
-  args.insert(args.end(), job.keys.begin(), job.keys.end());
-  Reply reply = Command(ctx_, args);
-  if (!reply || reply->type != REDIS_REPLY_ARRAY || reply->elements != job.keys.size()) {
-    Disconnect();
-    return;
+  const size_t n = job.keys.size();
+  std::vector<std::string_view>& values = job.fetched.values;
+  std::vector<uint8_t>& failed = job.fetched.failed;
+  values.assign(n, std::string_view());
+  failed.assign(n, 0);
+  MaybeRefresh();
+  auto replies = std::make_shared<std::vector<Reply>>();
+  // A reply to GET: a value, none, a redirect to follow, or an error.
+  std::vector<Redirect> redirects;
+  const auto take = [&](size_t item, Reply reply) {
+    Redirect r{.item = item};
+    if (reply->type == REDIS_REPLY_STRING) {
+      values[item] = std::string_view(reply->str, reply->len);
+      fetched_bytes_ += static_cast<int64_t>(reply->len);
+      replies->push_back(std::move(reply));
+    } else if (reply->type == REDIS_REPLY_NIL) {
+      // not found
+    } else if (url_.cluster && ParseRedirect(*reply, &r.ask, &r.host, &r.port)) {
+      redirects.push_back(std::move(r));
+    } else {
+      ++errors_;
+      failed[item] = 1;
+    }
+  };
+  // Group the keys by node; write every node's commands, then read every node's replies.
+  std::vector<std::vector<size_t>> groups(nodes_.size());
+  for (size_t i = 0; i < n; ++i) {
+    const int node = NodeFor(job.keys[i]);
+    if (node < 0) {
+      failed[i] = 1;  // no node owns its slot
+    } else {
+      groups[static_cast<size_t>(node)].push_back(i);
+    }
   }
-  for (size_t i = 0; i < reply->elements; ++i) {
-    const redisReply* e = reply->element[i];
-    if (e->type != REDIS_REPLY_STRING) continue;
-    job.fetched.values[i] = std::string_view(e->str, e->len);
-    fetched_bytes_ += static_cast<int64_t>(e->len);
+  const auto fail = [&](const std::vector<size_t>& items, size_t from) {
+    for (size_t j = from; j < items.size(); ++j) failed[items[j]] = 1;
+  };
+  std::vector<size_t> sent;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const std::vector<size_t>& items = groups[g];
+    if (items.empty()) continue;
+    Node& node = *nodes_[g];
+    if (!EnsureConnected(node)) {
+      fail(items, 0);
+      continue;
+    }
+    bool ok = true;
+    if (url_.cluster) {
+      // MGET across slots is refused by a cluster (and each block has its own slot): GETs.
+      for (const size_t i : items) ok = ok && Append(node.ctx, {"GET", job.keys[i]});
+    } else {
+      std::vector<const char*> argv = {"MGET"};
+      std::vector<size_t> lens = {4};
+      for (const size_t i : items) {
+        argv.push_back(job.keys[i].data());
+        lens.push_back(job.keys[i].size());
+      }
+      ok = redisAppendCommandArgv(node.ctx, static_cast<int>(argv.size()), argv.data(),
+                                  lens.data()) == REDIS_OK;
+    }
+    if (!ok || !Flush(node.ctx)) {
+      Disconnect(node);
+      fail(items, 0);
+      continue;
+    }
+    sent.push_back(g);
   }
-  job.fetched.reply = std::shared_ptr<const redisReply>(reply.release(), ReplyDeleter());
+  for (const size_t g : sent) {
+    const std::vector<size_t>& items = groups[g];
+    Node& node = *nodes_[g];
+    const size_t expected = url_.cluster ? items.size() : 1;
+    for (size_t r = 0; r < expected; ++r) {
+      void* raw = nullptr;
+      if (redisGetReply(node.ctx, &raw) != REDIS_OK) {
+        Disconnect(node);
+        fail(items, url_.cluster ? r : 0);
+        break;
+      }
+      Reply reply(static_cast<redisReply*>(raw));
+      if (url_.cluster) {
+        take(items[r], std::move(reply));
+        continue;
+      }
+      if (reply->type == REDIS_REPLY_ERROR) {
+        ++errors_;
+        fail(items, 0);
+        break;
+      }
+      if (reply->type != REDIS_REPLY_ARRAY || reply->elements != items.size()) {
+        Disconnect(node);
+        fail(items, 0);
+        break;
+      }
+      for (size_t j = 0; j < items.size(); ++j) {
+        const redisReply* e = reply->element[j];
+        if (e->type == REDIS_REPLY_STRING) {
+          values[items[j]] = std::string_view(e->str, e->len);
+          fetched_bytes_ += static_cast<int64_t>(e->len);
+        } else if (e->type != REDIS_REPLY_NIL) {
+          failed[items[j]] = 1;
+        }
+      }
+      replies->push_back(std::move(reply));
+    }
+  }
+  std::vector<Redirect> pending;
+  pending.swap(redirects);
+  for (const Redirect& r : pending) {
+    redisReply* reply = FollowRedirect(r, "GET", job.keys[r.item], {});
+    if (reply == nullptr) {
+      failed[r.item] = 1;
+    } else {
+      take(r.item, Reply(reply));  // never a redirect: FollowRedirect followed those
+    }
+  }
+  job.fetched.reply = std::move(replies);
 }
 
 void RemoteTier::DoStores(std::vector<std::pair<std::string, std::string>>& batch) {
-  if (!EnsureConnected()) {
-    dropped_ += std::ssize(batch);
-    return;
-  }
-  for (const auto& [key, value] : batch) {
-    const char* argv[] = {"SET", key.data(), value.data()};
-    const size_t lens[] = {3, key.size(), value.size()};
-    if (redisAppendCommandArgv(ctx_, 3, argv, lens) != REDIS_OK) {
-      dropped_ += std::ssize(batch);
-      Disconnect();
-      return;
-    }
-  }
-  for (size_t i = 0; i < batch.size(); ++i) {
-    void* raw = nullptr;
-    if (redisGetReply(ctx_, &raw) != REDIS_OK) {
-      dropped_ += static_cast<int64_t>(batch.size() - i);
-      Disconnect();
-      return;
-    }
-    const Reply reply(static_cast<redisReply*>(raw));
-    if (reply->type == REDIS_REPLY_ERROR) {
+  MaybeRefresh();
+  std::vector<Redirect> redirects;
+  const auto take = [&](size_t item, const redisReply& reply) {
+    Redirect r{.item = item};
+    if (url_.cluster && ParseRedirect(reply, &r.ask, &r.host, &r.port)) {
+      redirects.push_back(std::move(r));
+    } else if (reply.type == REDIS_REPLY_ERROR) {
       ++errors_;
       ++dropped_;
+    } else {
+      ++stored_;
+      stored_bytes_ += static_cast<int64_t>(batch[item].second.size());
+    }
+  };
+  std::vector<std::vector<size_t>> groups(nodes_.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const int node = NodeFor(batch[i].first);
+    if (node < 0) {
+      ++dropped_;
+    } else {
+      groups[static_cast<size_t>(node)].push_back(i);
+    }
+  }
+  std::vector<size_t> sent;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const std::vector<size_t>& items = groups[g];
+    if (items.empty()) continue;
+    Node& node = *nodes_[g];
+    if (!EnsureConnected(node)) {
+      dropped_ += std::ssize(items);
       continue;
     }
-    ++stored_;
-    stored_bytes_ += static_cast<int64_t>(batch[i].second.size());
+    bool ok = true;
+    for (const size_t i : items) {
+      ok = ok && Append(node.ctx, {"SET", batch[i].first, batch[i].second});
+    }
+    if (!ok || !Flush(node.ctx)) {
+      dropped_ += std::ssize(items);
+      Disconnect(node);
+      continue;
+    }
+    sent.push_back(g);
+  }
+  for (const size_t g : sent) {
+    const std::vector<size_t>& items = groups[g];
+    Node& node = *nodes_[g];
+    for (size_t r = 0; r < items.size(); ++r) {
+      void* raw = nullptr;
+      if (redisGetReply(node.ctx, &raw) != REDIS_OK) {
+        dropped_ += static_cast<int64_t>(items.size() - r);
+        Disconnect(node);
+        break;
+      }
+      const Reply reply(static_cast<redisReply*>(raw));
+      take(items[r], *reply);
+    }
+  }
+  std::vector<Redirect> pending;
+  pending.swap(redirects);
+  for (const Redirect& r : pending) {
+    const Reply reply(FollowRedirect(r, "SET", batch[r.item].first, batch[r.item].second));
+    if (reply == nullptr) {
+      ++dropped_;
+    } else {
+      take(r.item, *reply);
+    }
   }
 }
 

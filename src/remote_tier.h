@@ -2,12 +2,16 @@
 // The remote prefix tier's Redis client and value format (docs/remote_tier.md). Internal to the
 // StateManager, which keys, verifies and places the blocks.
 //
-// One hiredis connection, owned by a worker thread: stores are queued (bounded; a full queue
-// drops and counts) and sent pipelined, up to kStoreBatch SETs per round trip; a fetch is one
-// MGET, queued ahead of the stores, that the scheduling thread waits for at most timeout_ms. A
-// failed command closes the connection; the next command reconnects, and a failed reconnect
-// waits a backoff (50 ms doubling to 2 s) during which commands fail at once (stores dropped,
-// fetches empty).
+// A worker thread owns one hiredis connection per server: one for a standalone server, one per
+// master of a Redis Cluster (slot -> node from CLUSTER SLOTS, read at open and again after a MOVED
+// or a connection error). Stores are queued (bounded; a full queue drops and counts) and sent
+// pipelined, up to kStoreBatch SETs per batch, grouped per node; a fetch (queued ahead of the
+// stores, waited for at most timeout_ms) is one MGET on a standalone server and pipelined GETs
+// per node on a cluster, every node's commands written before any reply is read, so k blocks cost
+// one round trip per node. MOVED / ASK are followed (ASK with ASKING). A failed command closes
+// that node's connection; the next command to it reconnects, and a failed reconnect waits a
+// backoff (50 ms doubling to 2 s) during which that node's commands fail at once (stores
+// dropped, fetched keys missing) while the other nodes keep serving.
 #pragma once
 
 #include <atomic>
@@ -29,18 +33,27 @@
 #include "blockkv/status.h"
 
 struct redisContext;
+struct redisReply;
 
 namespace blockkv::internal {
 
 struct RedisUrl {
-  std::string host;
-  int port = 6379;
+  struct HostPort {
+    std::string host;
+    int port = 6379;
+  };
+  std::vector<HostPort> hosts;  // one for a standalone server; the seeds of a cluster
+  bool cluster = false;
   std::string user;      // "" = the default user
   std::string password;  // "" = no AUTH
   int db = 0;
 };
-// redis://[user:password@]host:port[/db]; kInvalidArgument naming what is wrong.
+// redis://[user:password@]host:port[/db] or redis+cluster://[user:password@]host:port[,host:port
+// ...]; kInvalidArgument naming the URL and the part that is wrong.
 Result<RedisUrl> ParseRedisUrl(std::string_view url);
+// The cluster slot (0..16383) of `key`: CRC16 (XMODEM) of its hash tag (what is between the first
+// '{' and the next '}', when not empty), else of the whole key, modulo 16384.
+int KeySlot(std::string_view key);
 
 // What a block's value must say to be accepted (docs/remote_tier.md, "Values").
 struct RemoteBlockMeta {
@@ -84,13 +97,16 @@ class RemoteTier {
   struct Fetched {
     std::shared_ptr<const void> reply;
     std::vector<std::string_view> values;
+    std::vector<uint8_t> failed;  // per key: 1 = the command failed (an error, not "none")
+    bool late = false;            // the wait gave up after timeout_ms: every value ""
   };
   // The values of `keys`, waiting at most timeout_ms: all "" on a timeout or an error (counted).
   Fetched Fetch(std::vector<std::string> keys);
   // Waits until every store queued so far was sent or failed.
   void Drain();
 
-  void CountLookup(int64_t hits, bool missed, int64_t invalid);
+  enum class Miss { kNone, kNotFound, kVerifyFailed, kError, kLate };
+  void CountLookup(int64_t hits, Miss miss);
   RemoteTierStats stats() const;
   const RedisUrl& url() const { return url_; }
 
@@ -100,19 +116,52 @@ class RemoteTier {
     Fetched fetched;
     bool done = false;
   };
-  RemoteTier(RemoteTierConfig config, RedisUrl url, redisContext* ctx);
-  static Result<redisContext*> Connect(const RedisUrl& url, int32_t timeout_ms);
+  // One server and the worker's connection to it.
+  struct Node {
+    std::string host;
+    int port = 0;
+    redisContext* ctx = nullptr;
+    bool ever_connected = false;
+    int32_t slots = 0;  // slots it owns (cluster)
+    std::chrono::steady_clock::time_point retry_at{};
+    std::chrono::milliseconds backoff{50};
+  };
+  // A command of a fetch or a store batch that got MOVED or ASK.
+  struct Redirect {
+    size_t item = 0;
+    bool ask = false;
+    std::string host{};
+    int port = 0;
+  };
+  RemoteTier(RemoteTierConfig config, RedisUrl url);
+  static Result<redisContext*> Connect(const RedisUrl& url, const std::string& host, int port,
+                                       int32_t timeout_ms);
+  // Open's work on the calling thread: the first seed that answers (a cluster: its slot map,
+  // then a connection to every master; one that fails is retried later).
+  Status Start();
   void Run();
-  bool EnsureConnected();  // worker only
-  void Disconnect();       // worker only, after a failed command
+  // Worker only (and Start, before the worker starts).
+  bool EnsureConnected(Node& node);
+  void Disconnect(Node& node);                     // after a failed command
+  size_t NodeAt(std::string_view host, int port);  // its index in nodes_, added when new
+  int NodeFor(std::string_view key) const;         // its node's index; -1 = no node owns its slot
+  Status RefreshSlots();  // CLUSTER SLOTS from a connected node (or a seed)
+  void MaybeRefresh();
+  void UpdateConnected();
+  // Sends `cmd` (GET or SET) for item i of `keys` to host:port after MOVED / ASK, following up to
+  // a few redirects more; the reply, or null when it failed (counted).
+  redisReply* FollowRedirect(Redirect r, std::string_view cmd, std::string_view key,
+                             std::string_view value);
   void DoFetch(FetchJob& job);
   void DoStores(std::vector<std::pair<std::string, std::string>>& batch);
 
   const RemoteTierConfig config_;
   const RedisUrl url_;
-  redisContext* ctx_;  // worker only (and Open, before the worker starts)
-  std::chrono::steady_clock::time_point retry_at_{};
-  std::chrono::milliseconds backoff_{50};
+  std::vector<std::unique_ptr<Node>> nodes_;  // worker only (and Start)
+  std::vector<int16_t> slots_;                // cluster: slot -> index in nodes_, -1 = none
+  bool refresh_needed_ = false;
+  std::chrono::steady_clock::time_point refresh_at_{};
+  std::chrono::milliseconds refresh_backoff_{50};
 
   std::mutex mu_;
   std::condition_variable work_cv_;
@@ -122,8 +171,10 @@ class RemoteTier {
   bool storing_ = false;
   bool stop_ = false;
 
-  std::atomic<int64_t> hits_{0}, misses_{0}, invalid_{0}, fetched_bytes_{0}, stored_{0},
-      stored_bytes_{0}, dropped_{0}, errors_{0}, reconnects_{0};
+  std::atomic<int64_t> hits_{0}, misses_{0}, not_found_{0}, verify_failed_{0}, miss_error_{0},
+      late_{0}, fetched_bytes_{0}, stored_{0}, stored_bytes_{0}, dropped_{0}, errors_{0},
+      reconnects_{0}, redirects_{0}, refreshes_{0};
+  std::atomic<int32_t> num_nodes_{0};
   std::atomic<bool> connected_{false};
   std::thread worker_;
 };

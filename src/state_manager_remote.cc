@@ -107,10 +107,16 @@ int32_t StateManager::Impl::MatchRemote(const SequenceKeys& keys, int32_t run, i
   internal::RemoteTier::Fetched fetched = remote_->Fetch(std::move(names));
   const KVCacheConfig& c = cache_->config(0);
   int32_t n = 0;
-  int64_t invalid = 0;
+  using Miss = internal::RemoteTier::Miss;
+  Miss miss = Miss::kNone;
   for (; n < max; ++n) {
     const std::string_view value = fetched.values[static_cast<size_t>(n)];
-    if (value.empty()) break;
+    if (value.empty()) {
+      miss = fetched.late                                  ? Miss::kLate
+             : fetched.failed[static_cast<size_t>(n)] != 0 ? Miss::kError
+                                                           : Miss::kNotFound;
+      break;
+    }
     const auto i = static_cast<size_t>(run) + static_cast<size_t>(n);
     const internal::RemoteBlockMeta want{
         .fingerprint = remote_fingerprint_,
@@ -124,13 +130,13 @@ int32_t StateManager::Impl::MatchRemote(const SequenceKeys& keys, int32_t run, i
         .payload_bytes = static_cast<uint64_t>(c.num_caches() * LayerBlockBytes(c))};
     const int64_t payload = internal::VerifyRemoteValue(value, want);
     if (payload < 0) {
-      ++invalid;
+      miss = Miss::kVerifyFailed;
       break;
     }
     remote_values_.push_back(
         {.reply = fetched.reply, .value = value, .payload = static_cast<size_t>(payload)});
   }
-  remote_->CountLookup(0, n < max, invalid);
+  remote_->CountLookup(0, miss);
   return n;
 }
 
@@ -165,7 +171,7 @@ Status StateManager::Impl::PlaceRemote(const SequenceKeys& keys, size_t first,
     last = prefix_->Publish(0, blocks[b], index == 0 ? nullptr : &last, key, tokens, keys.ns_id,
                             keys.extras, index, priority);
   }
-  remote_->CountLookup(std::ssize(blocks), false, 0);
+  remote_->CountLookup(std::ssize(blocks), internal::RemoteTier::Miss::kNone);
   return Status::Ok();
 }
 

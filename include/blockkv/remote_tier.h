@@ -14,7 +14,9 @@
 namespace blockkv {
 
 struct RemoteTierConfig {
-  // redis://[user:password@]host:port[/db]  (a password alone: redis://:password@host:port)
+  // A standalone server: redis://[user:password@]host:port[/db]  (a password alone:
+  // redis://:password@host:port). A Redis Cluster: redis+cluster://[user:password@]host:port[,...]
+  // (seed nodes; the slot map is read from the first that answers; database 0 only).
   std::string url;
   // Identifies the model whose KV the blocks hold; part of every key's fingerprint, so two
   // models never share a block. The engine supplies it (e.g. "meta-llama/Llama-3-8B@rev").
@@ -30,16 +32,24 @@ struct RemoteTierConfig {
 };
 
 struct RemoteTierStats {
-  int64_t hits = 0;           // blocks fetched, verified and placed in the cache
-  int64_t misses = 0;         // lookups whose run stopped at a block the tier did not give
-  int64_t invalid = 0;        // fetched values that did not verify (counted in misses too)
-  int64_t fetched_bytes = 0;  // value bytes received
-  int64_t stored = 0;         // blocks stored
-  int64_t stored_bytes = 0;   // value bytes stored
-  int64_t dropped = 0;        // stores dropped: queue full, or the server unreachable
-  int64_t errors = 0;         // failed commands, connects and fetch timeouts
-  int64_t reconnects = 0;     // connections made again after a failure
-  bool connected = false;     // the worker's connection is up now
+  int64_t hits = 0;    // blocks fetched, verified and placed in the cache
+  int64_t misses = 0;  // lookups whose run stopped at a block the tier did not give; by cause:
+  int64_t misses_not_found = 0;      // the server had no value for the key
+  int64_t misses_verify_failed = 0;  // a value that did not verify (header, tokens, checksum)
+  int64_t misses_error = 0;          // the command failed: connection lost, socket timeout, a node
+                                     // down, a reply that was an error
+  int64_t misses_late = 0;           // the lookup stopped waiting for the fetch after timeout_ms
+  int64_t invalid = 0;               // fetched values that did not verify (= misses_verify_failed)
+  int64_t fetched_bytes = 0;         // value bytes received
+  int64_t stored = 0;                // blocks stored
+  int64_t stored_bytes = 0;          // value bytes stored
+  int64_t dropped = 0;               // stores dropped: queue full, or the server unreachable
+  int64_t errors = 0;                // failed commands, connects and fetch timeouts
+  int64_t reconnects = 0;            // connections made again after a failure
+  int64_t redirects = 0;             // cluster MOVED / ASK replies followed
+  int64_t topology_refreshes = 0;    // cluster slot maps read again (CLUSTER SLOTS) after open
+  int32_t nodes = 0;                 // servers that own slots (1 for a standalone server)
+  bool connected = false;            // every such server's connection is up now
 };
 
 }  // namespace blockkv

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // A real redis-server for the remote tier's tests: started on 127.0.0.1 on a free port in a
-// scratch directory with persistence off, killed (SIGKILL) when the object goes. A test that
-// cannot start one fails: it never skips.
+// scratch directory with persistence off, killed (SIGKILL) when the object goes; and a Redis
+// Cluster of such servers (RedisCluster: cluster-enabled, joined with `redis-cli --cluster
+// create`). A test that cannot start one fails: it never skips.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -10,6 +11,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -113,12 +115,47 @@ class RedisServer {
     }
     FAIL() << "redis-server did not answer on port " << port_ << " within 10 s";
   }
+  // Stalls it (SIGSTOP: its sockets stay open, nothing answers) and lets it go on (SIGCONT).
+  void Stop() const {
+    if (pid_ > 0) kill(pid_, SIGSTOP);
+  }
+  void Continue() const {
+    if (pid_ > 0) kill(pid_, SIGCONT);
+  }
   void Kill() {
     if (pid_ <= 0) return;
     kill(pid_, SIGKILL);
     int status = 0;
     waitpid(pid_, &status, 0);
     pid_ = -1;
+  }
+
+  // A command's reply on a fresh connection (null when the server does not answer).
+  std::shared_ptr<redisReply> Command(const std::vector<std::string>& args) const {
+    redisContext* c = Connect();
+    if (c == nullptr || c->err != 0) {
+      if (c != nullptr) redisFree(c);
+      return nullptr;
+    }
+    std::vector<const char*> argv;
+    std::vector<size_t> lens;
+    for (const std::string& a : args) {
+      argv.push_back(a.data());
+      lens.push_back(a.size());
+    }
+    auto* r = static_cast<redisReply*>(
+        redisCommandArgv(c, static_cast<int>(argv.size()), argv.data(), lens.data()));
+    redisFree(c);
+    return std::shared_ptr<redisReply>(r, [](redisReply* p) {
+      if (p != nullptr) freeReplyObject(p);
+    });
+  }
+  // A command's reply as text (a string, status or error reply; an integer in decimal).
+  std::string Text(const std::vector<std::string>& args) const {
+    const std::shared_ptr<redisReply> r = Command(args);
+    if (r == nullptr) return "(no reply)";
+    if (r->type == REDIS_REPLY_INTEGER) return std::to_string(r->integer);
+    return r->str != nullptr ? std::string(r->str, r->len) : std::string();
   }
 
   // A connection for a test to read or change what the server holds (AUTH'd with `password`).
@@ -136,6 +173,93 @@ class RedisServer {
   int port_;
   std::filesystem::path dir_;
   pid_t pid_ = -1;
+};
+
+// Runs a program to its end, its stdout discarded; its exit status (-1 when it cannot start).
+inline int RunProgram(std::vector<std::string> args) {
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  posix_spawn_file_actions_t quiet;
+  posix_spawn_file_actions_init(&quiet);
+  posix_spawn_file_actions_addopen(&quiet, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
+  const int spawned = posix_spawnp(&pid, argv[0], &quiet, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&quiet);
+  if (spawned != 0) return -1;
+  int status = 0;
+  if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return -1;
+  return WEXITSTATUS(status);
+}
+
+// A Redis Cluster of `masters` redis-servers (no replicas) on 127.0.0.1, each on a free port with
+// a free cluster bus port, persistence off, `cluster-require-full-coverage no` (a dead node's
+// slots fail, the others keep serving) and a long node timeout (no failover during a test).
+// Created with `redis-cli --cluster create`; ready once every node says cluster_state:ok and
+// knows every node.
+class RedisCluster {
+ public:
+  explicit RedisCluster(int masters = 3) { Create(masters); }
+
+  size_t size() const { return nodes_.size(); }
+  RedisServer& node(size_t i) { return *nodes_[i]; }
+  // redis+cluster://[auth@]127.0.0.1:<port of node 0>,127.0.0.1:<port of node 1>
+  std::string url(const std::string& auth = "") const {
+    return "redis+cluster://" + (auth.empty() ? "" : auth + "@") +
+           "127.0.0.1:" + std::to_string(nodes_[0]->port()) +
+           ",127.0.0.1:" + std::to_string(nodes_[1]->port());
+  }
+  std::string id(size_t i) const { return nodes_[i]->Text({"CLUSTER", "MYID"}); }
+  int slot(const std::string& key) const {
+    return static_cast<int>(nodes_[0]->Command({"CLUSTER", "KEYSLOT", key})->integer);
+  }
+  // The node that owns `key`'s slot (per node 0's view of the slot map); -1 when none.
+  int owner(const std::string& key) const {
+    const int s = slot(key);
+    const std::shared_ptr<redisReply> slots = nodes_[0]->Command({"CLUSTER", "SLOTS"});
+    for (size_t r = 0; slots != nullptr && r < slots->elements; ++r) {
+      const redisReply* range = slots->element[r];
+      if (range->element[0]->integer <= s && s <= range->element[1]->integer) {
+        const long long port = range->element[2]->element[1]->integer;
+        for (size_t i = 0; i < nodes_.size(); ++i) {
+          if (nodes_[i]->port() == port) return static_cast<int>(i);
+        }
+      }
+    }
+    return -1;
+  }
+
+ private:
+  void Create(int masters) {
+    std::vector<std::string> create = {"redis-cli", "--cluster", "create"};
+    for (int i = 0; i < masters; ++i) {
+      const int bus = FreePort();
+      ASSERT_GT(bus, 0) << "no free port";
+      nodes_.push_back(std::make_unique<RedisServer>(std::vector<std::string>{
+          "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-port",
+          std::to_string(bus), "--cluster-require-full-coverage", "no", "--cluster-node-timeout",
+          "60000"}));
+      if (::testing::Test::HasFatalFailure()) return;
+      create.push_back("127.0.0.1:" + std::to_string(nodes_.back()->port()));
+    }
+    create.insert(create.end(), {"--cluster-replicas", "0", "--cluster-yes"});
+    ASSERT_EQ(RunProgram(create), 0) << "redis-cli --cluster create failed (apt-get install "
+                                        "redis-tools redis-server; scripts/deps.sh does)";
+    const std::string known = "cluster_known_nodes:" + std::to_string(masters);
+    for (int i = 0; i < 400; ++i) {
+      bool ready = true;
+      for (const auto& node : nodes_) {
+        const std::string info = node->Text({"CLUSTER", "INFO"});
+        ready = ready && info.find("cluster_state:ok") != std::string::npos &&
+                info.find(known) != std::string::npos;
+      }
+      if (ready) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    FAIL() << "the redis cluster did not reach cluster_state:ok within 20 s";
+  }
+
+  std::vector<std::unique_ptr<RedisServer>> nodes_;
 };
 
 }  // namespace blockkv::testing

@@ -19,11 +19,13 @@
 
 #include "blockkv/log.h"
 #include "blockkv/state_manager.h"
+#include "remote_tier.h"
 #include "unit/redis_server.h"
 
 namespace blockkv {
 namespace {
 
+using testing::RedisCluster;
 using testing::RedisServer;
 
 constexpr int32_t kBlockSize = 4;
@@ -138,6 +140,27 @@ std::vector<std::string> Keys(redisContext* c) {
   return out;
 }
 
+std::vector<std::string> Keys(const RedisServer& server) {
+  redisContext* c = server.Connect();
+  std::vector<std::string> keys = Keys(c);
+  redisFree(c);
+  return keys;
+}
+
+// The block index a stored value holds (offset 48, docs/remote_tier.md).
+uint32_t BlockIndex(const RedisServer& server, const std::string& key) {
+  const std::string value = server.Text({"GET", key});
+  uint32_t index = ~0u;
+  if (value.size() >= 52) std::memcpy(&index, value.data() + 48, sizeof(index));
+  return index;
+}
+
+// SIGCONTs a stalled server when the test ends, however it ends.
+struct Resume {
+  const RedisServer& server;
+  ~Resume() { server.Continue(); }
+};
+
 TEST(RemoteTierTest, ASecondEngineHitsTheFirstEnginesBlocks) {
   RedisServer server;
   const std::vector<TokenId> prompt = Prompt(100, 17);  // 4 full blocks, 1 token left
@@ -163,6 +186,8 @@ TEST(RemoteTierTest, ASecondEngineHitsTheFirstEnginesBlocks) {
   EXPECT_EQ(sb.hits, 4);
   EXPECT_EQ(sb.misses, 0);
   EXPECT_EQ(sb.invalid, 0);
+  EXPECT_EQ(sb.nodes, 1);
+  EXPECT_EQ(sa.misses_not_found, 1);
   EXPECT_EQ(sb.fetched_bytes, sa.stored_bytes);
   EXPECT_EQ(sb.stored, 0);  // fetched blocks are not written back
   // The fetched blocks are cached on b's device now: a second request hits them there.
@@ -223,6 +248,7 @@ TEST(RemoteTierTest, AKilledServerIsMissesThenARestartedOneIsReconnected) {
   a->mgr->FlushRemoteTier();
   RemoteTierStats s = a->mgr->remote_tier_stats();
   EXPECT_GE(s.errors, 1);
+  EXPECT_EQ(s.misses_error, 1);  // the lookup of Prompt(300, 9)
   EXPECT_EQ(s.stored, 4);
   EXPECT_EQ(s.dropped, 2);
   EXPECT_FALSE(s.connected);
@@ -303,6 +329,8 @@ TEST(RemoteTierTest, ACorruptedValueIsACountedMissAndNothingWrongIsCached) {
   EXPECT_EQ(s.hits, 2);
   EXPECT_EQ(s.invalid, 1);
   EXPECT_EQ(s.misses, 1);
+  EXPECT_EQ(s.misses_verify_failed, 1);
+  EXPECT_EQ(s.misses_not_found + s.misses_error + s.misses_late, 0);
 }
 
 TEST(RemoteTierTest, AnotherNamespaceOrModelNeverHits) {
@@ -341,6 +369,252 @@ TEST(RemoteTierTest, AFullQueueDropsStoresAndCountsThem) {
   EXPECT_EQ(s.dropped, 4);
   EXPECT_EQ(s.stored, 0);
   EXPECT_EQ(s.errors, 0);
+}
+
+TEST(RemoteTierTest, AStalledServerIsATimedOutMissAndNeverBlocksSchedule) {
+  RedisServer server;
+  const std::vector<TokenId> prompt = Prompt(100, 17);
+  auto a = Engine::Make({.url = server.url(), .timeout_ms = 200});
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->Prefill(1, prompt), 0);
+  a->mgr->FlushRemoteTier();
+  auto b = Engine::Make({.url = server.url(), .timeout_ms = 200});
+  ASSERT_NE(b, nullptr);
+  ASSERT_TRUE(b->mgr->remote_tier_stats().connected);
+
+  server.Stop();  // connections stay open; nothing answers
+  const Resume resume{server};
+  // The fetch gives up (the socket's timeout or the lookup's wait): a miss, recomputed.
+  EXPECT_EQ(b->Prefill(1, prompt), 0);
+  b->ExpectPrefixData(1, prompt, 4);
+  RemoteTierStats s = b->mgr->remote_tier_stats();
+  EXPECT_EQ(s.hits, 0);
+  EXPECT_EQ(s.misses, 1);
+  EXPECT_EQ(s.misses_error + s.misses_late, 1);
+  EXPECT_EQ(s.misses_not_found + s.misses_verify_failed, 0);
+  EXPECT_GE(s.errors, 1);
+  // Its 4 new blocks are queued for a server that does not answer; the next Schedule's lookup
+  // still returns (a miss: it waits at most timeout_ms, whatever the worker is stuck on).
+  const std::vector<TokenId> other = Prompt(2000, 9);
+  EXPECT_EQ(b->Prefill(2, other), 0);
+  b->ExpectPrefixData(2, other, 2);
+  s = b->mgr->remote_tier_stats();
+  EXPECT_EQ(s.misses, 2);
+  EXPECT_EQ(s.misses_error + s.misses_late, 2);
+
+  server.Continue();
+  b->mgr->FlushRemoteTier();  // each stalled batch ended by the socket timeout
+  // Served again: b's new blocks are stored once it has reconnected (after a backoff).
+  bool served = false;
+  std::vector<TokenId> next;
+  for (int i = 0; i < 100 && !served; ++i) {
+    next = Prompt(3000 + 100 * i, 9);
+    const int64_t stored = b->mgr->remote_tier_stats().stored;
+    EXPECT_EQ(b->Prefill(10, next), 0);
+    ASSERT_TRUE(b->mgr->FlushSequence(10).ok());
+    b->mgr->FlushRemoteTier();
+    served = b->mgr->remote_tier_stats().stored == stored + 2;
+    if (!served) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_TRUE(served);
+  EXPECT_TRUE(b->mgr->remote_tier_stats().connected);
+  auto c = Engine::Make({.url = server.url()});
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->Prefill(1, prompt), 16);  // stored before the stall
+  c->ExpectPrefixData(1, prompt, 4);
+  EXPECT_EQ(c->Prefill(2, next), 8);
+  c->ExpectPrefixData(2, next, 2);
+}
+
+TEST(RemoteTierTest, AClusterSpreadsBlocksOverItsNodesAndAnotherEngineHitsThem) {
+  RedisCluster cluster;
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  const std::vector<TokenId> prompt = Prompt(100, 16 * kBlockSize + 1);  // 16 full blocks
+  auto a = Engine::Make({.url = cluster.url(), .model_id = "m"});
+  ASSERT_NE(a, nullptr);
+  RemoteTierStats sa = a->mgr->remote_tier_stats();
+  EXPECT_TRUE(sa.connected);
+  EXPECT_EQ(sa.nodes, 3);
+  EXPECT_EQ(a->Prefill(1, prompt), 0);
+  a->mgr->FlushRemoteTier();
+  sa = a->mgr->remote_tier_stats();
+  EXPECT_EQ(sa.stored, 16);
+  EXPECT_EQ(sa.dropped + sa.errors + sa.redirects, 0);
+  // Every node holds some of the blocks, each key on the node that owns its slot, and the
+  // tier's slot of a key is the cluster's.
+  size_t total = 0;
+  for (size_t i = 0; i < cluster.size(); ++i) {
+    const std::vector<std::string> keys = Keys(cluster.node(i));
+    EXPECT_GE(keys.size(), 1u) << "node " << i;
+    total += keys.size();
+    for (const std::string& key : keys) {
+      EXPECT_EQ(internal::KeySlot(key), cluster.slot(key)) << key;
+      EXPECT_EQ(cluster.owner(key), static_cast<int>(i)) << key;
+    }
+  }
+  EXPECT_EQ(total, 16u);
+  // Hash-tag edge cases as the cluster computes them: an empty tag or none hashes the whole key.
+  for (const std::string key : {"a{}b", "x{y", "{}{z}", "{a}{b}", "blockkv:{0123}"}) {
+    EXPECT_EQ(internal::KeySlot(key), cluster.slot(key)) << key;
+  }
+
+  auto b = Engine::Make({.url = cluster.url(), .model_id = "m"});
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(b->Prefill(7, prompt), 64);
+  b->ExpectPrefixData(7, prompt, 16);
+  const RemoteTierStats sb = b->mgr->remote_tier_stats();
+  EXPECT_EQ(sb.hits, 16);
+  EXPECT_EQ(sb.misses + sb.errors + sb.redirects, 0);
+  EXPECT_EQ(sb.fetched_bytes, sa.stored_bytes);
+}
+
+TEST(RemoteTierTest, AKilledClusterNodeMissesItsSlotsWhileTheOthersServe) {
+  RedisCluster cluster;
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  auto a = Engine::Make({.url = cluster.url(), .timeout_ms = 500});
+  ASSERT_NE(a, nullptr);
+  // 12 one-block prompts; which node holds each.
+  std::vector<std::vector<TokenId>> prompts;
+  std::vector<int> holder;
+  for (int p = 0; p < 12; ++p) {
+    prompts.push_back(Prompt(1000 * (p + 1), kBlockSize + 1));
+    EXPECT_EQ(a->Prefill(p + 1, prompts.back()), 0);
+    a->mgr->FlushRemoteTier();
+    int held = -1;
+    for (size_t i = 0; i < cluster.size(); ++i) {
+      const auto before = std::count(holder.begin(), holder.end(), static_cast<int>(i));
+      if (std::ssize(Keys(cluster.node(i))) > before) held = static_cast<int>(i);
+    }
+    ASSERT_NE(held, -1) << "prompt " << p << " stored on no node";
+    holder.push_back(held);
+  }
+  ASSERT_EQ(a->mgr->remote_tier_stats().stored, 12);
+  auto b = Engine::Make({.url = cluster.url(), .timeout_ms = 500});
+  ASSERT_NE(b, nullptr);
+  const int dead = holder[0];
+  const auto on_dead = std::count(holder.begin(), holder.end(), dead);
+  ASSERT_LT(on_dead, 12) << "every prompt on one node";
+  cluster.node(static_cast<size_t>(dead)).Kill();
+
+  for (int p = 0; p < 12; ++p) {
+    const int64_t cached = b->Prefill(p + 1, prompts[static_cast<size_t>(p)]);
+    EXPECT_EQ(cached, holder[static_cast<size_t>(p)] == dead ? 0 : kBlockSize) << "prompt " << p;
+    b->ExpectPrefixData(p + 1, prompts[static_cast<size_t>(p)], 1);  // computed or fetched
+  }
+  const RemoteTierStats s = b->mgr->remote_tier_stats();
+  EXPECT_EQ(s.hits, 12 - on_dead);
+  EXPECT_EQ(s.misses, on_dead);
+  EXPECT_EQ(s.misses_error, on_dead);
+  EXPECT_EQ(s.misses_not_found + s.misses_verify_failed + s.misses_late, 0);
+  EXPECT_GE(s.errors, 1);
+  EXPECT_FALSE(s.connected);
+  EXPECT_EQ(s.nodes, 3);  // the dead node still owns its slots (no failover)
+}
+
+TEST(RemoteTierTest, AReshardedSlotIsFollowedThroughAskThenMoved) {
+  RedisCluster cluster;
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  const std::vector<TokenId> prompt = Prompt(100, 16 * kBlockSize + 1);
+  auto a = Engine::Make({.url = cluster.url()});
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->Prefill(1, prompt), 0);
+  a->mgr->FlushRemoteTier();
+  ASSERT_EQ(a->mgr->remote_tier_stats().stored, 16);
+  // Both read the slot map now; the slot of block 0 moves afterwards.
+  auto b = Engine::Make({.url = cluster.url()});
+  auto c = Engine::Make({.url = cluster.url()});
+  ASSERT_NE(b, nullptr);
+  ASSERT_NE(c, nullptr);
+  std::string key0;
+  size_t from = 0;
+  for (size_t i = 0; i < cluster.size(); ++i) {
+    for (const std::string& key : Keys(cluster.node(i))) {
+      if (BlockIndex(cluster.node(i), key) == 0) {
+        key0 = key;
+        from = i;
+      }
+    }
+  }
+  ASSERT_FALSE(key0.empty());
+  const size_t to = (from + 1) % cluster.size();
+  const std::string slot = std::to_string(cluster.slot(key0));
+  RedisServer& src = cluster.node(from);
+  RedisServer& dst = cluster.node(to);
+  // Migrating: the key moves, the slot is still src's: src answers ASK.
+  ASSERT_EQ(dst.Text({"CLUSTER", "SETSLOT", slot, "IMPORTING", cluster.id(from)}), "OK");
+  ASSERT_EQ(src.Text({"CLUSTER", "SETSLOT", slot, "MIGRATING", cluster.id(to)}), "OK");
+  ASSERT_EQ(
+      src.Text({"MIGRATE", "127.0.0.1", std::to_string(dst.port()), "", "0", "5000", "KEYS", key0}),
+      "OK");
+  EXPECT_EQ(b->Prefill(1, prompt), 64);
+  b->ExpectPrefixData(1, prompt, 16);
+  RemoteTierStats s = b->mgr->remote_tier_stats();
+  EXPECT_EQ(s.hits, 16);
+  EXPECT_EQ(s.redirects, 1);  // ASK, followed with ASKING
+  EXPECT_EQ(s.misses + s.errors, 0);
+  // Migrated: the slot is dst's; c's map still says src, which answers MOVED.
+  for (const size_t i : {to, from, (to + 1) % cluster.size()}) {
+    ASSERT_EQ(cluster.node(i).Text({"CLUSTER", "SETSLOT", slot, "NODE", cluster.id(to)}), "OK");
+  }
+  EXPECT_EQ(c->Prefill(1, prompt), 64);
+  c->ExpectPrefixData(1, prompt, 16);
+  s = c->mgr->remote_tier_stats();
+  EXPECT_EQ(s.hits, 16);
+  EXPECT_EQ(s.redirects, 1);
+  EXPECT_EQ(s.misses + s.errors, 0);
+  // Its map is read again before its next command, which then goes to dst directly.
+  ASSERT_TRUE(c->mgr->FlushSequence(1).ok());
+  ASSERT_EQ(c->mgr->ResetPrefixCache(), 16);
+  EXPECT_EQ(c->Prefill(2, prompt), 64);
+  c->ExpectPrefixData(2, prompt, 16);
+  s = c->mgr->remote_tier_stats();
+  EXPECT_EQ(s.hits, 32);
+  EXPECT_EQ(s.redirects, 1);
+  EXPECT_EQ(s.topology_refreshes, 1);
+  EXPECT_TRUE(s.connected);
+}
+
+TEST(RemoteTierTest, ClusterUrlsParseAndBadOnesNameTheBadPart) {
+  Result<internal::RedisUrl> url =
+      internal::ParseRedisUrl("redis+cluster://u:pw@10.0.0.1:7000,10.0.0.2,host-c:7002");
+  ASSERT_TRUE(url.ok()) << url.status();
+  EXPECT_TRUE(url->cluster);
+  ASSERT_EQ(url->hosts.size(), 3u);
+  EXPECT_EQ(url->hosts[0].host, "10.0.0.1");
+  EXPECT_EQ(url->hosts[0].port, 7000);
+  EXPECT_EQ(url->hosts[1].port, 6379);
+  EXPECT_EQ(url->hosts[2].host, "host-c");
+  EXPECT_EQ(url->user, "u");
+  EXPECT_EQ(url->password, "pw");
+  const auto error = [](std::string_view u) {
+    const Result<internal::RedisUrl> r = internal::ParseRedisUrl(u);
+    EXPECT_FALSE(r.ok()) << u;
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << u;
+    return r.ok() ? std::string() : std::string(r.status().message());
+  };
+  EXPECT_NE(error("redis+cluster://h:7000,:7001").find("no host in \":7001\""), std::string::npos);
+  EXPECT_NE(error("redis+cluster://h:7000,h:x").find("bad port \"x\" in \"h:x\""),
+            std::string::npos);
+  EXPECT_NE(error("redis+cluster://h:7000,").find("no host"), std::string::npos);
+  EXPECT_NE(error("redis+cluster://h:7000/1").find("database 0 only"), std::string::npos);
+  EXPECT_NE(error("redis://h:1,h:2").find("2 hosts"), std::string::npos);
+  const std::string secret = error("redis+cluster://u:topsecret@h:99999");
+  EXPECT_NE(secret.find("bad port \"99999\""), std::string::npos) << secret;
+  EXPECT_EQ(secret.find("topsecret"), std::string::npos) << secret;
+  EXPECT_NE(secret.find("u:***@h:99999"), std::string::npos) << secret;
+  // Redis's own CRC16 check value, and the hash tag.
+  EXPECT_EQ(internal::KeySlot("123456789"), 0x31C3 % 16384);
+  EXPECT_EQ(internal::KeySlot("a{123456789}b"), internal::KeySlot("123456789"));
+}
+
+TEST(RemoteTierTest, AStandaloneServerNamedAsAClusterIsAClearError) {
+  RedisServer server;
+  Status status;
+  EXPECT_EQ(
+      Engine::Make({.url = "redis+cluster://127.0.0.1:" + std::to_string(server.port())}, &status),
+      nullptr);
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find("CLUSTER SLOTS refused"), std::string::npos) << status;
 }
 
 TEST(RemoteTierTest, BadConfigsAreClearErrors) {
