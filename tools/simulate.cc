@@ -117,6 +117,10 @@ Result<EngineStats> RunEngine(RequestSource& requests, const EngineOptions& opti
     const RemoteTierStats t = engine->manager().remote_tier_stats();
     tier->hits += t.hits;
     tier->misses += t.misses;
+    tier->misses_not_found += t.misses_not_found;
+    tier->misses_verify_failed += t.misses_verify_failed;
+    tier->misses_error += t.misses_error;
+    tier->misses_late += t.misses_late;
     tier->invalid += t.invalid;
     tier->fetched_bytes += t.fetched_bytes;
     tier->stored += t.stored;
@@ -124,6 +128,9 @@ Result<EngineStats> RunEngine(RequestSource& requests, const EngineOptions& opti
     tier->dropped += t.dropped;
     tier->errors += t.errors;
     tier->reconnects += t.reconnects;
+    tier->redirects += t.redirects;
+    tier->topology_refreshes += t.topology_refreshes;
+    tier->nodes = std::max(tier->nodes, t.nodes);
     tier->connected = tier->connected || t.connected;
   }
   return engine->stats();
@@ -299,6 +306,14 @@ std::string FormatSimulate(const SimulateReport& report, const EngineOptions& en
           .Int(t.hits)
           .Key("misses")
           .Int(t.misses)
+          .Key("misses_not_found")
+          .Int(t.misses_not_found)
+          .Key("misses_verify_failed")
+          .Int(t.misses_verify_failed)
+          .Key("misses_error")
+          .Int(t.misses_error)
+          .Key("misses_late")
+          .Int(t.misses_late)
           .Key("invalid")
           .Int(t.invalid)
           .Key("fetched_bytes")
@@ -313,6 +328,12 @@ std::string FormatSimulate(const SimulateReport& report, const EngineOptions& en
           .Int(t.errors)
           .Key("reconnects")
           .Int(t.reconnects)
+          .Key("redirects")
+          .Int(t.redirects)
+          .Key("topology_refreshes")
+          .Int(t.topology_refreshes)
+          .Key("nodes")
+          .Int(t.nodes)
           .EndObject()
           .Key("without_remote")
           .BeginObject()
@@ -365,10 +386,13 @@ std::string FormatSimulate(const SimulateReport& report, const EngineOptions& en
     if (!report.remote_connected) {
       text += "remote tier   off: the server was unreachable, the engines ran without it\n";
     }
-    add("remote tier   %lld blocks hit, %lld misses (%lld invalid); %lld bytes fetched, %lld "
-        "blocks (%lld bytes) stored, %lld dropped, %lld errors\n",
-        ll(t.hits), ll(t.misses), ll(t.invalid), ll(t.fetched_bytes), ll(t.stored),
-        ll(t.stored_bytes), ll(t.dropped), ll(t.errors));
+    add("remote tier   %lld blocks hit, %lld misses (%lld not found, %lld did not verify, %lld "
+        "errors, %lld late); %lld bytes fetched, %lld blocks (%lld bytes) stored, %lld dropped, "
+        "%lld errors, %lld reconnects, %lld redirects, %d node(s)\n",
+        ll(t.hits), ll(t.misses), ll(t.misses_not_found), ll(t.misses_verify_failed),
+        ll(t.misses_error), ll(t.misses_late), ll(t.fetched_bytes), ll(t.stored),
+        ll(t.stored_bytes), ll(t.dropped), ll(t.errors), ll(t.reconnects), ll(t.redirects),
+        t.nodes);
     add("with tier     %.1f%% hit, %lld prompt tokens computed\n", 100 * s.hit_rate(),
         ll(s.prompt_tokens));
     add("without tier  %.1f%% hit, %lld prompt tokens computed (the same requests and engines)\n",

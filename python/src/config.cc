@@ -200,7 +200,12 @@ bool operator==(const OffloadConfig& a, const OffloadConfig& b) {
 std::string Repr(const RemoteTierConfig& c) {
   // The URL may hold a password: show only where it points.
   const size_t at = c.url.rfind('@');
-  const std::string url = at == std::string::npos ? c.url : "redis://***@" + c.url.substr(at + 1);
+  const size_t scheme = c.url.find("://");
+  const std::string url = at == std::string::npos ? c.url
+                                                  : (scheme == std::string::npos || scheme > at
+                                                         ? std::string("redis://")
+                                                         : c.url.substr(0, scheme + 3)) +
+                                                        "***@" + c.url.substr(at + 1);
   return "RemoteTierConfig(" + std::string(py::repr(py::str(url))) +
          ", model_id=" + std::string(py::repr(py::str(c.model_id))) +
          ", timeout_ms=" + std::to_string(c.timeout_ms) +
@@ -658,7 +663,9 @@ void BindRemoteTierConfig(py::module_& m) {
           }),
           py::arg("url"), py::kw_only(), py::arg("model_id") = "", py::arg("timeout_ms") = 1000,
           py::arg("max_pending") = 1024, py::arg("tp_rank") = 0, py::arg("tp_size") = 1)
-      .def_readonly("url", &R::url, "redis://[user:password@]host:port[/db]")
+      .def_readonly("url", &R::url,
+                    "redis://[user:password@]host:port[/db], or "
+                    "redis+cluster://[user:password@]host:port[,host:port...] for a Redis Cluster")
       .def_readonly("model_id", &R::model_id, "The model's identity: part of every key")
       .def_readonly("timeout_ms", &R::timeout_ms, "Connect and command timeout")
       .def_readonly("max_pending", &R::max_pending, "Stores queued at most (more are dropped)")

@@ -555,6 +555,10 @@ void BindManager(py::module_& m) {
             py::dict d;
             d["hits"] = s.hits;
             d["misses"] = s.misses;
+            d["misses_not_found"] = s.misses_not_found;
+            d["misses_verify_failed"] = s.misses_verify_failed;
+            d["misses_error"] = s.misses_error;
+            d["misses_late"] = s.misses_late;
             d["invalid"] = s.invalid;
             d["fetched_bytes"] = s.fetched_bytes;
             d["stored"] = s.stored;
@@ -562,13 +566,18 @@ void BindManager(py::module_& m) {
             d["dropped"] = s.dropped;
             d["errors"] = s.errors;
             d["reconnects"] = s.reconnects;
+            d["redirects"] = s.redirects;
+            d["topology_refreshes"] = s.topology_refreshes;
+            d["nodes"] = s.nodes;
             d["connected"] = s.connected;
             return d;
           },
           "The remote tier's counters (docs/remote_tier.md): a dict of hits (blocks fetched and "
-          "placed), misses (lookups the tier stopped), invalid (values that did not verify), "
-          "fetched_bytes, stored, stored_bytes, dropped, errors, reconnects, connected. Zeros "
-          "without the tier.")
+          "placed), misses (lookups the tier stopped) and misses by cause (misses_not_found, "
+          "misses_verify_failed, misses_error, misses_late), invalid (values that did not "
+          "verify), fetched_bytes, stored, stored_bytes, dropped, errors, reconnects, redirects "
+          "(cluster MOVED / ASK followed), topology_refreshes, nodes (servers owning slots), "
+          "connected. Zeros without the tier.")
       .def(
           "flush_remote_tier",
           [](const Manager& self) {

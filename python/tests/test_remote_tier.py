@@ -1,14 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """The remote prefix tier from Python: RemoteTierConfig, StateManagerConfig(remote_tier=...),
 two managers sharing blocks through a redis-server this file starts itself (a test that cannot
-start one fails), remote_tier_stats, and the errors."""
+start one fails), a second OS process hitting what the first stored, remote_tier_stats, and the
+errors. Run as `python3 test_remote_tier.py store URL PROMPT_JSON` it is that second process's
+child: it stores PROMPT through its own StateManager and prints what it stored."""
 
 import copy
+import json
 import os
 import pickle
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -82,6 +86,10 @@ def test_config_values_copy_pickle_and_errors():
     assert (r.url, r.model_id, r.timeout_ms, r.tp_rank, r.tp_size) == (
         "redis://:secret@127.0.0.1:6379/2", "llama", 1000, 0, 1)
     assert "secret" not in repr(r)
+    rc = blockkv.RemoteTierConfig("redis+cluster://u:secret@10.0.0.1:7000,10.0.0.2:7001")
+    assert "secret" not in repr(rc) and "redis+cluster://***@10.0.0.1:7000,10.0.0.2:7001" in repr(rc)
+    with pytest.raises(ValueError, match='no host in ":7001"'):
+        make_manager(blockkv.RemoteTierConfig("redis+cluster://h:7000,:7001"))
     c = blockkv.StateManagerConfig(prefix_cache=blockkv.PrefixCacheConfig(), remote_tier=r)
     assert c.remote_tier == r
     assert pickle.loads(pickle.dumps(c)) == c
@@ -107,6 +115,9 @@ def test_two_managers_share_blocks_through_redis(redis_server):
     a.flush_remote_tier()
     sa = a.remote_tier_stats()
     assert (sa["stored"], sa["misses"], sa["hits"], sa["dropped"], sa["errors"]) == (3, 1, 0, 0, 0)
+    assert (sa["misses_not_found"], sa["misses_verify_failed"], sa["misses_error"],
+            sa["misses_late"]) == (1, 0, 0, 0)
+    assert (sa["nodes"], sa["redirects"], sa["topology_refreshes"], sa["reconnects"]) == (1, 0, 0, 0)
     assert sa["connected"]
 
     b = make_manager(blockkv.RemoteTierConfig(url, model_id="m"))
@@ -134,3 +145,34 @@ def test_no_server_leaves_the_tier_off():
     prefill(m, 1, list(range(40)), lambda b: 1)
     s = m.remote_tier_stats()
     assert not s["connected"] and s["stored"] == 0 and s["hits"] == 0
+
+
+def test_a_second_process_hits_what_the_first_process_stored(redis_server):
+    url = f"redis://:pw@127.0.0.1:{redis_server}"
+    prompt = list(range(900, 900 + 4 * BLOCK + 1))  # 4 full blocks
+    child = subprocess.run([sys.executable, __file__, "store", url, json.dumps(prompt)],
+                           capture_output=True, text=True, timeout=300, check=False)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.split() == ["stored", "4"]
+    # This process's first request: every full block from the child's stores.
+    m = make_manager(blockkv.RemoteTierConfig(url, model_id="m"))
+    seq = prefill(m, 1, prompt, lambda b: -1)
+    assert seq.cached_prefix_tokens == 4 * BLOCK
+    table = seq.block_table()
+    for layer in caches(m):
+        for i in range(4):
+            assert torch.all(layer[table[i]] == 200 + i)
+    s = m.remote_tier_stats()
+    assert (s["hits"], s["misses"], s["stored"]) == (4, 0, 0)
+
+
+def store_main(url, prompt):
+    """The child of test_a_second_process_hits_what_the_first_process_stored."""
+    m = make_manager(blockkv.RemoteTierConfig(url, model_id="m"))
+    prefill(m, 1, prompt, lambda b: 200 + b)
+    m.flush_remote_tier()
+    print("stored", m.remote_tier_stats()["stored"])
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["store"]:
+    store_main(sys.argv[2], json.loads(sys.argv[3]))

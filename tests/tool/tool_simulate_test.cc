@@ -119,6 +119,9 @@ TEST(SimulateRemote, SecondEngineFetchesTheFirstEnginesPrefixFromTheTier) {
   EXPECT_EQ(report->tier.hits, 16);
   EXPECT_EQ(report->tier.invalid, 0);
   EXPECT_EQ(report->tier.errors, 0);
+  EXPECT_GT(report->tier.misses, 0);  // the first engine's lookups: nothing stored yet
+  EXPECT_EQ(report->tier.misses_not_found, report->tier.misses);
+  EXPECT_EQ(report->tier.nodes, 1);
   EXPECT_EQ(report->tier.dropped, 0);
   EXPECT_GT(report->tier.fetched_bytes, 0);
   EXPECT_GT(report->tier.stored_bytes, 0);
@@ -132,6 +135,9 @@ TEST(SimulateRemote, SecondEngineFetchesTheFirstEnginesPrefixFromTheTier) {
   EXPECT_EQ(j["engines"], 2);
   EXPECT_EQ(j["remote"]["hits"], 16);
   EXPECT_EQ(j["remote"]["connected"], true);
+  EXPECT_EQ(j["remote"]["misses_not_found"], report->tier.misses_not_found);
+  EXPECT_EQ(j["remote"]["misses_error"], 0);
+  EXPECT_EQ(j["remote"]["nodes"], 1);
   EXPECT_EQ(j["without_remote"]["prompt_tokens"], 688);
   EXPECT_EQ(j["prompt_tokens"], 432);
   const std::string text = FormatSimulate(*report, options.engine, /*json=*/false);
