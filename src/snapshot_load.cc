@@ -267,7 +267,12 @@ Status SnapshotCodec::ParseConfig(const StateManager::Impl& m, Decoder& d) {
                                                  : name(hash == snapshot::kHashCustom));
   }
   for (int g = 0; g < m.num_groups(); ++g) {
-    if (windows[static_cast<size_t>(g)] != m.SlidingWindow(g)) {
+    if (g == m.checkpoint_group_) {  // the STATE group: its checkpoint interval
+      if (windows[static_cast<size_t>(g)] != m.checkpoint_tokens_) {
+        return Mismatch("prefix_cache.state_checkpoint_tokens", int64_t{m.checkpoint_tokens_},
+                        windows[static_cast<size_t>(g)]);
+      }
+    } else if (windows[static_cast<size_t>(g)] != m.SlidingWindow(g)) {
       return Mismatch(StrCat("prefix_cache.sliding_windows[", g, "]"), m.SlidingWindow(g),
                       windows[static_cast<size_t>(g)]);
     }
@@ -440,7 +445,7 @@ Status SnapshotCodec::ParsePrefix(const StateManager::Impl& m, Decoder& d, Stage
   BLOCKKV_RETURN_IF_ERROR(d.Get(&s->chain_ids, "the chain id count"));
   uint64_t cached_total = 0;
   for (size_t g = 0; g < groups; ++g) {
-    const int32_t block_size = m.kv_block_size(static_cast<int>(g));
+    const int32_t block_size = m.prefix_->block_size(static_cast<int>(g));  // STATE: interval
     uint64_t count = 0;
     const int32_t num_blocks = m.cache_->num_blocks(static_cast<int>(g));
     BLOCKKV_RETURN_IF_ERROR(d.GetCount(&count, static_cast<uint64_t>(num_blocks),

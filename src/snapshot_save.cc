@@ -112,7 +112,10 @@ std::vector<std::byte> SnapshotCodec::EncodeConfig(const StateManager::Impl& m) 
   e.Put<uint64_t>(prefix.hash_seed);
   const bool custom = prefix.hash_function != nullptr && prefix.hash_function != Xxh3BlockHash;
   e.Put<uint8_t>(custom ? snapshot::kHashCustom : snapshot::kHashXxh3);
-  for (int g = 0; g < m.num_groups(); ++g) e.Put<int64_t>(m.SlidingWindow(g));
+  // Per group its window, or for the STATE group with checkpoints, their interval.
+  for (int g = 0; g < m.num_groups(); ++g) {
+    e.Put<int64_t>(g == m.checkpoint_group_ ? m.checkpoint_tokens_ : m.SlidingWindow(g));
+  }
   return e.Take();
 }
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <limits>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <utility>
@@ -124,6 +125,53 @@ std::optional<int64_t> BookkeepingBytes(const StateManagerConfig& config,
   return bytes;
 }
 
+// prefix_cache.state_checkpoint_tokens when 0: the smallest multiple of every other group's
+// block size of at least 512 tokens, at most max_context (0 when even one block size exceeds it,
+// which CheckCheckpoints refuses).
+int64_t DefaultCheckpointTokens(const StateManagerConfig& config,
+                                std::span<const KVCacheConfig> kv_configs) {
+  int64_t step = 1;
+  for (const KVCacheConfig& c : kv_configs) {
+    if (c.type == KVCacheType::kState || c.block_size <= 0) continue;  // Validate refuses <= 0
+    step = std::lcm(step, int64_t{c.block_size});
+    if (step > config.max_context) return 0;
+  }
+  const int64_t fit = config.max_context / step;
+  return step * std::max<int64_t>(1, std::min<int64_t>(CeilDiv(512, step), fit));
+}
+
+// With prefix caching and a STATE group (`state_group`, or -1): the checkpoint interval is a whole
+// number of every other group's blocks, and a forward can end at it.
+Status CheckCheckpoints(const StateManagerConfig& config, std::span<const KVCacheConfig> kv_configs,
+                        int state_group) {
+  const int64_t every = config.prefix_cache.state_checkpoint_tokens;
+  if (every < 0) {
+    return InvalidArgumentError(StrCat("prefix_cache.state_checkpoint_tokens is ", every,
+                                       "; it is >= 0 tokens (0: the default)"));
+  }
+  if (!config.prefix_cache.enabled) return Status::Ok();
+  if (state_group < 0) {
+    if (every == 0) return Status::Ok();
+    return InvalidArgumentError(StrCat("prefix_cache.state_checkpoint_tokens is ", every,
+                                       " but no cache group is STATE (leave it 0)"));
+  }
+  for (size_t g = 0; g < kv_configs.size(); ++g) {
+    if (kv_configs[g].type == KVCacheType::kState) continue;
+    if (every == 0 || every % kv_configs[g].block_size != 0) {
+      return InvalidArgumentError(StrCat(
+          "prefix_cache.state_checkpoint_tokens is ", every, ", not a multiple of cache group ", g,
+          "'s block_size ", kv_configs[g].block_size, " (max_context=", config.max_context,
+          "): a prefix hit is whole blocks of every group"));
+    }
+  }
+  if (every > config.max_context) {
+    return InvalidArgumentError(StrCat("prefix_cache.state_checkpoint_tokens is ", every,
+                                       ", past max_context=", config.max_context,
+                                       ": no forward could end at a checkpoint"));
+  }
+  return Status::Ok();
+}
+
 // What the manager itself requires of its configuration, beyond what BlockedKVCache checks.
 Status CheckManagerConfig(const StateManagerConfig& config,
                           std::span<const KVCacheConfig> kv_configs) {
@@ -144,6 +192,7 @@ Status CheckManagerConfig(const StateManagerConfig& config,
                                          "; a window is >= 0 tokens (0: full attention)"));
     }
   }
+  int state_group = -1;  // with prefix caching: the STATE group, whose checkpoints it keeps
   for (size_t g = 0; g < kv_configs.size(); ++g) {
     if (Status s = kv_configs[g].Validate(); !s.ok()) {
       return {s.code(), StrCat("cache group ", g, ": ", s.message())};
@@ -157,10 +206,13 @@ Status CheckManagerConfig(const StateManagerConfig& config,
                                          " (give 0 or the same window)"));
     }
     if (kv_configs[g].type == KVCacheType::kState && config.prefix_cache.enabled) {
-      return UnimplementedError(StrCat(
-          "cache group ", g,
-          " is STATE and prefix caching is on: a state resumes only from a checkpoint, which the "
-          "state manager does not keep yet (issue 21); turn prefix_cache off"));
+      if (state_group >= 0) {
+        return UnimplementedError(StrCat("cache groups ", state_group, " and ", g,
+                                         " are both STATE and prefix caching is on: checkpoints "
+                                         "are kept for one STATE group; put every state layer in "
+                                         "one group or turn prefix_cache off"));
+      }
+      state_group = static_cast<int>(g);
     }
     if (kv_configs[g].num_allocation_groups != 1) {
       return UnimplementedError(
@@ -168,6 +220,7 @@ Status CheckManagerConfig(const StateManagerConfig& config,
                  "; the state manager supports only 1 (as DeepSpeed's engine uses)"));
     }
   }
+  BLOCKKV_RETURN_IF_ERROR(CheckCheckpoints(config, kv_configs, state_group));
   // The tables live in host memory: refuse what cannot fit instead of throwing bad_alloc.
   const std::optional<int64_t> bytes = BookkeepingBytes(config, kv_configs);
   const int64_t available = internal::ReadHostMemory().available;
@@ -200,6 +253,9 @@ Result<std::unique_ptr<StateManager>> StateManager::Create(StateManagerConfig co
   }
   if (state && config.memory_config.state_slots == 0) {
     config.memory_config.state_slots = config.max_tracked_sequences;
+  }
+  if (state && config.prefix_cache.enabled && config.prefix_cache.state_checkpoint_tokens == 0) {
+    config.prefix_cache.state_checkpoint_tokens = DefaultCheckpointTokens(config, kv_configs);
   }
   if (Status s = CheckManagerConfig(config, kv_configs); !s.ok()) {
     // The other ranks are entering the cache's collectives: join them, so they fail too.
@@ -909,6 +965,12 @@ Status StateManager::Impl::ScheduleInto(const ScheduleRequest& request, Scheduli
     if (Status s = PromoteHits(fresh.last(static_cast<size_t>(promoted_))); !s.ok()) {
       if (host_prefix_ != nullptr) host_prefix_->Pin(promote_entries_, false);
       UndoSchedule();  // a device error copying from the host: nothing scheduled
+      return s;
+    }
+  }
+  if (checkpoint_group_ >= 0) {
+    if (Status s = ResumeFromCheckpoints(uids.size()); !s.ok()) {
+      UndoSchedule();  // a device error copying a checkpoint: nothing scheduled
       return s;
     }
   }

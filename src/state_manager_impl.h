@@ -212,6 +212,9 @@ class StateManager::Impl {
     // The last `remote` of those come from the remote tier: remote_values_[remote_first, ...).
     int32_t remote = 0;
     size_t remote_first = 0;
+    // A STATE group's checkpoint of `tokens` tokens, copied into the sequence's fresh slot by
+    // ResumeFromCheckpoints (referenced from ShareHitBlocks until then); kNoBlock without one.
+    BlockId checkpoint = kNoBlock;
   };
   int64_t SlidingWindow(int group) const;  // 0: full attention
   // The first block a windowed group needs for a hit of `blocks` blocks (0 without a window).
@@ -237,8 +240,28 @@ class StateManager::Impl {
   // Puts the hit of the i-th uid (shared already) in the sequence's tables and moves it to the
   // hit's end.
   void TakePrefix(size_t i, Sequence& seq);
-  // Publishes the blocks of `seq` that are full of known, computed tokens.
+  // Publishes the blocks of `seq` that are full of known, computed tokens, and its state as a
+  // checkpoint when it ends at one.
   void PublishFullBlocks(Sequence& seq);
+  // ---- a STATE group's checkpoints (state_manager_prefix.cc, docs/prefix_cache.md) ----
+  // The STATE group whose checkpoints prefix caching keeps, or -1; its interval in tokens.
+  int checkpoint_group_ = -1;
+  int32_t checkpoint_tokens_ = 0;
+  // The key of the first `chunks` intervals of `keys`' tokens (extending keys' cached chain).
+  // REQUIRES: keys.tokens holds chunks intervals.
+  BlockHash CheckpointKey(SequenceKeys& keys, int32_t chunks) const;
+  // Looks up the checkpoints of keys' first intervals, at most `limit`: match_blocks_ of the group
+  // gets each interval's cached checkpoint or kNoBlock.
+  void MatchCheckpoints(const SequenceKeys& keys, int32_t limit);
+  // After a forward that ended at a checkpoint of known tokens: copies the sequence's state into
+  // a free slot and publishes it (skipped, and counted, when no slot is free or the copy fails).
+  void SaveCheckpoint(Sequence& seq, SequenceKeys& keys);
+  // Schedule: copies each hit's checkpoint into its sequence's fresh slot (the group's blocks this
+  // call took); on a device error nothing is copied that matters and the error is returned.
+  Status ResumeFromCheckpoints(size_t n_uids);
+  // ShareHitBlocks' part for checkpoints: one reference each, or none (share = false).
+  void ShareCheckpoints(bool share);
+  int64_t checkpoints_skipped_ = 0;  // SaveCheckpoint found no free slot or failed to copy
   // PostForward(batch): the tokens of a batch entry that would extend the sequence's known
   // tokens are valid ids; then appends them.
   Status CheckRecordableTokens(const Sequence& seq, int64_t seen_tokens,
@@ -362,7 +385,8 @@ class StateManager::Impl {
   std::vector<int32_t> hit_starts_;                 // [hits, groups]
   std::vector<std::vector<BlockId>> match_blocks_;  // per group: one lookup's matches
   std::vector<BlockHash> match_keys_;
-  std::vector<std::vector<uint32_t>> block_marks_;  // per group [num_blocks]: epoch
+  std::vector<BlockId> checkpoint_from_, checkpoint_into_;  // ResumeFromCheckpoints' copies
+  std::vector<std::vector<uint32_t>> block_marks_;          // per group [num_blocks]: epoch
   uint64_t last_table_version_ = 0;
 };
 

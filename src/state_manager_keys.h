@@ -24,7 +24,13 @@ struct StateManager::Impl::SequenceKeys {
   int32_t priority = kDefaultRetentionPriority;
   std::vector<TokenId> tokens;  // prompt + appended tokens, from position 0
   BlockKeyExtras extras;
-  std::vector<Group> groups;  // [num_groups]
+  std::vector<Group> groups;  // [num_groups]; a STATE group's stays {0, {}}
+  // A STATE group's checkpoints (state_manager_prefix.cc): the key of the prefix of
+  // `chunks` whole checkpoint intervals (a cache of the chain, rebuilt from `tokens` when 0), and
+  // how many intervals the latest checkpoint this sequence saved or resumed from covers.
+  int32_t chunks = 0;
+  BlockHash chunk_key;
+  int32_t checkpointed = 0;
 };
 
 }  // namespace blockkv

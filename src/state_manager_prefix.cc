@@ -37,9 +37,17 @@ Status CheckTokenIds(SeqId uid, std::span<const TokenId> tokens) {
 }  // namespace
 
 void StateManager::Impl::EnablePrefixCache() {
+  // A STATE group is keyed by checkpoint intervals: a cached "block" of it is a slot holding the
+  // state after a whole number of intervals.
+  checkpoint_group_ = state_group_;
+  if (checkpoint_group_ >= 0) {
+    checkpoint_tokens_ = static_cast<int32_t>(config_.prefix_cache.state_checkpoint_tokens);
+  }
   std::vector<int32_t> block_sizes;
   block_sizes.reserve(static_cast<size_t>(num_groups()));
-  for (int g = 0; g < num_groups(); ++g) block_sizes.push_back(kv_block_size(g));
+  for (int g = 0; g < num_groups(); ++g) {
+    block_sizes.push_back(g == checkpoint_group_ ? checkpoint_tokens_ : kv_block_size(g));
+  }
   prefix_ = std::make_unique<PrefixCache>(config_.prefix_cache, std::span<BlockPool>(pools_),
                                           std::move(block_sizes));
   keys_ = std::make_unique<SequenceKeys[]>(static_cast<size_t>(config_.max_tracked_sequences));
@@ -48,7 +56,7 @@ void StateManager::Impl::EnablePrefixCache() {
   }
   for (int g = 0; g < num_groups(); ++g) {
     block_marks_.emplace_back(static_cast<size_t>(pools_[g].num_blocks()), 0);
-    hit_step_ = std::lcm(hit_step_, int64_t{kv_block_size(g)});
+    hit_step_ = std::lcm(hit_step_, int64_t{prefix_->block_size(g)});
   }
   match_blocks_.resize(static_cast<size_t>(num_groups()));
 }
@@ -129,6 +137,8 @@ void StateManager::Impl::ResetKeys(int32_t slot) {
   keys.tokens.clear();
   keys.extras = {};
   for (SequenceKeys::Group& g : keys.groups) g = {};
+  keys.chunks = keys.checkpointed = 0;
+  keys.chunk_key = {};
 }
 
 void StateManager::Impl::ForkKeys(const Sequence& from, const Sequence& to) {
@@ -171,9 +181,11 @@ const StateManager::Impl::PrefixHit* StateManager::Impl::LookupPrefix(size_t i, 
   size_t remote_first = 0;
   for (int g = 0; g < num_groups(); ++g) {
     std::vector<BlockId>& blocks = match_blocks_[static_cast<size_t>(g)];
-    const auto limit = static_cast<int32_t>(cap / kv_block_size(g));
+    const auto limit = static_cast<int32_t>(cap / prefix_->block_size(g));
     blocks.assign(static_cast<size_t>(limit), kNoBlock);
-    if (SlidingWindow(g) > 0) {
+    if (g == checkpoint_group_) {
+      MatchCheckpoints(keys, limit);
+    } else if (SlidingWindow(g) > 0) {
       match_keys_.resize(static_cast<size_t>(limit));
       prefix_->MatchWindow(g, keys.tokens, keys.ns_id, keys.extras, limit, blocks, match_keys_);
     } else {
@@ -223,12 +235,17 @@ const StateManager::Impl::PrefixHit* StateManager::Impl::LookupPrefix(size_t i, 
       most = std::min(most, int64_t{run} * kv_block_size(g));
     }
   }
-  // The longest prefix, in whole blocks of every group, that every windowed group holds.
+  // The longest prefix, in whole blocks of every group, that every windowed group holds and the
+  // STATE group has a checkpoint of.
   int64_t tokens = most - most % hit_step_;
   for (; tokens > 0; tokens -= hit_step_) {
     bool held = true;
+    if (checkpoint_group_ >= 0) {
+      const auto n = static_cast<size_t>(tokens / checkpoint_tokens_);
+      held = match_blocks_[static_cast<size_t>(checkpoint_group_)][n - 1] != kNoBlock;
+    }
     for (int g = 0; g < num_groups() && held; ++g) {
-      if (SlidingWindow(g) <= 0) continue;
+      if (SlidingWindow(g) <= 0 || g == checkpoint_group_) continue;
       const auto n = static_cast<int32_t>(tokens / kv_block_size(g));
       const std::vector<BlockId>& blocks = match_blocks_[static_cast<size_t>(g)];
       held = std::all_of(blocks.begin() + WindowStart(g, n), blocks.begin() + n,
@@ -249,7 +266,19 @@ const StateManager::Impl::PrefixHit* StateManager::Impl::LookupPrefix(size_t i, 
     free_scratch_[0] -= promoted + remote;
     promoted_ += promoted + remote;
   }
+  if (checkpoint_group_ >= 0 && tokens > 0) {
+    // The sequence's own slot is a fresh one (Check counts it); the checkpoint is copied into it.
+    const int g = checkpoint_group_;
+    const BlockId block =
+        match_blocks_[static_cast<size_t>(g)][static_cast<size_t>(tokens / checkpoint_tokens_) - 1];
+    hits_.back().checkpoint = block;
+    if (pools_[g].is_evictable(block) && block_marks_[g][block] != mark_epoch_) {
+      block_marks_[g][block] = mark_epoch_;
+      --free_scratch_[static_cast<size_t>(pool_lead_[g])];
+    }
+  }
   for (int g = 0; g < num_groups(); ++g) {
+    // A STATE group's table entry is its slot, never a cached block: n = 0 (tokens < max_context).
     const auto n = static_cast<int32_t>(tokens / kv_block_size(g));
     const int32_t start = WindowStart(g, n);
     hit_starts_.push_back(start);
@@ -286,6 +315,9 @@ void StateManager::Impl::TakePrefix(size_t i, Sequence& seq) {
     published.published = n;
     if (n > 0) published.last = prefix_->published(g, state.row[n - 1]);
   }
+  if (hit.checkpoint != kNoBlock) {
+    keys.checkpointed = static_cast<int32_t>(hit.tokens / checkpoint_tokens_);
+  }
   seq.seen_tokens_ = hit.tokens;
   seq.cached_prefix_tokens_ = hit.tokens;
   prefix_->RecordLookup(keys.ns_id, static_cast<int64_t>(keys.tokens.size()), hit.tokens);
@@ -305,6 +337,7 @@ void StateManager::Impl::ShareHitBlocks(bool share) {
       at += n - start;
     }
   }
+  ShareCheckpoints(share);
 }
 
 Status StateManager::Impl::PromoteHits(std::span<const BlockId> blocks) {
@@ -345,7 +378,13 @@ void StateManager::Impl::PublishFullBlocks(Sequence& seq) {
   if (!keys.registered) return;
   const int64_t known =
       std::min<int64_t>(seq.seen_tokens_, static_cast<int64_t>(keys.tokens.size()));
+  if (checkpoint_group_ >= 0 && seq.seen_tokens_ % checkpoint_tokens_ == 0 &&
+      seq.seen_tokens_ / checkpoint_tokens_ > keys.checkpointed &&
+      std::ssize(keys.tokens) >= seq.seen_tokens_) {
+    SaveCheckpoint(seq, keys);
+  }
   for (int g = 0; g < num_groups(); ++g) {
+    if (g == checkpoint_group_) continue;
     SequenceKeys::Group& state = keys.groups[static_cast<size_t>(g)];
     const int32_t bs = kv_block_size(g);
     const BlockId* row = seq.groups_[g].row;
@@ -374,6 +413,92 @@ void StateManager::Impl::PublishFullBlocks(Sequence& seq) {
         }
       }
     }
+  }
+}
+
+// ---- a STATE group's checkpoints ----------------------------------------------------------------
+
+BlockHash StateManager::Impl::CheckpointKey(SequenceKeys& keys, int32_t chunks) const {
+  const auto n = static_cast<size_t>(checkpoint_tokens_);
+  if (keys.chunks > chunks) keys.chunks = 0;  // a cache of a longer chain: start over
+  for (; keys.chunks < chunks; ++keys.chunks) {
+    const auto i = static_cast<size_t>(keys.chunks);
+    keys.chunk_key = prefix_->Hash(i == 0 ? nullptr : &keys.chunk_key,
+                                   std::span(keys.tokens).subspan(i * n, n), keys.extras, i);
+  }
+  return keys.chunk_key;
+}
+
+void StateManager::Impl::MatchCheckpoints(const SequenceKeys& keys, int32_t limit) {
+  const int g = checkpoint_group_;
+  const auto n = static_cast<size_t>(checkpoint_tokens_);
+  std::vector<BlockId>& out = match_blocks_[static_cast<size_t>(g)];
+  BlockHash key;
+  for (int32_t c = 0; c < limit; ++c) {
+    const auto i = static_cast<size_t>(c);
+    const std::span<const TokenId> chunk = std::span(keys.tokens).subspan(i * n, n);
+    key = prefix_->Hash(c == 0 ? nullptr : &key, chunk, keys.extras, i);
+    out[i] = prefix_->FindRoot(g, key, chunk, keys.ns_id, keys.extras, i);
+  }
+}
+
+void StateManager::Impl::SaveCheckpoint(Sequence& seq, SequenceKeys& keys) {
+  const int g = checkpoint_group_;
+  const auto chunks = static_cast<int32_t>(seq.seen_tokens_ / checkpoint_tokens_);
+  keys.checkpointed = chunks;
+  const BlockHash key = CheckpointKey(keys, chunks);
+  const auto i = static_cast<size_t>(chunks - 1);
+  const auto n = static_cast<size_t>(checkpoint_tokens_);
+  const std::span<const TokenId> chunk = std::span(keys.tokens).subspan(i * n, n);
+  // Another sequence saved this state already: one copy serves both.
+  if (prefix_->FindRoot(g, key, chunk, keys.ns_id, keys.extras, i) != kNoBlock) return;
+  BlockId block = kNoBlock;
+  const BlockId slot = seq.groups_[g].row[0];
+  Status s = pools_[g].Take(1, std::span(&block, 1));  // may evict the least recent checkpoint
+  if (s.ok()) s = cache_->CopyBlocks(std::span(&slot, 1), std::span(&block, 1), g);
+  if (!s.ok()) {
+    if (block != kNoBlock) pools_[g].Release(std::span(&block, 1)).IgnoreError();
+    ++checkpoints_skipped_;
+    return;
+  }
+  prefix_->Publish(g, block, /*parent=*/nullptr, key, chunk, keys.ns_id, keys.extras, i,
+                   keys.priority);
+  const Status released = pools_[g].Release(std::span(&block, 1));  // cached, evictable
+  BLOCKKV_CHECK(released.ok(), "SaveCheckpoint: giving back the checkpoint's reference");
+}
+
+Status StateManager::Impl::ResumeFromCheckpoints(size_t n_uids) {
+  const int g = checkpoint_group_;
+  const auto groups = static_cast<size_t>(num_groups());
+  std::vector<BlockId>& from = checkpoint_from_;
+  std::vector<BlockId>& into = checkpoint_into_;
+  from.clear();
+  into.clear();
+  size_t at = 0;  // the group's blocks this call took, handed out in uid order (Commit)
+  for (size_t i = 0; i < n_uids; ++i) {
+    const PrefixHit* hit = HitOf(i);
+    if (hit != nullptr && hit->checkpoint != kNoBlock) {
+      BLOCKKV_CHECK(need_scratch_[i * groups + static_cast<size_t>(g)] == 1,
+                    "Schedule: a checkpoint hit without a fresh slot");
+      from.push_back(hit->checkpoint);
+      into.push_back(scratch_[static_cast<size_t>(g)][at]);
+    }
+    at += static_cast<size_t>(need_scratch_[i * groups + static_cast<size_t>(g)]);
+  }
+  if (from.empty()) return Status::Ok();
+  BLOCKKV_RETURN_IF_ERROR(cache_->CopyBlocks(from, into, g));
+  ShareCheckpoints(/*share=*/false);  // copied: each stays cached, evictable again
+  return Status::Ok();
+}
+
+void StateManager::Impl::ShareCheckpoints(bool share) {
+  if (checkpoint_group_ < 0) return;
+  BlockPool& pool = pools_[checkpoint_group_];
+  for (const PrefixHit& hit : hits_) {
+    if (hit.checkpoint == kNoBlock) continue;
+    const std::span<const BlockId> block(&hit.checkpoint, 1);
+    const Status s = share ? pool.AddRef(block) : pool.Release(block);
+    BLOCKKV_CHECK(s.ok(), "Schedule: a checkpoint hit found a slot that is not cached");
   }
 }
 

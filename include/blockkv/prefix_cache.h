@@ -83,6 +83,11 @@ struct PrefixCacheConfig {
   // Attention window in tokens per cache group (0, or a group past the end: full attention).
   // A hit in a windowed group needs only the blocks holding the window's tokens before it.
   std::vector<int64_t> sliding_windows{};
+  // A STATE group (Mamba, linear attention) resumes only from a state saved when a forward ended
+  // at a multiple of this many tokens (a checkpoint; vLLM's "align" mode): a hit's length is a
+  // multiple of it. A multiple of every other group's block size, at most max_context.
+  // 0: the smallest such multiple of at least 512 tokens. Only with a STATE group.
+  int64_t state_checkpoint_tokens = 0;
   size_t max_events = 65536;                  // events kept until drained; 0 = no events
   BlockHashFunction hash_function = nullptr;  // nullptr = Xxh3BlockHash
 };
@@ -163,6 +168,17 @@ class PrefixCache : public BlockPool::EvictionListener {
   void MatchWindow(int group, std::span<const TokenId> tokens, int32_t ns_id,
                    const BlockKeyExtras& extras, int32_t max_blocks, std::span<BlockId> out,
                    std::span<BlockHash> keys) const;
+
+  // A STATE group's checkpoints are published as roots (Publish with parent nullptr) under the
+  // chained key of the whole prefix they end, since a sequence keeps few of its checkpoints and
+  // a chain of them would break at the first one missing: the cached checkpoint holding block
+  // `index` of a sequence with these tokens and extras under `key`, or kNoBlock. The block's own
+  // tokens are compared exactly; the tokens before it rest on the 128-bit key, as MatchWindow's
+  // anchors do.
+  BlockId FindRoot(int group, const BlockHash& key, std::span<const TokenId> block_tokens,
+                   int32_t ns_id, const BlockKeyExtras& extras, size_t index) const {
+    return Find(group, key, /*parent_id=*/0, block_tokens, ns_id, extras, index);
+  }
 
   // A cached block's identity: its chain id (shared by exact copies, never given to other
   // contents; 0 = none) and its key.

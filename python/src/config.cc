@@ -89,6 +89,11 @@ Status ValidatePrefixCache(const PrefixCacheConfig& c) {
                                   "; a window is >= 0 tokens (0: full attention)");
     }
   }
+  if (c.state_checkpoint_tokens < 0) {
+    return InvalidArgumentError("PrefixCacheConfig.state_checkpoint_tokens is " +
+                                std::to_string(c.state_checkpoint_tokens) +
+                                "; it is >= 0 tokens (0: the default)");
+  }
   return Status::Ok();
 }
 
@@ -159,19 +164,25 @@ std::string Repr(const PrefixCacheConfig& c) {
   }
   return std::string("PrefixCacheConfig(enabled=") + (c.enabled ? "True" : "False") +
          ", hash_seed=" + std::to_string(c.hash_seed) +
-         ", max_events=" + std::to_string(c.max_events) + ", sliding_windows=" + windows + "])";
+         ", max_events=" + std::to_string(c.max_events) + ", sliding_windows=" + windows + "]" +
+         (c.state_checkpoint_tokens != 0
+              ? ", state_checkpoint_tokens=" + std::to_string(c.state_checkpoint_tokens)
+              : "") +
+         ")";
 }
 
 // The C++ default (off, default settings) is what prefix_cache=None stands for.
 bool IsDefault(const PrefixCacheConfig& c) {
   const PrefixCacheConfig d;
   return c.enabled == d.enabled && c.hash_seed == d.hash_seed && c.max_events == d.max_events &&
-         c.sliding_windows == d.sliding_windows && c.hash_function == d.hash_function;
+         c.sliding_windows == d.sliding_windows && c.hash_function == d.hash_function &&
+         c.state_checkpoint_tokens == d.state_checkpoint_tokens;
 }
 
 bool operator==(const PrefixCacheConfig& a, const PrefixCacheConfig& b) {
   return a.enabled == b.enabled && a.hash_seed == b.hash_seed && a.max_events == b.max_events &&
-         a.sliding_windows == b.sliding_windows && a.hash_function == b.hash_function;
+         a.sliding_windows == b.sliding_windows && a.hash_function == b.hash_function &&
+         a.state_checkpoint_tokens == b.state_checkpoint_tokens;
 }
 
 std::string Repr(const OffloadConfig& c) {
@@ -314,7 +325,7 @@ size_t ToMaxEvents(int64_t value) {
 
 py::tuple PrefixState(const PrefixCacheConfig& c) {
   return py::make_tuple(c.enabled, c.hash_seed, static_cast<uint64_t>(c.max_events),
-                        c.sliding_windows);
+                        c.sliding_windows, c.state_checkpoint_tokens);
 }
 
 PrefixCacheConfig PrefixFromState(const py::tuple& state) {
@@ -323,6 +334,7 @@ PrefixCacheConfig PrefixFromState(const py::tuple& state) {
   c.hash_seed = state[1].cast<uint64_t>();
   c.max_events = state[2].cast<uint64_t>();
   c.sliding_windows = state[3].cast<std::vector<int64_t>>();
+  if (state.size() > 4) c.state_checkpoint_tokens = state[4].cast<int64_t>();  // since issue 21
   return c;
 }
 
@@ -332,17 +344,20 @@ void BindPrefixCacheConfig(py::module_& m) {
                     "Prefix caching of a StateManager (StateManagerConfig(prefix_cache=...)); "
                     "see docs/prefix_cache.md.");
   cls.def(py::init([](bool enabled, py::handle hash_seed, Int<int64_t, "max_events"> max_events,
-                      py::handle sliding_windows) {
+                      py::handle sliding_windows,
+                      Int<int64_t, "state_checkpoint_tokens"> state_checkpoint_tokens) {
             P c;
             c.enabled = enabled;
             c.hash_seed = ToSeed(hash_seed);
             c.max_events = ToMaxEvents(max_events);
             c.sliding_windows = ToInt64Vector(sliding_windows, "sliding_windows");
+            c.state_checkpoint_tokens = state_checkpoint_tokens;
             ThrowIfError(ValidatePrefixCache(c));
             return c;
           }),
           py::kw_only(), py::arg("enabled") = true, py::arg("hash_seed") = 0,
-          py::arg("max_events") = int64_t{65536}, py::arg("sliding_windows") = py::list())
+          py::arg("max_events") = int64_t{65536}, py::arg("sliding_windows") = py::list(),
+          py::arg("state_checkpoint_tokens") = int64_t{0})
       .def_property(
           "enabled", [](const P& c) { return c.enabled; }, [](P& c, bool v) { c.enabled = v; },
           "True by default: passing a PrefixCacheConfig turns prefix caching on")
@@ -362,6 +377,15 @@ void BindPrefixCacheConfig(py::module_& m) {
           },
           "Attention window in tokens per cache group (0, or a group past the end: full "
           "attention); a hit in a windowed group needs only its in-window blocks")
+      .def_property(
+          "state_checkpoint_tokens", [](const P& c) { return c.state_checkpoint_tokens; },
+          [](P& c, py::handle v) {
+            const auto every = ToInt<int64_t>(v, "state_checkpoint_tokens");
+            SetValidated(c, [&](P& copy) { copy.state_checkpoint_tokens = every; });
+          },
+          "A STATE group's checkpoint interval: its state is saved when a forward ends at a "
+          "multiple of it, and a hit resumes from one (0: whole blocks of every group, 512 tokens "
+          "or max_context if less); see docs/prefix_cache.md")
       .def("__eq__", [](const P& a, const P& b) { return a == b; })
       .def("__repr__", py::overload_cast<const P&>(&Repr));
   AddValueMethods(cls, &PrefixState, &PrefixFromState);

@@ -3,6 +3,8 @@
 errors (ValueError naming the value and the limit, nothing changed), forks, the prefix cache and
 the blockkv.deepspeed descriptor."""
 
+import pickle
+
 import blockkv
 import numpy as np
 import pytest
@@ -239,3 +241,41 @@ def test_a_state_group_gives_each_sequence_one_slot_copied_on_fork():
         m.rollback(1, 1)
     assert seq.seen_tokens == 9
     m.check_invariants()
+
+
+def test_a_state_group_resumes_a_shared_prompt_from_a_checkpoint():
+    # With prefix caching, a forward that ends at a multiple of state_checkpoint_tokens saves the
+    # state; a later prompt with the same tokens resumes from it, its fresh slot a copy.
+    dense = kv_config(block_size=4, max_blocks_per_allocation_group=16)
+    state = blockkv.KVCacheConfig(cache_shape=(2, 1, 4), cache_dtype="fp32", type="state",
+                                  state_bytes=16)
+    prefix = blockkv.PrefixCacheConfig(state_checkpoint_tokens=16)
+    assert prefix.state_checkpoint_tokens == 16 and "state_checkpoint_tokens=16" in repr(prefix)
+    assert pickle.loads(pickle.dumps(prefix)) == prefix
+    with pytest.raises(ValueError, match="state_checkpoint_tokens is -4"):
+        blockkv.PrefixCacheConfig(state_checkpoint_tokens=-4)
+    config = blockkv.StateManagerConfig(max_tracked_sequences=4, max_ragged_sequence_count=4,
+                                        max_context=64, memory_config=allocate(64),
+                                        prefix_cache=prefix)
+    config.memory_config.state_slots = 8
+    m = blockkv.StateManager(config, (dense, state), device="cpu")
+    layer0 = torch.from_dlpack(m.get_cache(0, cache_group=1))
+    prompt = list(range(100, 140))
+    m.add_sequence(1, prompt)
+    for chunk in (16, 16, 8):
+        m.schedule([1], [chunk])
+        slot = int(m.get_sequence(1).kv_cache_ids(1)[0, 0])
+        layer0[slot] = float(m.get_sequence(1).seen_tokens + chunk)  # the "state" after it
+        m.post_forward([1])
+    m.add_sequence(2, prompt)
+    m.schedule([2], [40])
+    two = m.get_sequence(2)
+    assert (two.seen_tokens, two.in_flight_tokens) == (32, 8)
+    assert torch.equal(layer0[int(two.kv_cache_ids(1)[0, 0])], torch.full((4,), 32.0))
+    m.check_invariants()
+    with pytest.raises(ValueError, match="not a multiple of cache group 0's block_size 4"):
+        blockkv.StateManager(blockkv.StateManagerConfig(
+            max_tracked_sequences=4, max_ragged_sequence_count=4, max_context=64,
+            memory_config=allocate(64),
+            prefix_cache=blockkv.PrefixCacheConfig(state_checkpoint_tokens=6)),
+            (dense, state), device="cpu")

@@ -184,17 +184,6 @@ TEST(StateGroup, RollbackAndRejectedDraftsAreRefusedAndChangeNothing) {
   ASSERT_OK(m->CheckInvariants());
 }
 
-TEST(StateGroup, PrefixCachingIsRefusedWithoutCheckpoints) {
-  StateManagerConfig config = Config(40);
-  config.prefix_cache.enabled = true;
-  Result<std::unique_ptr<StateManager>> m =
-      StateManager::Create(config, {Dense(4), State()}, CpuDevice(16 << 20));
-  EXPECT_EQ(m.status().code(), StatusCode::kUnimplemented) << m.status();
-  EXPECT_NE(m.status().message().find("cache group 1 is STATE and prefix caching is on"),
-            std::string::npos)
-      << m.status();
-}
-
 // ---- model-based random test ------------------------------------------------------------------
 
 uint64_t Seed() {
