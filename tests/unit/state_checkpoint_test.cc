@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -371,8 +372,9 @@ uint64_t Seed() {
 }
 
 // Random prompts from a few shared stems, prefilled in aligned or unaligned chunks, decoded,
-// forked and flushed, on a manager short of slots. Every forward checks the state it resumes
-// from; every hit is a multiple of the interval; the invariants hold after every step.
+// forked, flushed, preempted and resumed, saved and loaded, on a manager short of slots. Every
+// forward checks the state it resumes from; every hit is a multiple of the interval; the invariants
+// hold after every step.
 TEST(StateCheckpointModel, EveryResumedStateIsTheStateOfItsTokens) {
   const uint64_t seed = Seed();
   std::cout << "BLOCKKV_TEST_SEED=" << seed << "\n";
@@ -381,15 +383,26 @@ TEST(StateCheckpointModel, EveryResumedStateIsTheStateOfItsTokens) {
     return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
   };
   for (const int32_t block : {4, 8}) {
-    auto m = Make(Config(16, /*tracked=*/6, /*slots=*/9), {Dense(block), State()});
+    StateManagerConfig config = Config(16, /*tracked=*/6, /*slots=*/9);
+    config.offload = true;
+    config.offload_config.host_blocks = 200;
+    auto m = Make(config, {Dense(block), State()});
     ASSERT_NE(m, nullptr);
     const std::vector<std::vector<TokenId>> stems = {Prompt(64, 0), Prompt(64, 1000),
                                                      Prompt(64, 2000)};
     std::map<SeqId, std::vector<TokenId>> live;  // every token each sequence will have
+    std::set<SeqId> parked;                      // preempted
     SeqId next = 1;
     int64_t hits = 0;
-    for (int step = 0; step < 600; ++step) {
-      const int64_t op = pick(0, 9);
+    int64_t preemptions = 0;
+    int64_t snapshots = 0;
+    auto any_live = [&] {
+      auto it = live.begin();
+      std::advance(it, pick(0, std::ssize(live) - 1));
+      return it;
+    };
+    for (int step = 0; step < 1500; ++step) {
+      const int64_t op = pick(0, 10);
       if (op <= 3 && std::ssize(live) < 5) {  // a new prompt, prefilled
         std::vector<TokenId> prompt = stems[static_cast<size_t>(pick(0, 2))];
         prompt.resize(static_cast<size_t>(pick(1, 64)));
@@ -413,8 +426,8 @@ TEST(StateCheckpointModel, EveryResumedStateIsTheStateOfItsTokens) {
         ASSERT_OK(m->PostForward(uids));
         live[uid] = prompt;
       } else if (op <= 6 && !live.empty()) {  // a chunk or a decode step of a live sequence
-        auto it = live.begin();
-        std::advance(it, pick(0, std::ssize(live) - 1));
+        auto it = any_live();
+        if (parked.contains(it->first)) continue;
         const auto& [uid, all] = *it;
         const Sequence& seq = *m->GetSequence(uid);
         int64_t left = std::ssize(all) - seq.seen_tokens();
@@ -434,21 +447,55 @@ TEST(StateCheckpointModel, EveryResumedStateIsTheStateOfItsTokens) {
         ASSERT_TRUE(Forward(*m, uid, it->second)) << "step " << step;
         ASSERT_OK(m->PostForward(uids));
       } else if (op == 7 && !live.empty() && std::ssize(live) < 5) {  // a fork
-        auto it = live.begin();
-        std::advance(it, pick(0, std::ssize(live) - 1));
+        auto it = any_live();
+        if (parked.contains(it->first)) continue;
         const SeqId child = next++;
         if (!m->Fork(it->first, child).ok()) continue;  // no slot: fine
         // The child knows the parent's tokens, those not yet computed included.
         live[child] = it->second;
-      } else if (!live.empty()) {  // a flush
-        auto it = live.begin();
-        std::advance(it, pick(0, std::ssize(live) - 1));
+      } else if (op == 8 && !live.empty()) {  // a flush
+        auto it = any_live();
         ASSERT_OK(m->FlushSequence(it->first));
+        parked.erase(it->first);
         live.erase(it);
+      } else if (op == 9 && !live.empty()) {  // a preemption or a resume: the state goes along
+        const SeqId uid = any_live()->first;
+        const bool resume = parked.contains(uid);
+        Result<OffloadTicket> t = resume ? m->ResumeSequence(uid) : m->PreemptSequence(uid);
+        if (!t.ok()) {
+          ASSERT_EQ(t.status().code(), StatusCode::kResourceExhausted) << t.status();
+          continue;
+        }
+        ASSERT_OK(t->Wait());
+        if (resume) {
+          parked.erase(uid);
+          ASSERT_OK(m->Rollback(uid, 0));  // settles the resume
+        } else {
+          parked.insert(uid);
+          ++preemptions;
+        }
+      } else if (op == 10) {  // a snapshot round trip, everything resident first
+        for (auto it = parked.begin(); it != parked.end();) {
+          Result<OffloadTicket> t = m->ResumeSequence(*it);
+          if (!t.ok()) break;
+          ASSERT_OK(t->Wait());
+          ASSERT_OK(m->Rollback(*it, 0));
+          it = parked.erase(it);
+        }
+        Result<std::vector<std::byte>> bytes = m->SaveSnapshot();
+        if (!bytes.ok()) {
+          ASSERT_EQ(bytes.status().code(), StatusCode::kFailedPrecondition) << bytes.status();
+          continue;
+        }
+        ASSERT_OK(m->LoadSnapshot(*bytes));
+        ++snapshots;
       }
       ASSERT_OK(m->CheckInvariants()) << "step " << step;
     }
-    EXPECT_GT(hits, 10) << "block " << block;  // the test exercised resumption
+    // The test exercised what it is about.
+    EXPECT_GT(hits, 10) << "block " << block;
+    EXPECT_GT(preemptions, 5) << "block " << block;
+    EXPECT_GT(snapshots, 5) << "block " << block;
   }
 }
 
