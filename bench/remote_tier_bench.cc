@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // remote_tier_bench: the remote prefix tier's store and fetch throughput (docs/remote_tier.md)
 // against hiredis's own pipelined SET / MGET of the same bytes, in one binary, against a
-// redis-server on loopback that it starts itself (127.0.0.1, a free port, persistence off).
+// redis-server on loopback that it starts itself (127.0.0.1, a free port, persistence off), and
+// the same against a Redis Cluster of 3 masters it starts too (redis-cli --cluster create).
 //
 //   ./build/default/bench/remote_tier_bench
 //
@@ -15,21 +16,29 @@
 //                MGET, verification, copies into fresh blocks), then FlushSequence and, untimed,
 //                ResetPrefixCache
 //   raw_mget     one MGET of the same k keys
+//   cluster_tier_store, cluster_tier_fetch   as above, the tier given redis+cluster://
+//   cluster_raw_set   the k SETs routed to their slots' masters, one hiredis connection per node:
+//                     every node's pipeline written, then every reply read
+//   cluster_raw_get   the k keys' GETs, routed and pipelined the same way (MGET across slots is
+//                     refused by a cluster)
 // Counter: bytes/s of KV (k × block bytes per iteration). FLUSHALL runs untimed between store
 // iterations so that the server's memory stays bounded.
 #include <hiredis/hiredis.h>
 
+#include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
+#include <fcntl.h>
 #include <netinet/in.h>
-#include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -48,6 +57,7 @@ namespace {
 
 constexpr int32_t kBlockSize = 16;
 int g_port = 0;
+std::vector<int> g_cluster_ports;  // the cluster's masters
 
 int FreePort() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -55,38 +65,55 @@ int FreePort() {
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   socklen_t len = sizeof(addr);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    std::fprintf(stderr, "remote_tier_bench: no free port\n");
+    std::abort();
+  }
   close(fd);
   return ntohs(addr.sin_port);
 }
 
-redisContext* Connect() {
-  redisContext* c = redisConnect("127.0.0.1", g_port);
+redisContext* Connect(int port = 0) {
+  if (port == 0) port = g_port;
+  redisContext* c = redisConnect("127.0.0.1", port);
   if (c == nullptr || c->err != 0) {
-    std::fprintf(stderr, "remote_tier_bench: cannot connect to redis on port %d\n", g_port);
+    std::fprintf(stderr, "remote_tier_bench: cannot connect to redis on port %d\n", port);
     std::abort();
   }
   return c;
 }
 
-void FlushAll() {
-  redisContext* c = Connect();
-  freeReplyObject(redisCommand(c, "FLUSHALL"));
-  redisFree(c);
+void FlushAll(bool cluster = false) {
+  for (const int port : cluster ? g_cluster_ports : std::vector<int>{g_port}) {
+    redisContext* c = Connect(port);
+    freeReplyObject(redisCommand(c, "FLUSHALL"));
+    redisFree(c);
+  }
+}
+
+std::string ClusterUrl() {
+  std::string url = "redis+cluster://";
+  for (size_t i = 0; i < g_cluster_ports.size(); ++i) {
+    if (i > 0) url.push_back(',');
+    url.append("127.0.0.1:");
+    url.append(std::to_string(g_cluster_ports[i]));
+  }
+  return url;
 }
 
 // layers = 32: 2 MiB blocks; 1: 64 KiB.
-std::unique_ptr<StateManager> MakeManager(int64_t layers, int32_t k) {
+std::unique_ptr<StateManager> MakeManager(int64_t layers, int32_t k, bool cluster = false) {
   StateManagerConfig config;
   config.max_tracked_sequences = 4;
   config.max_ragged_batch_size = 4096;
   config.max_ragged_sequence_count = 4;
   config.memory_config = {.mode = AllocationMode::kAllocate, .size = 2 * k + 4};
   config.prefix_cache.enabled = true;
-  config.remote_tier = RemoteTierConfig{.url = "redis://127.0.0.1:" + std::to_string(g_port),
-                                        .timeout_ms = 10000,
-                                        .max_pending = 4096};
+  config.remote_tier = RemoteTierConfig{
+      .url = cluster ? ClusterUrl() : "redis://127.0.0.1:" + std::to_string(g_port),
+      .timeout_ms = 10000,
+      .max_pending = 4096};
   auto mgr = StateManager::Create(config,
                                   {KVCacheConfig{.block_size = kBlockSize,
                                                  .cache_shape = {layers, 8, 128},
@@ -122,10 +149,10 @@ void SetBytes(benchmark::State& state, int64_t layers, int32_t k) {
       benchmark::Counter::kIsRate, benchmark::Counter::kIs1024);
 }
 
-void TierStore(benchmark::State& state) {
+void TierStoreOn(benchmark::State& state, bool cluster) {
   const int64_t layers = state.range(0);
   const auto k = static_cast<int32_t>(state.range(1));
-  std::unique_ptr<StateManager> mgr = MakeManager(layers, k);
+  std::unique_ptr<StateManager> mgr = MakeManager(layers, k, cluster);
   int64_t seed = 0;
   for (auto _ : state) {
     const std::vector<TokenId> prompt = Prompt(++seed, k);
@@ -134,13 +161,16 @@ void TierStore(benchmark::State& state) {
     blockkv_bench::Check(mgr->FlushSequence(1), "FlushSequence");
     state.PauseTiming();
     mgr->ResetPrefixCache();
-    FlushAll();
+    FlushAll(cluster);
     state.ResumeTiming();
   }
   const RemoteTierStats s = mgr->remote_tier_stats();
   if (s.stored != state.iterations() * k) state.SkipWithError("not every block was stored");
+  if (cluster && s.nodes != std::ssize(g_cluster_ports)) state.SkipWithError("not every node");
   SetBytes(state, layers, k);
 }
+void TierStore(benchmark::State& state) { TierStoreOn(state, false); }
+void ClusterTierStore(benchmark::State& state) { TierStoreOn(state, true); }
 
 void RawSet(benchmark::State& state) {
   const int64_t layers = state.range(0);
@@ -170,17 +200,17 @@ void RawSet(benchmark::State& state) {
   SetBytes(state, layers, k);
 }
 
-void TierFetch(benchmark::State& state) {
+void TierFetchOn(benchmark::State& state, bool cluster) {
   const int64_t layers = state.range(0);
   const auto k = static_cast<int32_t>(state.range(1));
-  FlushAll();
+  FlushAll(cluster);
   const std::vector<TokenId> prompt = Prompt(-1, k);
   {
-    std::unique_ptr<StateManager> writer = MakeManager(layers, k);
+    std::unique_ptr<StateManager> writer = MakeManager(layers, k, cluster);
     Run(*writer, 1, prompt);
     writer->FlushRemoteTier();
   }
-  std::unique_ptr<StateManager> mgr = MakeManager(layers, k);
+  std::unique_ptr<StateManager> mgr = MakeManager(layers, k, cluster);
   for (auto _ : state) {
     if (Run(*mgr, 1, prompt) != int64_t{k} * kBlockSize) state.SkipWithError("not a full hit");
     blockkv_bench::Check(mgr->FlushSequence(1), "FlushSequence");
@@ -190,6 +220,8 @@ void TierFetch(benchmark::State& state) {
   }
   SetBytes(state, layers, k);
 }
+void TierFetch(benchmark::State& state) { TierFetchOn(state, false); }
+void ClusterTierFetch(benchmark::State& state) { TierFetchOn(state, true); }
 
 void RawMget(benchmark::State& state) {
   const int64_t layers = state.range(0);
@@ -222,6 +254,93 @@ void RawMget(benchmark::State& state) {
   SetBytes(state, layers, k);
 }
 
+// k keys ("raw:<i>"), each with the connection of its slot's master (CLUSTER KEYSLOT and
+// CLUSTER SLOTS, asked once).
+struct Routed {
+  std::vector<redisContext*> nodes;            // one per master, as g_cluster_ports
+  std::vector<std::vector<std::string>> keys;  // per node
+  Routed(const Routed&) = delete;
+  Routed& operator=(const Routed&) = delete;
+  explicit Routed(int32_t k) {
+    for (const int port : g_cluster_ports) nodes.push_back(Connect(port));
+    keys.resize(nodes.size());
+    auto* slots = static_cast<redisReply*>(redisCommand(nodes[0], "CLUSTER SLOTS"));
+    for (int32_t i = 0; i < k; ++i) {
+      const std::string key = "raw:" + std::to_string(i);
+      auto* slot = static_cast<redisReply*>(
+          redisCommand(nodes[0], "CLUSTER KEYSLOT %b", key.data(), key.size()));
+      for (size_t r = 0; r < slots->elements; ++r) {
+        const redisReply* range = slots->element[r];
+        if (range->element[0]->integer <= slot->integer &&
+            slot->integer <= range->element[1]->integer) {
+          const long long port = range->element[2]->element[1]->integer;
+          for (size_t n = 0; n < nodes.size(); ++n) {
+            if (g_cluster_ports[n] == port) keys[n].push_back(key);
+          }
+        }
+      }
+      freeReplyObject(slot);
+    }
+    freeReplyObject(slots);
+  }
+  ~Routed() {
+    for (redisContext* c : nodes) redisFree(c);
+  }
+  // Every node's pipeline of `command key [value]` written, then every reply read.
+  bool Pipeline(const char* command, const std::string* value) {
+    for (size_t n = 0; n < nodes.size(); ++n) {
+      for (const std::string& key : keys[n]) {
+        const char* argv[] = {command, key.data(), value != nullptr ? value->data() : nullptr};
+        const size_t lens[] = {std::strlen(command), key.size(),
+                               value != nullptr ? value->size() : 0};
+        redisAppendCommandArgv(nodes[n], value != nullptr ? 3 : 2, argv, lens);
+      }
+      int done = 0;
+      while (done == 0) {
+        if (redisBufferWrite(nodes[n], &done) != REDIS_OK) return false;
+      }
+    }
+    for (size_t n = 0; n < nodes.size(); ++n) {
+      for (size_t i = 0; i < keys[n].size(); ++i) {
+        void* reply = nullptr;
+        if (redisGetReply(nodes[n], &reply) != REDIS_OK) return false;
+        const bool ok = static_cast<redisReply*>(reply)->type != REDIS_REPLY_ERROR &&
+                        static_cast<redisReply*>(reply)->type != REDIS_REPLY_NIL;
+        freeReplyObject(reply);
+        if (!ok) return false;
+      }
+    }
+    return true;
+  }
+};
+
+void ClusterRawSet(benchmark::State& state) {
+  const int64_t layers = state.range(0);
+  const auto k = static_cast<int32_t>(state.range(1));
+  Routed routed(k);
+  const std::string value(static_cast<size_t>(BlockBytes(layers)) + 200, 'x');
+  for (auto _ : state) {
+    if (!routed.Pipeline("SET", &value)) state.SkipWithError("SET failed");
+    state.PauseTiming();
+    FlushAll(/*cluster=*/true);
+    state.ResumeTiming();
+  }
+  SetBytes(state, layers, k);
+}
+
+void ClusterRawGet(benchmark::State& state) {
+  const int64_t layers = state.range(0);
+  const auto k = static_cast<int32_t>(state.range(1));
+  FlushAll(/*cluster=*/true);
+  Routed routed(k);
+  const std::string value(static_cast<size_t>(BlockBytes(layers)) + 200, 'x');
+  if (!routed.Pipeline("SET", &value)) state.SkipWithError("SET failed");
+  for (auto _ : state) {
+    if (!routed.Pipeline("GET", nullptr)) state.SkipWithError("GET failed");
+  }
+  SetBytes(state, layers, k);
+}
+
 void Args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"layers", "k"})->Args({32, 8})->Args({1, 32})->Unit(benchmark::kMillisecond);
   b->UseRealTime();
@@ -230,9 +349,61 @@ BENCHMARK(TierStore)->Apply(Args);
 BENCHMARK(RawSet)->Apply(Args);
 BENCHMARK(TierFetch)->Apply(Args);
 BENCHMARK(RawMget)->Apply(Args);
+BENCHMARK(ClusterTierStore)->Apply(Args);
+BENCHMARK(ClusterRawSet)->Apply(Args);
+BENCHMARK(ClusterTierFetch)->Apply(Args);
+BENCHMARK(ClusterRawGet)->Apply(Args);
 
 }  // namespace
 }  // namespace blockkv
+
+namespace {
+
+// Starts `args` (stdout to /dev/null), its pid appended to `pids`; 0 or the error.
+int Spawn(std::vector<std::string> args, std::vector<pid_t>* pids) {
+  std::vector<char*> argv;
+  argv.reserve(args.size() + 1);
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t quiet;
+  posix_spawn_file_actions_init(&quiet);
+  posix_spawn_file_actions_addopen(&quiet, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
+  pid_t pid = 0;
+  const int err = posix_spawnp(&pid, argv[0], &quiet, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&quiet);
+  if (err == 0) pids->push_back(pid);
+  return err;
+}
+
+void WaitUp(int port) {
+  for (int i = 0; i < 200; ++i) {
+    redisContext* c = redisConnect("127.0.0.1", port);
+    const bool up = c != nullptr && c->err == 0;
+    if (c != nullptr) redisFree(c);
+    if (up) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+bool WaitClusterOk() {
+  for (int i = 0; i < 400; ++i) {
+    bool ok = true;
+    for (const int port : blockkv::g_cluster_ports) {
+      redisContext* c = blockkv::Connect(port);
+      auto* r = static_cast<redisReply*>(redisCommand(c, "CLUSTER INFO"));
+      ok = ok && r != nullptr && r->str != nullptr &&
+           std::string_view(r->str, r->len).find("cluster_state:ok") != std::string_view::npos &&
+           std::string_view(r->str, r->len).find("cluster_known_nodes:3") != std::string_view::npos;
+      freeReplyObject(r);
+      redisFree(c);
+    }
+    if (ok) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   if (!blockkv_bench::InitializeWithRepetitions(argc, argv)) return 1;
@@ -246,6 +417,7 @@ int main(int argc, char** argv) {
       "redis-server", "--port", port,    "--bind", "127.0.0.1",  "--save", "",
       "--appendonly", "no",     "--dir", dir,      "--loglevel", "warning"};
   std::vector<char*> cargs;
+  cargs.reserve(args.size() + 1);
   for (std::string& a : args) cargs.push_back(a.data());
   cargs.push_back(nullptr);
   pid_t pid = 0;
@@ -260,10 +432,57 @@ int main(int argc, char** argv) {
     if (up) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
-  benchmark::RunSpecifiedBenchmarks();
+  // The cluster: 3 masters (free ports and bus ports), joined by redis-cli --cluster create.
+  std::vector<pid_t> cluster_pids;
+  std::vector<std::string> create = {"redis-cli", "--cluster", "create"};
+  for (int i = 0; i < 3; ++i) {
+    const int node_port = blockkv::FreePort();
+    const std::string node_dir = dir + "/node" + std::to_string(i);
+    std::filesystem::create_directories(node_dir);
+    std::vector<std::string> node_args = {"redis-server",
+                                          "--port",
+                                          std::to_string(node_port),
+                                          "--bind",
+                                          "127.0.0.1",
+                                          "--save",
+                                          "",
+                                          "--appendonly",
+                                          "no",
+                                          "--dir",
+                                          node_dir,
+                                          "--loglevel",
+                                          "warning",
+                                          "--cluster-enabled",
+                                          "yes",
+                                          "--cluster-port",
+                                          std::to_string(blockkv::FreePort()),
+                                          "--cluster-require-full-coverage",
+                                          "no"};
+    if (Spawn(node_args, &cluster_pids) != 0) {
+      std::fprintf(stderr, "remote_tier_bench: cannot start a cluster redis-server\n");
+      return 1;
+    }
+    blockkv::g_cluster_ports.push_back(node_port);
+    create.push_back("127.0.0.1:" + std::to_string(node_port));
+    WaitUp(node_port);
+  }
+  create.insert(create.end(), {"--cluster-replicas", "0", "--cluster-yes"});
+  std::vector<pid_t> cli;
+  int status = 1;
+  if (Spawn(create, &cli) != 0 || waitpid(cli[0], &status, 0) != cli[0] || status != 0 ||
+      !WaitClusterOk()) {
+    std::fprintf(stderr, "remote_tier_bench: redis-cli --cluster create failed\n");
+    status = 1;
+  } else {
+    benchmark::RunSpecifiedBenchmarks();
+    status = 0;
+  }
   benchmark::Shutdown();
-  kill(pid, SIGKILL);
-  waitpid(pid, nullptr, 0);
+  cluster_pids.push_back(pid);
+  for (const pid_t p : cluster_pids) {
+    kill(p, SIGKILL);
+    waitpid(p, nullptr, 0);
+  }
   std::filesystem::remove_all(dir);
-  return 0;
+  return status;
 }
