@@ -88,7 +88,7 @@ struct PlanReport {
   int64_t bytes_per_block = 0;  // per rank
   int64_t num_blocks = 0;
   int64_t cache_bytes = 0;  // num_blocks · bytes_per_block, per rank
-  int64_t tokens = 0;       // num_blocks · block_size
+  int64_t tokens = 0;       // num_blocks · block_size; hybrid: the sequences' tokens (below)
   int64_t blocks_per_sequence = 0;
   int64_t sequences = 0;  // of `context` tokens
   // Hybrid models, planned as one group of every layer: the fraction of the cache that holds

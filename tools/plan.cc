@@ -363,6 +363,10 @@ Result<PlanReport> Plan(const PlanOptions& options) {
   report.tokens = report.num_blocks * options.block_size;
   report.blocks_per_sequence = context_blocks + local_blocks;
   report.sequences = report.num_blocks / report.blocks_per_sequence;
+  // A token takes a block entry in each group (the LOCAL one only while in the window): what the
+  // blocks hold in tokens depends on the sequences' lengths, so "tokens" is those of the
+  // sequences of the context that fit.
+  report.tokens = report.sequences * report.context;
   report.shared_pool = {.sequences = report.sequences,
                         .unused = unused(report.sequences, report.num_blocks, report.pool_layers)};
   return report;
@@ -417,6 +421,8 @@ std::string FormatPlan(const PlanReport& r, bool json) {
         .Int(r.cache_bytes)
         .Key("tokens")
         .Int(r.tokens)
+        .Key("block_tokens")
+        .Int(r.num_blocks * o.block_size)
         .Key("context")
         .Int(r.context)
         .Key("blocks_per_sequence")
@@ -469,13 +475,19 @@ std::string FormatPlan(const PlanReport& r, bool json) {
               "numbers per rank";
     }
   }
+  // Hybrid: a block holds its tokens of one group only.
+  const std::string tokens_note =
+      r.hybrid ? " in the sequences below (a token takes a block entry in each group; blocks x "
+                 "block size = " +
+                     std::to_string(r.num_blocks * o.block_size) + ")"
+               : "";
   std::snprintf(text, sizeof(text),
                 "model      %s: %lld layers, %s, %s, block %d tokens%s%s\n"
                 "memory     %s available (%s), %s kept free\n"
                 "per token  %s\n"
                 "per block  %s (%lld bytes)\n"
                 "blocks     %lld (%s)\n"
-                "tokens     %lld\n"
+                "tokens     %lld%s\n"
                 "sequences  %lld of %lld tokens (%lld blocks each)\n",
                 s.name.c_str(), static_cast<long long>(s.layers), heads.c_str(), dtype.c_str(),
                 o.block_size, window.c_str(), ranks.c_str(), FormatBytes(r.available_bytes).c_str(),
@@ -483,8 +495,8 @@ std::string FormatPlan(const PlanReport& r, bool json) {
                 FormatBytes(r.bytes_per_token).c_str(), FormatBytes(r.bytes_per_block).c_str(),
                 static_cast<long long>(r.bytes_per_block), static_cast<long long>(r.num_blocks),
                 FormatBytes(r.cache_bytes).c_str(), static_cast<long long>(r.tokens),
-                static_cast<long long>(r.sequences), static_cast<long long>(r.context),
-                static_cast<long long>(r.blocks_per_sequence));
+                tokens_note.c_str(), static_cast<long long>(r.sequences),
+                static_cast<long long>(r.context), static_cast<long long>(r.blocks_per_sequence));
   std::string out = text;
   if (r.state_bytes_per_sequence > 0) {
     char note[1024];

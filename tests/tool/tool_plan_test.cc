@@ -202,6 +202,10 @@ TEST(Plan, HybridGemma2PlansADenseAndALocalGroupInOneSharedPool) {
   Result<PlanReport> r = Plan(Preset("Gemma-2-9B", 80 * kGiB, 1 * kGiB));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE(r->hybrid);
+  // Its tokens are those of the sequences that fit: a token takes an entry in both groups.
+  EXPECT_EQ(r->tokens, r->sequences * 8192);
+  EXPECT_NE(FormatPlan(*r, false).find("tokens     327680 in the sequences below"),
+            std::string::npos);
   // One group of all 42 layers (5,505,024 bytes a block): 15,408 blocks, 30 sequences; the window
   // layers hold 21 x 255 / (42 x 512) = 24.9% past their window (vLLM's RFC: 25% for Gemma-2).
   EXPECT_DOUBLE_EQ(r->window_waste, 21.0 * 255 / (42 * 512));
