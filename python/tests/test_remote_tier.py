@@ -57,6 +57,53 @@ def redis_server():
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+@pytest.fixture
+def redis_cluster():
+    """A Redis Cluster of 3 masters on 127.0.0.1 (free ports and bus ports, persistence off),
+    joined by `redis-cli --cluster create`; its ports."""
+    procs, ports, scratch = [], [], tempfile.mkdtemp(prefix="blockkv-redis-cluster-")
+    try:
+        for i in range(3):
+            port, bus = free_port(), free_port()
+            node_dir = os.path.join(scratch, str(i))
+            os.mkdir(node_dir)
+            procs.append(subprocess.Popen(
+                ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--dir", node_dir, "--cluster-enabled", "yes",
+                 "--cluster-port", str(bus), "--cluster-require-full-coverage", "no"],
+                stdout=subprocess.DEVNULL))
+            ports.append(port)
+        for port, proc in zip(ports, procs):
+            for _ in range(200):
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    assert proc.poll() is None, "redis-server exited at start"
+                    time.sleep(0.05)
+            else:
+                pytest.fail(f"redis-server did not answer on port {port}")
+        subprocess.run(["redis-cli", "--cluster", "create"] +
+                       [f"127.0.0.1:{p}" for p in ports] +
+                       ["--cluster-replicas", "0", "--cluster-yes"],
+                       stdout=subprocess.DEVNULL, check=True, timeout=120)
+        for _ in range(400):
+            infos = [subprocess.run(["redis-cli", "-p", str(p), "cluster", "info"],
+                                    capture_output=True, text=True, check=False).stdout
+                     for p in ports]
+            if all("cluster_state:ok" in i and "cluster_known_nodes:3" in i for i in infos):
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the redis cluster did not reach cluster_state:ok")
+        yield ports
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def make_manager(remote):
     config = blockkv.StateManagerConfig(memory_config=allocate(32),
                                         prefix_cache=blockkv.PrefixCacheConfig(),
@@ -133,6 +180,26 @@ def test_two_managers_share_blocks_through_redis(redis_server):
 
     other = make_manager(blockkv.RemoteTierConfig(url, model_id="other"))
     assert prefill(other, 1, prompt, lambda b: 7).cached_prefix_tokens == 0
+
+
+def test_two_managers_share_blocks_through_a_cluster(redis_cluster):
+    url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in redis_cluster[:2])
+    prompt = list(range(700, 700 + 8 * BLOCK + 1))  # 8 full blocks
+    a = make_manager(blockkv.RemoteTierConfig(url, model_id="m"))
+    prefill(a, 1, prompt, lambda b: 10 + b)
+    a.flush_remote_tier()
+    sa = a.remote_tier_stats()
+    assert (sa["stored"], sa["nodes"], sa["dropped"], sa["errors"]) == (8, 3, 0, 0)
+    assert sa["connected"]
+    b = make_manager(blockkv.RemoteTierConfig(url, model_id="m"))
+    seq = prefill(b, 1, prompt, lambda b: -1)
+    assert seq.cached_prefix_tokens == 8 * BLOCK
+    table = seq.block_table()
+    for layer in caches(b):
+        for i in range(8):
+            assert torch.all(layer[table[i]] == 10 + i)
+    sb = b.remote_tier_stats()
+    assert (sb["hits"], sb["misses"], sb["redirects"]) == (8, 0, 0)
 
 
 def test_wrong_password_is_a_permission_error(redis_server):
