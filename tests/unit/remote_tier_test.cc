@@ -468,7 +468,7 @@ TEST(RemoteTierTest, AClusterSpreadsBlocksOverItsNodesAndAnotherEngineHitsThem) 
   EXPECT_EQ(sb.fetched_bytes, sa.stored_bytes);
 }
 
-TEST(RemoteTierTest, AKilledClusterNodeMissesItsSlotsWhileTheOthersServe) {
+TEST(RemoteTierTest, AKilledClusterNodeMissesItsSlotsWhileTheOthersServeThenIsReconnected) {
   RedisCluster cluster;
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
   auto a = Engine::Make({.url = cluster.url(), .timeout_ms = 500});
@@ -509,6 +509,31 @@ TEST(RemoteTierTest, AKilledClusterNodeMissesItsSlotsWhileTheOthersServe) {
   EXPECT_GE(s.errors, 1);
   EXPECT_FALSE(s.connected);
   EXPECT_EQ(s.nodes, 3);  // the dead node still owns its slots (no failover)
+
+  // Restarted (its keys gone: persistence off; its slots still its own): b reconnects after its
+  // backoff and stores there again.
+  for (int p = 0; p < 12; ++p) ASSERT_TRUE(b->mgr->FlushSequence(p + 1).ok());
+  cluster.node(static_cast<size_t>(dead)).Start();
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  const std::vector<TokenId>& again = prompts[0];  // its block's slot is the restarted node's
+  bool stored = false;
+  for (int i = 0; i < 100 && !stored; ++i) {
+    b->mgr->ResetPrefixCache();
+    const int64_t before = b->mgr->remote_tier_stats().stored;
+    EXPECT_EQ(b->Prefill(100, again), 0);  // gone with the node: recomputed
+    ASSERT_TRUE(b->mgr->FlushSequence(100).ok());
+    b->mgr->FlushRemoteTier();
+    stored = b->mgr->remote_tier_stats().stored == before + 1;
+    if (!stored) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_TRUE(stored);
+  const RemoteTierStats after = b->mgr->remote_tier_stats();
+  EXPECT_GE(after.reconnects, 1);
+  EXPECT_TRUE(after.connected);
+  auto c = Engine::Make({.url = cluster.url()});
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->Prefill(1, again), kBlockSize);
+  c->ExpectPrefixData(1, again, 1);
 }
 
 TEST(RemoteTierTest, AReshardedSlotIsFollowedThroughAskThenMoved) {
