@@ -13,7 +13,8 @@ packages=(cmake ninja-build g++ pkg-config libgtest-dev libgmock-dev libbenchmar
           libdlpack-dev
           libhwy-dev libxxhash-dev nlohmann-json3-dev
           libhiredis-dev redis-server redis-tools
-          libzmq3-dev cppzmq-dev python3-zmq python3-msgpack)
+          libzmq3-dev cppzmq-dev python3-zmq python3-msgpack
+          libucx-dev ucx-utils)
 for arg in "$@"; do
   case $arg in
     --lint) packages+=(clang-format clang-tidy) ;;
