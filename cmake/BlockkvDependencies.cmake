@@ -28,6 +28,18 @@ if(NOT BLOCKKV_HIREDIS_INCLUDE_DIR OR NOT BLOCKKV_HIREDIS_LIBRARY)
   message(FATAL_ERROR "hiredis not found: apt-get install libhiredis-dev (scripts/deps.sh does)")
 endif()
 
+# UCX (libucx-dev) for sequence transfer between engines (docs/transfer.md): its ucp API,
+# through pkg-config. BLOCKKV_UCX=OFF builds without it (ExportSequence / ImportSequence then
+# say kUnimplemented).
+if(BLOCKKV_UCX)
+  find_package(PkgConfig REQUIRED)
+  pkg_check_modules(BLOCKKV_UCX_PKG ucx)
+  if(NOT BLOCKKV_UCX_PKG_FOUND)
+    message(FATAL_ERROR "UCX (pkg-config ucx) not found: apt-get install libucx-dev (scripts/deps.sh "
+                        "does), or configure with -DBLOCKKV_UCX=OFF")
+  endif()
+endif()
+
 # CUDA: AUTO builds it when the toolkit is found, ON fails at configure time without it.
 set(BLOCKKV_HAVE_CUDA OFF)
 if(NOT BLOCKKV_CUDA STREQUAL "OFF")

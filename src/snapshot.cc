@@ -358,6 +358,10 @@ Status StateManager::Impl::LoadSnapshot(const std::string& path) {
 
 Status StateManager::Impl::LoadSnapshot(std::span<const std::byte> bytes) {
   using internal::SnapshotCodec;
+  if (!exports_.empty()) {
+    return FailedPreconditionError(
+        StrCat("LoadSnapshot: ", exports_.size(), " exports are pending; CancelExport them first"));
+  }
   internal::snapshot::Staged staged;
   BLOCKKV_RETURN_IF_ERROR(SnapshotCodec::Parse(*this, bytes, &staged));
   return SnapshotCodec::Apply(*this, staged);

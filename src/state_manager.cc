@@ -24,6 +24,7 @@
 #include "state_manager_impl.h"
 #include "state_manager_keys.h"
 #include "state_manager_offload.h"
+#include "transfer.h"
 
 namespace blockkv {
 
@@ -274,6 +275,7 @@ Result<std::unique_ptr<StateManager>> StateManager::Create(StateManagerConfig co
   if (impl.config_.offload) BLOCKKV_RETURN_IF_ERROR(impl.EnableOffload());
   if (impl.config_.kv_events) BLOCKKV_RETURN_IF_ERROR(impl.EnableKVEvents());
   if (impl.config_.remote_tier) BLOCKKV_RETURN_IF_ERROR(impl.EnableRemoteTier());
+  if (impl.config_.transfer) BLOCKKV_RETURN_IF_ERROR(impl.EnableTransfer());
   return manager;
 }
 
@@ -506,6 +508,7 @@ Sequence* StateManager::Impl::CreateInSlot(SeqId uid) {
   seq.table_version_ = ++last_table_version_;
   seq.cached_prefix_tokens_ = 0;
   seq.preempted_ = false;
+  seq.exported_ = false;
   for (int g = 0; g < num_groups(); ++g) seq.groups_[g].allocated = seq.groups_[g].released = 0;
   by_uid_->Insert(uid, slot);
   return &seq;
@@ -542,6 +545,10 @@ Status StateManager::Impl::FlushSequence(SeqId uid) {
   Sequence* seq = Find(uid);
   if (seq == nullptr) {
     return NotFoundError(StrCat("cannot flush sequence ", uid, ": it is not tracked"));
+  }
+  if (seq->exported_) [[unlikely]] {
+    return FailedPreconditionError(
+        StrCat("cannot flush sequence ", uid, ": it is exported; CancelExport it first"));
   }
   DropParked(*seq);
   ReleaseSequenceBlocks(*seq);
@@ -839,9 +846,12 @@ Status StateManager::Impl::CheckEach(const ScheduleRequest& request, std::string
       }
       marks[slot] = epoch;
       seq = &seqs[slot];
-      if (seq->preempted_) [[unlikely]] {
+      if (seq->preempted_ || seq->exported_) [[unlikely]] {
         return FailedPreconditionError(
-            ColdStrCat("sequence ", uid, " is preempted; ResumeSequence before scheduling it"));
+            seq->preempted_
+                ? ColdStrCat("sequence ", uid, " is preempted; ResumeSequence before scheduling it")
+                : ColdStrCat("sequence ", uid,
+                             " is exported to another engine; CancelExport before scheduling it"));
       }
     }
     // The verdict, once known, stands; the other uids' arguments are still checked.
@@ -914,6 +924,7 @@ Status StateManager::Impl::ScheduleInto(const ScheduleRequest& request, Scheduli
   const std::span<const SeqId> uids = request.uids;
   const std::span<const int64_t> lengths = request.lengths;
   BLOCKKV_RETURN_IF_ERROR(SettleRestores(uids));
+  MaybeCompleteExports();
   std::string why;
   BLOCKKV_ASSIGN_OR_RETURN(const SchedulingResult verdict, Check(request, &why));
   if (out != nullptr && std::ssize(out->tokens) != lengths_sum_) {  // no length is negative

@@ -29,6 +29,7 @@ namespace internal {
 class BlockSize;
 class PrefixHostTier;
 class RemoteTier;
+class TransferEndpoint;
 class UidMap;
 }  // namespace internal
 
@@ -99,6 +100,11 @@ class StateManager::Impl {
   HostPrefixStats host_prefix_stats() const;
   RemoteTierStats remote_tier_stats() const;
   void FlushRemoteTier();
+  Result<std::vector<std::byte>> ExportSequence(SeqId uid);
+  Result<Sequence*> ImportSequence(std::span<const std::byte> descriptor);
+  Status CancelExport(SeqId uid);
+  int32_t CompleteExports();
+  int32_t pending_exports() const { return static_cast<int32_t>(exports_.size()); }
   Result<TensorView> GetCache(int64_t cache_id, int group) const;
   const BlockedKVCache& kv_cache() const { return *cache_; }
   const BlockPool& pool(int group) const { return pools_[group]; }
@@ -301,6 +307,25 @@ class StateManager::Impl {
   // FlushSequence's part: a preempted sequence's handles are dropped.
   void DropParked(Sequence& seq);
   Status CheckParked(const Sequence& seq, int group) const;
+
+  // ---- sequence transfer (state_manager_transfer.cc) ----
+  Status EnableTransfer();  // from Create
+  Status RequireTransfer(std::string_view who) const;
+  std::string TransferLayout() const;  // what two engines' blocks must agree on
+  // Schedule's hook: flushes exports a receiver confirmed (an atomic load when there are none).
+  void MaybeCompleteExports() {
+    if (transfer_ != nullptr) [[unlikely]]
+      CompleteExports();
+  }
+  struct PendingExport {
+    uint64_t id = 0;
+    SeqId uid = 0;
+  };
+  std::unique_ptr<internal::TransferEndpoint> transfer_;
+  std::vector<PendingExport> exports_;
+  std::vector<uint32_t> transfer_region_;  // per group: its registered region
+  std::string transfer_layout_;
+  uint64_t transfer_fingerprint_ = 0;
 
   // ---- snapshots (snapshot.cc) ----
   // kFailedPrecondition naming the first sequence (by slot) whose state a snapshot cannot hold —

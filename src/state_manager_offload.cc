@@ -76,6 +76,10 @@ Result<OffloadTicket> StateManager::Impl::PreemptSequence(SeqId uid) {
     return FailedPreconditionError(
         StrCat("PreemptSequence: sequence ", uid, " is preempted already"));
   }
+  if (seq->exported_) {
+    return FailedPreconditionError(StrCat("PreemptSequence: sequence ", uid,
+                                          " is exported to another engine; CancelExport it first"));
+  }
   BLOCKKV_RETURN_IF_ERROR(SettleRestore(*seq));
   if (seq->in_flight_tokens_ != 0) {
     return FailedPreconditionError(StrCat("PreemptSequence: sequence ", uid, " has ",
@@ -213,6 +217,10 @@ Status StateManager::Impl::RequireResident(Sequence& seq, std::string_view who) 
   BLOCKKV_RETURN_IF_ERROR(SettleRestore(seq));
   if (seq.preempted_) {
     return FailedPreconditionError(StrCat(who, " is preempted; resume it first"));
+  }
+  if (seq.exported_) {
+    return FailedPreconditionError(
+        StrCat(who, " is exported to another engine; CancelExport it first"));
   }
   return Status::Ok();
 }

@@ -54,6 +54,7 @@
 #include "blockkv/remote_tier.h"
 #include "blockkv/sequence.h"
 #include "blockkv/status.h"
+#include "blockkv/transfer.h"
 
 namespace blockkv {
 class RaggedBatch;
@@ -78,6 +79,10 @@ struct StateManagerConfig {
   // A prefix tier in Redis shared by every engine (docs/remote_tier.md): needs prefix caching on,
   // one cache group without a sliding window. Unset: no remote tier.
   std::optional<RemoteTierConfig> remote_tier{};
+  // Sequence transfer to and from other engines over UCX (transfer.h, docs/transfer.md): the
+  // endpoint is created and the KV cache registered at Create. Unset: ExportSequence and
+  // ImportSequence are kFailedPrecondition.
+  std::optional<TransferConfig> transfer{};
 
   // Every count > 0, max_ragged_sequence_count <= max_tracked_sequences and
   // <= max_ragged_batch_size, a valid memory_config. kInvalidArgument names the field.
@@ -382,6 +387,40 @@ class StateManager {
   // Waits until every block queued for the remote tier so far was stored or failed (each command
   // is bounded by RemoteTierConfig::timeout_ms). Nothing to wait for without the tier.
   void FlushRemoteTier();
+
+  // ---- sequence transfer (state_manager_transfer.cc; StateManagerConfig.transfer) ----
+  // docs/transfer.md has the flow, the descriptor's format and what each failure leaves.
+  //
+  // A descriptor of `uid` (opaque bytes: its seen tokens, its known token ids with prefix
+  // caching, the KV layout's fingerprint, its blocks and the keys of the registered memory
+  // holding them) for ImportSequence on another engine. The sequence stays this manager's,
+  // pinned, until the receiver confirms: it cannot be scheduled, flushed, forked, rolled back,
+  // partially freed or preempted (kFailedPrecondition), and its blocks are not freed. Once a
+  // receiver has confirmed, the next Schedule, ScheduleBatch, CompleteExports or transfer call
+  // flushes it. kFailedPrecondition (transfer off, tokens in flight, preempted, exported
+  // already), kNotFound; nothing changes on failure.
+  Result<std::vector<std::byte>> ExportSequence(SeqId uid);
+  // Imports the sequence `descriptor` describes: takes a tracking slot and blocks, reads the
+  // sender's blocks into them (UCX gets, all in flight at once), has the sender confirm, and
+  // tracks it under its uid with its seen tokens (no tokens in flight; with prefix caching, its
+  // known tokens, and its full blocks published to the prefix cache). All or nothing: on any
+  // failure the slot and blocks are given back and the sender still holds the sequence.
+  // kInvalidArgument (a truncated or corrupt descriptor, another KV layout: the message names
+  // both fingerprints and layouts, more tokens than this engine holds), kAlreadyExists (uid
+  // tracked), kResourceExhausted (no slot or too few blocks), kUnavailable (the sender is
+  // unreachable or died, a get failed, or TransferConfig::timeout_ms passed),
+  // kFailedPrecondition (transfer off, or the sender refused: the export was cancelled or
+  // imported elsewhere). Blocks whose contents only this call wrote may have evicted unreferenced
+  // cached blocks to make room, as a Schedule would.
+  Result<Sequence*> ImportSequence(std::span<const std::byte> descriptor);
+  // Takes back a pending export: the sequence is schedulable here again and no receiver will be
+  // accepted for it. kNotFound (no pending export of uid), kFailedPrecondition (transfer off, or
+  // a receiver confirmed already: the sequence is flushed).
+  Status CancelExport(SeqId uid);
+  // Flushes every exported sequence whose receiver has confirmed; returns how many.
+  int32_t CompleteExports();
+  // Exports not yet confirmed nor cancelled.
+  int32_t pending_exports() const;
 
   // One layer's cache, as BlockedKVCache::GetCache.
   Result<TensorView> GetCache(int64_t cache_id, int group = 0) const;

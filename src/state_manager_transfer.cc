@@ -1,0 +1,518 @@
+// SPDX-License-Identifier: Apache-2.0
+// Sequence transfer between engines (docs/transfer.md): ExportSequence, ImportSequence,
+// CancelExport and CompleteExports over internal::TransferEndpoint (transfer.h).
+//
+// Descriptor (all little-endian; a u64 length before every string):
+//   magic "BKVXFER\0", u32 version
+//   string layout, u64 fingerprint (XXH3-64 of layout)
+//   string the sender worker's UCX address, u64 transfer id
+//   i64 uid, i64 seen_tokens, u64 token count, i32 tokens[count]
+//   u32 regions, per region: u64 base, u64 length, string packed rkey
+//   u32 groups, per group: u32 region, u64 base, i32 num_blocks, i32 released, u32 blocks,
+//                          i32 ids[blocks] (table entries [released, released + blocks))
+//   u64 XXH3-64 of every byte before it
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "blockkv/state_manager.h"
+#include "internal/block_size.h"
+#include "internal/strings.h"
+#include "internal/uid_map.h"
+#include "snapshot_codec.h"
+#include "state_manager_impl.h"
+#include "state_manager_keys.h"
+#include "transfer.h"
+
+namespace blockkv {
+
+using internal::StrCat;
+using internal::TransferEndpoint;
+using internal::TransferGet;
+using internal::TransferRegion;
+
+namespace {
+
+constexpr std::array<char, 8> kMagic = {'B', 'K', 'V', 'X', 'F', 'E', 'R', '\0'};
+constexpr uint32_t kVersion = 1;
+
+std::string Hex(uint64_t v) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string s = "0x0000000000000000";
+  for (int i = 17; i >= 2; --i, v >>= 4) s[static_cast<size_t>(i)] = kDigits[v & 15];
+  return s;
+}
+
+// Reads the descriptor; any field running past the end is kInvalidArgument naming it.
+class Reader {
+ public:
+  explicit Reader(std::span<const std::byte> bytes) : bytes_(bytes) {}
+  template <class T>
+  Status Get(T* out, std::string_view what) {
+    if (bytes_.size() - at_ < sizeof(T)) return Truncated(what);
+    std::memcpy(out, bytes_.data() + at_, sizeof(T));
+    at_ += sizeof(T);
+    return Status::Ok();
+  }
+  // A count of items of `item_bytes` each that the rest of the descriptor must hold.
+  template <class T>
+  Status GetCount(T* n, uint64_t item_bytes, std::string_view what) {
+    BLOCKKV_RETURN_IF_ERROR(Get(n, what));
+    if (item_bytes > 0 && static_cast<uint64_t>(*n) > (bytes_.size() - at_) / item_bytes) {
+      return Truncated(what);
+    }
+    return Status::Ok();
+  }
+  Status GetString(std::string* out, std::string_view what) {
+    uint64_t n = 0;
+    BLOCKKV_RETURN_IF_ERROR(GetCount(&n, 1, what));
+    out->assign(reinterpret_cast<const char*>(bytes_.data() + at_), static_cast<size_t>(n));
+    at_ += static_cast<size_t>(n);
+    return Status::Ok();
+  }
+  template <class T>
+  Status GetArray(size_t n, std::vector<T>* out, std::string_view what) {
+    if (n > (bytes_.size() - at_) / sizeof(T)) return Truncated(what);
+    out->resize(n);
+    if (n > 0) std::memcpy(out->data(), bytes_.data() + at_, n * sizeof(T));
+    at_ += n * sizeof(T);
+    return Status::Ok();
+  }
+  size_t position() const { return at_; }
+
+ private:
+  Status Truncated(std::string_view what) const {
+    return InvalidArgumentError(StrCat("ImportSequence: the descriptor is truncated: ", what,
+                                       " at byte ", at_, " runs past its end (", bytes_.size(),
+                                       " bytes)"));
+  }
+  std::span<const std::byte> bytes_;
+  size_t at_ = 0;
+};
+
+// A descriptor's per-group part.
+struct RemoteGroup {
+  uint32_t region = 0;
+  uint64_t base = 0;
+  int32_t num_blocks = 0;
+  int32_t released = 0;
+  std::vector<BlockId> ids;
+};
+
+struct Descriptor {
+  std::string layout;
+  uint64_t fingerprint = 0;
+  std::string address;
+  uint64_t transfer_id = 0;
+  SeqId uid = 0;
+  int64_t seen_tokens = 0;
+  std::vector<TokenId> tokens;
+  std::vector<TransferRegion> regions;
+  std::vector<RemoteGroup> groups;
+};
+
+Status Parse(std::span<const std::byte> bytes, Descriptor* d) {
+  constexpr size_t kMin = sizeof(kMagic) + sizeof(uint32_t) + sizeof(uint64_t);
+  if (bytes.size() < kMin) {
+    return InvalidArgumentError(StrCat("ImportSequence: the descriptor has ", bytes.size(),
+                                       " bytes, fewer than the ", kMin, " of an empty one"));
+  }
+  if (std::memcmp(bytes.data(), kMagic.data(), kMagic.size()) != 0) {
+    return InvalidArgumentError(
+        "ImportSequence: not a sequence descriptor (its magic is not BKVXFER)");
+  }
+  uint32_t version = 0;
+  std::memcpy(&version, bytes.data() + kMagic.size(), sizeof(version));
+  if (version != kVersion) {
+    return InvalidArgumentError(StrCat("ImportSequence: descriptor version ", version,
+                                       "; this blockkv reads version ", kVersion));
+  }
+  const std::span<const std::byte> body = bytes.first(bytes.size() - sizeof(uint64_t));
+  uint64_t checksum = 0;
+  std::memcpy(&checksum, bytes.data() + body.size(), sizeof(checksum));
+  if (const uint64_t actual = XXH3_64bits(body.data(), body.size()); actual != checksum) {
+    return InvalidArgumentError(StrCat("ImportSequence: the descriptor is corrupt: checksum ",
+                                       Hex(actual), ", recorded ", Hex(checksum)));
+  }
+  Reader r(body.subspan(kMagic.size() + sizeof(uint32_t)));
+  BLOCKKV_RETURN_IF_ERROR(r.GetString(&d->layout, "layout"));
+  BLOCKKV_RETURN_IF_ERROR(r.Get(&d->fingerprint, "fingerprint"));
+  BLOCKKV_RETURN_IF_ERROR(r.GetString(&d->address, "sender address"));
+  BLOCKKV_RETURN_IF_ERROR(r.Get(&d->transfer_id, "transfer id"));
+  BLOCKKV_RETURN_IF_ERROR(r.Get(&d->uid, "uid"));
+  BLOCKKV_RETURN_IF_ERROR(r.Get(&d->seen_tokens, "seen tokens"));
+  uint64_t n_tokens = 0;
+  BLOCKKV_RETURN_IF_ERROR(r.GetCount(&n_tokens, sizeof(TokenId), "token count"));
+  BLOCKKV_RETURN_IF_ERROR(r.GetArray(static_cast<size_t>(n_tokens), &d->tokens, "tokens"));
+  uint32_t n_regions = 0;
+  BLOCKKV_RETURN_IF_ERROR(r.GetCount(&n_regions, 24, "region count"));
+  d->regions.resize(n_regions);
+  for (TransferRegion& region : d->regions) {
+    BLOCKKV_RETURN_IF_ERROR(r.Get(&region.base, "region base"));
+    BLOCKKV_RETURN_IF_ERROR(r.Get(&region.length, "region length"));
+    BLOCKKV_RETURN_IF_ERROR(r.GetString(&region.rkey, "region rkey"));
+  }
+  uint32_t n_groups = 0;
+  BLOCKKV_RETURN_IF_ERROR(r.GetCount(&n_groups, 24, "group count"));
+  d->groups.resize(n_groups);
+  for (RemoteGroup& g : d->groups) {
+    BLOCKKV_RETURN_IF_ERROR(r.Get(&g.region, "group region"));
+    BLOCKKV_RETURN_IF_ERROR(r.Get(&g.base, "group base"));
+    BLOCKKV_RETURN_IF_ERROR(r.Get(&g.num_blocks, "group num_blocks"));
+    BLOCKKV_RETURN_IF_ERROR(r.Get(&g.released, "group released"));
+    uint32_t n = 0;
+    BLOCKKV_RETURN_IF_ERROR(r.GetCount(&n, sizeof(BlockId), "group block count"));
+    BLOCKKV_RETURN_IF_ERROR(r.GetArray(n, &g.ids, "group block ids"));
+  }
+  if (r.position() + kMagic.size() + sizeof(uint32_t) != body.size()) {
+    return InvalidArgumentError(StrCat("ImportSequence: the descriptor has ",
+                                       body.size() - r.position() - kMagic.size() - 4,
+                                       " bytes after its last field"));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+// ---- setup --------------------------------------------------------------------------------------
+
+std::string StateManager::Impl::TransferLayout() const {
+  std::string s;
+  for (int g = 0; g < num_groups(); ++g) {
+    const KVCacheConfig& c = cache_->config(g);
+    s += StrCat(g == 0 ? "" : "; ", "group ", g, ": type ", static_cast<int>(c.type),
+                ", block_size ", c.block_size, ", shape [");
+    for (size_t i = 0; i < c.cache_shape.size(); ++i) {
+      s += StrCat(i == 0 ? "" : ", ", c.cache_shape[i]);
+    }
+    s += StrCat("], ", DTypeName(c.cache_dtype), ", latent_dim ", c.latent_dim, ", rope_dim ",
+                c.rope_dim, ", layer block bytes ", internal::SnapshotCodec::LayerBlockBytes(c));
+  }
+  return s;
+}
+
+Status StateManager::Impl::EnableTransfer() {
+  for (int g = 0; g < num_groups(); ++g) {
+    if (cache_->config(g).type == KVCacheType::kState) {
+      return UnimplementedError(StrCat("StateManagerConfig.transfer: cache group ", g,
+                                       " is a STATE group, which sequence transfer does not move"));
+    }
+  }
+  // One registration per memory pool (groups sharing a pool share it).
+  std::vector<TransferEndpoint::Memory> memory;
+  transfer_region_.assign(static_cast<size_t>(num_groups()), 0);
+  std::vector<const void*> seen;
+  for (int g = 0; g < num_groups(); ++g) {
+    BLOCKKV_ASSIGN_OR_RETURN(TensorView storage, cache_->GetGroupStorage(g));
+    const auto at = std::find(seen.begin(), seen.end(), storage.data);
+    if (at != seen.end()) {
+      transfer_region_[static_cast<size_t>(g)] = static_cast<uint32_t>(at - seen.begin());
+      continue;
+    }
+    transfer_region_[static_cast<size_t>(g)] = static_cast<uint32_t>(seen.size());
+    seen.push_back(storage.data);
+    const KVCacheConfig& c = cache_->config(g);
+    memory.push_back({.data = storage.data,
+                      .length = static_cast<size_t>(c.num_caches()) *
+                                static_cast<size_t>(cache_->num_blocks(g)) *
+                                static_cast<size_t>(internal::SnapshotCodec::LayerBlockBytes(c))});
+  }
+  Result<std::unique_ptr<TransferEndpoint>> endpoint =
+      TransferEndpoint::Open(*config_.transfer, memory);
+  if (!endpoint.ok()) {
+    return {endpoint.status().code(),
+            StrCat("StateManagerConfig.transfer: ", endpoint.status().message())};
+  }
+  transfer_ = std::move(*endpoint);
+  transfer_layout_ = TransferLayout();
+  transfer_fingerprint_ = XXH3_64bits(transfer_layout_.data(), transfer_layout_.size());
+  return Status::Ok();
+}
+
+Status StateManager::Impl::RequireTransfer(std::string_view who) const {
+  if (transfer_ == nullptr) {
+    return FailedPreconditionError(
+        StrCat(who, ": sequence transfer is off (StateManagerConfig.transfer is not set)"));
+  }
+  return Status::Ok();
+}
+
+// ---- sender -------------------------------------------------------------------------------------
+
+Result<std::vector<std::byte>> StateManager::Impl::ExportSequence(SeqId uid) {
+  BLOCKKV_RETURN_IF_ERROR(RequireTransfer("ExportSequence"));
+  CompleteExports();
+  Sequence* seq = Find(uid);
+  if (seq == nullptr) {
+    return NotFoundError(StrCat("ExportSequence: sequence ", uid, " is not tracked"));
+  }
+  if (seq->exported_) {
+    return FailedPreconditionError(
+        StrCat("ExportSequence: sequence ", uid, " is exported already; CancelExport it first"));
+  }
+  BLOCKKV_RETURN_IF_ERROR(RequireResident(*seq, StrCat("ExportSequence: sequence ", uid)));
+  if (seq->in_flight_tokens_ != 0) {
+    return FailedPreconditionError(StrCat("ExportSequence: sequence ", uid, " has ",
+                                          seq->in_flight_tokens_,
+                                          " tokens in flight; export after PostForward"));
+  }
+  const uint64_t id = transfer_->AddExport();
+  internal::snapshot::Encoder e;
+  e.Append(std::as_bytes(std::span(kMagic)));
+  e.Put<uint32_t>(kVersion);
+  e.PutString(transfer_layout_);
+  e.Put<uint64_t>(transfer_fingerprint_);
+  e.PutString(transfer_->address());
+  e.Put<uint64_t>(id);
+  e.Put<int64_t>(uid);
+  e.Put<int64_t>(seq->seen_tokens_);
+  const std::vector<TokenId>* tokens = nullptr;
+  if (prefix_ != nullptr && keys_[seq->slot_].registered) tokens = &keys_[seq->slot_].tokens;
+  e.Put<uint64_t>(tokens != nullptr ? tokens->size() : 0);
+  if (tokens != nullptr) e.Append(std::as_bytes(std::span(*tokens)));
+  const std::vector<TransferRegion>& regions = transfer_->regions();
+  e.Put<uint32_t>(static_cast<uint32_t>(regions.size()));
+  for (const TransferRegion& region : regions) {
+    e.Put<uint64_t>(region.base);
+    e.Put<uint64_t>(region.length);
+    e.PutString(region.rkey);
+  }
+  e.Put<uint32_t>(static_cast<uint32_t>(num_groups()));
+  for (int g = 0; g < num_groups(); ++g) {
+    const Sequence::GroupState& state = seq->groups_[g];
+    const auto used = static_cast<int32_t>(block_sizes_[g].BlocksFor(seq->seen_tokens_));
+    const int32_t released = std::min(state.released, used);
+    const uint32_t region = transfer_region_[static_cast<size_t>(g)];
+    e.Put<uint32_t>(region);
+    e.Put<uint64_t>(regions[region].base);
+    e.Put<int32_t>(cache_->num_blocks(g));
+    e.Put<int32_t>(released);
+    e.Put<uint32_t>(static_cast<uint32_t>(used - released));
+    e.Append(std::as_bytes(std::span(state.row + released, static_cast<size_t>(used - released))));
+  }
+  std::vector<std::byte> out = e.Take();
+  const uint64_t checksum = XXH3_64bits(out.data(), out.size());
+  const auto* c = reinterpret_cast<const std::byte*>(&checksum);
+  out.insert(out.end(), c, c + sizeof(checksum));
+  seq->exported_ = true;
+  exports_.push_back({.id = id, .uid = uid});
+  return out;
+}
+
+int32_t StateManager::Impl::CompleteExports() {
+  if (transfer_ == nullptr || !transfer_->has_claimed()) return 0;
+  int32_t done = 0;
+  for (const uint64_t id : transfer_->TakeClaimed()) {
+    const auto it = std::find_if(exports_.begin(), exports_.end(),
+                                 [id](const PendingExport& p) { return p.id == id; });
+    if (it == exports_.end()) continue;
+    const SeqId uid = it->uid;
+    exports_.erase(it);
+    if (Sequence* seq = Find(uid); seq != nullptr && seq->exported_) {
+      seq->exported_ = false;
+      const Status flushed = FlushSequence(uid);
+      BLOCKKV_CHECK(flushed.ok(), "an exported sequence could not be flushed");
+      ++done;
+    }
+  }
+  return done;
+}
+
+Status StateManager::Impl::CancelExport(SeqId uid) {
+  BLOCKKV_RETURN_IF_ERROR(RequireTransfer("CancelExport"));
+  CompleteExports();
+  const auto it = std::find_if(exports_.begin(), exports_.end(),
+                               [uid](const PendingExport& p) { return p.uid == uid; });
+  if (it == exports_.end()) {
+    return NotFoundError(StrCat("CancelExport: sequence ", uid, " has no pending export"));
+  }
+  if (!transfer_->CancelExport(it->id)) {
+    // A receiver claimed it between CompleteExports and now: it is the receiver's.
+    CompleteExports();
+    return FailedPreconditionError(StrCat("CancelExport: sequence ", uid,
+                                          " was imported by its receiver already; it is flushed"));
+  }
+  if (Sequence* seq = Find(uid)) seq->exported_ = false;
+  exports_.erase(it);
+  return Status::Ok();
+}
+
+// ---- receiver -----------------------------------------------------------------------------------
+
+Result<Sequence*> StateManager::Impl::ImportSequence(std::span<const std::byte> bytes) {
+  BLOCKKV_RETURN_IF_ERROR(RequireTransfer("ImportSequence"));
+  CompleteExports();
+  Descriptor d;
+  BLOCKKV_RETURN_IF_ERROR(Parse(bytes, &d));
+  if (d.fingerprint != transfer_fingerprint_ || d.layout != transfer_layout_) {
+    return InvalidArgumentError(StrCat("ImportSequence: the sender's KV layout (fingerprint ",
+                                       Hex(d.fingerprint), ": ", d.layout,
+                                       ") differs from this engine's (fingerprint ",
+                                       Hex(transfer_fingerprint_), ": ", transfer_layout_, ")"));
+  }
+  const SeqId uid = d.uid;
+  if (d.groups.size() != static_cast<size_t>(num_groups())) {
+    return InvalidArgumentError(StrCat("ImportSequence: the descriptor has ", d.groups.size(),
+                                       " cache groups, this engine ", num_groups()));
+  }
+  if (d.seen_tokens < 0 || d.seen_tokens > token_limit_) {
+    return InvalidArgumentError(StrCat("ImportSequence: sequence ", uid, " has ", d.seen_tokens,
+                                       " tokens; this engine holds at most ", token_limit_,
+                                       " per sequence (max_context and the block tables)"));
+  }
+  for (size_t i = 0; i < d.tokens.size(); ++i) {
+    if (d.tokens[i] < 0) {
+      return InvalidArgumentError(
+          StrCat("ImportSequence: token ", i, " of sequence ", uid, " is ", d.tokens[i]));
+    }
+  }
+  if (static_cast<int64_t>(d.tokens.size()) > config_.max_context) {
+    return InvalidArgumentError(StrCat("ImportSequence: sequence ", uid, " has ", d.tokens.size(),
+                                       " known tokens, max_context=", config_.max_context));
+  }
+  // Every group's blocks and where they are on the sender, checked before anything is taken.
+  std::vector<int32_t> needed(static_cast<size_t>(num_groups()), 0);
+  for (int g = 0; g < num_groups(); ++g) {
+    const RemoteGroup& rg = d.groups[static_cast<size_t>(g)];
+    const auto used = static_cast<int32_t>(block_sizes_[g].BlocksFor(d.seen_tokens));
+    if (rg.released < 0 || rg.released > used ||
+        static_cast<int64_t>(rg.ids.size()) != used - rg.released) {
+      return InvalidArgumentError(StrCat("ImportSequence: group ", g, " of the descriptor holds ",
+                                         rg.ids.size(), " blocks after ", rg.released,
+                                         " released; ", d.seen_tokens, " tokens need ", used));
+    }
+    if (rg.region >= d.regions.size()) {
+      return InvalidArgumentError(StrCat("ImportSequence: group ", g, " names region ", rg.region,
+                                         " of ", d.regions.size()));
+    }
+    const KVCacheConfig& c = cache_->config(g);
+    const auto lbb = static_cast<uint64_t>(internal::SnapshotCodec::LayerBlockBytes(c));
+    const TransferRegion& region = d.regions[rg.region];
+    const uint64_t span = static_cast<uint64_t>(c.num_caches()) *
+                          static_cast<uint64_t>(std::max(rg.num_blocks, 0)) * lbb;
+    if (rg.num_blocks <= 0 || rg.base < region.base || rg.base - region.base > region.length ||
+        span > region.length - (rg.base - region.base)) {
+      return InvalidArgumentError(StrCat("ImportSequence: group ", g, "'s memory (", rg.num_blocks,
+                                         " blocks at ", Hex(rg.base),
+                                         ") lies outside the sender's registered region"));
+    }
+    for (const BlockId id : rg.ids) {
+      if (id < 0 || id >= rg.num_blocks) {
+        return InvalidArgumentError(StrCat("ImportSequence: group ", g, " names block ", id,
+                                           " of the sender's ", rg.num_blocks));
+      }
+    }
+    needed[static_cast<size_t>(g)] = static_cast<int32_t>(rg.ids.size());
+  }
+  if (Find(uid) != nullptr) {
+    return AlreadyExistsError(StrCat("ImportSequence: sequence ", uid, " is already tracked"));
+  }
+  if (slots_.free_blocks() == 0) {
+    return ResourceExhaustedError(StrCat("ImportSequence: no tracking slot for sequence ", uid,
+                                         ": all ", config_.max_tracked_sequences, " are in use"));
+  }
+  // All or nothing: every pool's need against its free blocks before any is taken.
+  std::vector<int64_t> pool_need(static_cast<size_t>(num_groups()), 0);
+  for (int g = 0; g < num_groups(); ++g) {
+    pool_need[static_cast<size_t>(pool_lead_[g])] += needed[static_cast<size_t>(g)];
+  }
+  for (int g = 0; g < num_groups(); ++g) {
+    if (pool_need[static_cast<size_t>(g)] > pools_[g].free_blocks()) {
+      return ResourceExhaustedError(
+          StrCat("ImportSequence: sequence ", uid, " needs ", pool_need[static_cast<size_t>(g)],
+                 " blocks of cache group ", g, "'s pool, ", pools_[g].free_blocks(), " are free"));
+    }
+  }
+  std::vector<std::vector<BlockId>> local(static_cast<size_t>(num_groups()));
+  const auto give_back = [&] {
+    for (int g = 0; g < num_groups(); ++g) {
+      const Status released = pools_[g].Release(local[static_cast<size_t>(g)]);
+      BLOCKKV_CHECK(released.ok(), "ImportSequence: a block it took had no reference");
+    }
+  };
+  for (int g = 0; g < num_groups(); ++g) {
+    std::vector<BlockId>& blocks = local[static_cast<size_t>(g)];
+    blocks.resize(static_cast<size_t>(needed[static_cast<size_t>(g)]));
+    const Status taken = pools_[g].Take(needed[static_cast<size_t>(g)], blocks);
+    if (!taken.ok()) {
+      blocks.clear();
+      give_back();
+      return taken;
+    }
+  }
+  // One get per layer and run of blocks consecutive on both sides.
+  std::vector<TransferGet> gets;
+  for (int g = 0; g < num_groups(); ++g) {
+    const RemoteGroup& rg = d.groups[static_cast<size_t>(g)];
+    const std::vector<BlockId>& mine = local[static_cast<size_t>(g)];
+    const KVCacheConfig& c = cache_->config(g);
+    const auto lbb = static_cast<uint64_t>(internal::SnapshotCodec::LayerBlockBytes(c));
+    BLOCKKV_ASSIGN_OR_RETURN(TensorView storage, cache_->GetGroupStorage(g));
+    auto* const base = static_cast<std::byte*>(storage.data);
+    const auto local_blocks = static_cast<uint64_t>(cache_->num_blocks(g));
+    const auto remote_blocks = static_cast<uint64_t>(rg.num_blocks);
+    for (int64_t layer = 0; layer < c.num_caches(); ++layer) {
+      const auto l = static_cast<uint64_t>(layer);
+      for (size_t i = 0; i < mine.size();) {
+        size_t n = 1;
+        while (i + n < mine.size() && mine[i + n] == mine[i] + static_cast<BlockId>(n) &&
+               rg.ids[i + n] == rg.ids[i] + static_cast<BlockId>(n)) {
+          ++n;
+        }
+        gets.push_back(
+            {.local = base + (l * local_blocks + static_cast<uint64_t>(mine[i])) * lbb,
+             .remote = rg.base + (l * remote_blocks + static_cast<uint64_t>(rg.ids[i])) * lbb,
+             .length = n * lbb,
+             .region = rg.region});
+        i += n;
+      }
+    }
+  }
+  std::vector<std::string> rkeys;
+  rkeys.reserve(d.regions.size());
+  for (TransferRegion& region : d.regions) rkeys.push_back(std::move(region.rkey));
+  const Status moved =
+      transfer_->Import(d.address, rkeys, gets, d.transfer_id, config_.transfer->timeout_ms);
+  if (!moved.ok()) {
+    give_back();
+    return Status(moved.code(), StrCat("ImportSequence: sequence ", uid, ": ", moved.message(),
+                                       "; nothing was imported, the sender keeps it"));
+  }
+  // The sender accepted: the sequence is ours now.
+  Sequence* seq = nullptr;
+  if (prefix_ != nullptr && !d.tokens.empty() &&
+      static_cast<int64_t>(d.tokens.size()) >= d.seen_tokens) {
+    Result<Sequence*> added = AddSequence(uid, d.tokens, SequenceOptions{});
+    BLOCKKV_CHECK(added.ok(), "ImportSequence: AddSequence failed after its checks");
+    seq = *added;
+    keys_[seq->slot_].looked_up = true;  // its KV is here: no prefix lookup at its first Schedule
+  } else {
+    seq = CreateInSlot(uid);
+  }
+  seq->seen_tokens_ = d.seen_tokens;
+  for (int g = 0; g < num_groups(); ++g) {
+    const RemoteGroup& rg = d.groups[static_cast<size_t>(g)];
+    Sequence::GroupState& state = seq->groups_[g];
+    const std::vector<BlockId>& mine = local[static_cast<size_t>(g)];
+    std::copy(mine.begin(), mine.end(), state.row + rg.released);
+    state.released = rg.released;
+    state.allocated = rg.released + static_cast<int32_t>(mine.size());
+  }
+  if (prefix_ != nullptr) PublishFullBlocks(*seq);
+  return seq;
+}
+
+// ---- the API (state_manager.h) ----------------------------------------------------------------
+
+Result<std::vector<std::byte>> StateManager::ExportSequence(SeqId uid) {
+  return impl_->ExportSequence(uid);
+}
+Result<Sequence*> StateManager::ImportSequence(std::span<const std::byte> descriptor) {
+  return impl_->ImportSequence(descriptor);
+}
+Status StateManager::CancelExport(SeqId uid) { return impl_->CancelExport(uid); }
+int32_t StateManager::CompleteExports() { return impl_->CompleteExports(); }
+int32_t StateManager::pending_exports() const { return impl_->pending_exports(); }
+
+}  // namespace blockkv

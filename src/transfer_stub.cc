@@ -1,0 +1,36 @@
+// SPDX-License-Identifier: Apache-2.0
+// TransferEndpoint in a build without UCX (BLOCKKV_UCX=OFF): it cannot be opened.
+#include "transfer.h"
+
+namespace blockkv::internal {
+
+class TransferEndpoint::Impl {};
+
+TransferEndpoint::TransferEndpoint(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+TransferEndpoint::~TransferEndpoint() = default;
+
+Result<std::unique_ptr<TransferEndpoint>> TransferEndpoint::Open(
+    const TransferConfig& /*config*/, std::span<const Memory> /*memory*/) {
+  return UnimplementedError("this blockkv was built without UCX (BLOCKKV_UCX=OFF)");
+}
+
+const std::string& TransferEndpoint::address() const {
+  static const std::string kNone;
+  return kNone;
+}
+const std::vector<TransferRegion>& TransferEndpoint::regions() const {
+  static const std::vector<TransferRegion> kNone;
+  return kNone;
+}
+uint64_t TransferEndpoint::AddExport() { return 0; }
+bool TransferEndpoint::CancelExport(uint64_t /*id*/) { return true; }
+std::vector<uint64_t> TransferEndpoint::TakeClaimed() { return {}; }
+bool TransferEndpoint::has_claimed() const { return false; }
+Status TransferEndpoint::Import(std::string_view /*peer_address*/,
+                                std::span<const std::string> /*rkeys*/,
+                                std::span<const TransferGet> /*gets*/, uint64_t /*transfer_id*/,
+                                int32_t /*timeout_ms*/) {
+  return UnimplementedError("this blockkv was built without UCX (BLOCKKV_UCX=OFF)");
+}
+
+}  // namespace blockkv::internal

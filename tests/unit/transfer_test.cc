@@ -1,0 +1,373 @@
+// SPDX-License-Identifier: Apache-2.0
+// Sequence transfer between engines over UCX (state_manager.h, docs/transfer.md): this process
+// is one engine, transfer_peer processes (fork + exec) are the others, over TCP on 127.0.0.1 and
+// over shared memory. UCX that cannot start fails these tests; nothing is skipped.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "blockkv/state_manager.h"
+#include "test_util.h"
+#include "transfer_util.h"
+
+namespace {
+
+using blockkv::SeqId;
+using blockkv::StateManager;
+using blockkv::StatusCode;
+using blockkv_test::TransferLayout;
+
+// A transfer_peer process: one command line in, one answer line out.
+class Peer {
+ public:
+  Peer(const std::string& transports, int64_t layers = 3, bool prefix = false) {
+    int to_child[2];
+    int from_child[2];
+    EXPECT_EQ(pipe(to_child), 0);
+    EXPECT_EQ(pipe(from_child), 0);
+    const std::string layers_arg = std::to_string(layers);
+    const char* prefix_arg = prefix ? "1" : "0";
+    pid_ = fork();
+    if (pid_ == 0) {
+      setenv("UCX_LOG_FILE", "/dev/stderr", 1);  // stdout is the answers' pipe
+      dup2(to_child[0], 0);
+      dup2(from_child[1], 1);
+      close(to_child[1]);
+      close(from_child[0]);
+      execl(BLOCKKV_TRANSFER_PEER, BLOCKKV_TRANSFER_PEER, transports.c_str(), layers_arg.c_str(),
+            prefix_arg, static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    close(to_child[0]);
+    close(from_child[1]);
+    in_ = fdopen(to_child[1], "w");
+    out_ = fdopen(from_child[0], "r");
+    ready_ = ReadLine();
+  }
+  ~Peer() {
+    if (pid_ > 0 && !dead_) {
+      kill(pid_, SIGCONT);
+      Send("quit");
+      int status = 0;
+      waitpid(pid_, &status, 0);
+    }
+    if (in_ != nullptr) fclose(in_);
+    if (out_ != nullptr) fclose(out_);
+  }
+  const std::string& ready() const { return ready_; }
+  std::string Send(const std::string& line) {
+    fprintf(in_, "%s\n", line.c_str());
+    fflush(in_);
+    return line == "quit" ? "" : ReadLine();
+  }
+  // The descriptor of `uid` (a sequence of `tokens` computed tokens of pattern `seed`).
+  std::vector<std::byte> MakeAndExport(SeqId uid, int64_t tokens, uint32_t seed) {
+    EXPECT_EQ(Send("make " + std::to_string(uid) + " " + std::to_string(tokens) + " " +
+                   std::to_string(seed)),
+              "ok");
+    return Export(uid);
+  }
+  std::vector<std::byte> Export(SeqId uid) {
+    const std::string answer = Send("export " + std::to_string(uid));
+    EXPECT_EQ(answer.rfind("descriptor ", 0), 0u) << answer;
+    return blockkv_test::FromHex(answer.substr(answer.find(' ') + 1));
+  }
+  void Signal(int sig) {
+    kill(pid_, sig);
+    if (sig == SIGKILL) {
+      int status = 0;
+      waitpid(pid_, &status, 0);
+      dead_ = true;
+    }
+  }
+
+ private:
+  std::string ReadLine() {
+    std::string line;
+    for (int c = fgetc(out_); c != EOF && c != '\n'; c = fgetc(out_)) line += static_cast<char>(c);
+    return line;
+  }
+  pid_t pid_ = -1;
+  FILE* in_ = nullptr;
+  FILE* out_ = nullptr;
+  std::string ready_;
+  bool dead_ = false;
+};
+
+std::unique_ptr<StateManager> Receiver(const std::string& transports, TransferLayout layout = {},
+                                       int32_t timeout_ms = 10000) {
+  auto m = blockkv_test::MakeTransferManager(layout, transports, timeout_ms);
+  EXPECT_TRUE(m.ok()) << m.status();
+  return m.ok() ? std::move(*m) : nullptr;
+}
+
+// What a failed import must leave as it was.
+struct ReceiverState {
+  int32_t free = 0;
+  int32_t tracked = 0;
+  explicit ReceiverState(const StateManager& m)
+      : free(m.free_blocks()[0]), tracked(m.n_tracked_sequences()) {}
+  bool operator==(const ReceiverState&) const = default;
+};
+
+class TransferTest : public ::testing::TestWithParam<std::string> {};
+
+// TCP on 127.0.0.1, and shared memory (UCX's cma transport does the gets).
+INSTANTIATE_TEST_SUITE_P(Transports, TransferTest, ::testing::Values("tcp", "posix,sysv,cma,self"),
+                         [](const auto& param) {
+                           return param.index == 0 ? "Tcp" : "SharedMemory";
+                         });
+
+TEST_P(TransferTest, ImportCopiesEveryLayerOfEveryBlockExactly) {
+  Peer sender(GetParam());
+  ASSERT_EQ(sender.ready(), "ready");
+  // 37 tokens in blocks of 4: 9 full blocks and a partial one.
+  const std::vector<std::byte> d = sender.MakeAndExport(7, 37, 11);
+  auto receiver = Receiver(GetParam());
+  ASSERT_NE(receiver, nullptr);
+  auto seq = receiver->ImportSequence(d);
+  ASSERT_OK(seq);
+  EXPECT_EQ((*seq)->uid(), 7);
+  EXPECT_EQ((*seq)->seen_tokens(), 37);
+  EXPECT_EQ((*seq)->in_flight_tokens(), 0);
+  EXPECT_EQ((*seq)->cur_allocated_blocks(), 10);
+  EXPECT_EQ(blockkv_test::PatternMismatches(*receiver, 7, 11), 0);
+  EXPECT_EQ(receiver->free_blocks()[0], 64 - 10);
+  EXPECT_OK(receiver->CheckInvariants());
+}
+
+TEST_P(TransferTest, SenderFreesItsBlocksOnlyAfterTheReceiverConfirms) {
+  Peer sender(GetParam());
+  ASSERT_EQ(sender.ready(), "ready");
+  ASSERT_EQ(sender.Send("make 3 16 5"), "ok");
+  EXPECT_EQ(sender.Send("state"), "pending 0 tracked 1 free 60");
+  const std::vector<std::byte> d = sender.Export(3);
+  // Exported: pinned, its blocks still held.
+  EXPECT_EQ(sender.Send("state"), "pending 1 tracked 1 free 60");
+  EXPECT_EQ(sender.Send("export 3").substr(0, 7), "error 4");  // kFailedPrecondition
+  auto receiver = Receiver(GetParam());
+  ASSERT_NE(receiver, nullptr);
+  ASSERT_OK(receiver->ImportSequence(d));
+  EXPECT_EQ(sender.Send("state"), "pending 0 tracked 0 free 64");
+}
+
+TEST_P(TransferTest, ImportedSequenceContinuesDecoding) {
+  Peer sender(GetParam());
+  ASSERT_EQ(sender.ready(), "ready");
+  const std::vector<std::byte> d = sender.MakeAndExport(9, 8, 3);
+  auto receiver = Receiver(GetParam());
+  ASSERT_NE(receiver, nullptr);
+  ASSERT_OK(receiver->ImportSequence(d));
+  const std::vector<SeqId> uids = {9};
+  const std::vector<int64_t> one = {1};
+  ASSERT_OK(receiver->Schedule({.uids = uids, .lengths = one}));
+  ASSERT_OK(receiver->PostForward(uids));
+  EXPECT_EQ(receiver->GetSequence(9)->seen_tokens(), 9);
+  EXPECT_EQ(receiver->GetSequence(9)->cur_allocated_blocks(), 3);
+  EXPECT_OK(receiver->CheckInvariants());
+  ASSERT_OK(receiver->FlushSequence(9));
+  EXPECT_EQ(receiver->free_blocks()[0], 64);
+}
+
+TEST_P(TransferTest, KilledSenderIsUnavailableAndChangesNothing) {
+  Peer sender(GetParam());
+  ASSERT_EQ(sender.ready(), "ready");
+  const std::vector<std::byte> d = sender.MakeAndExport(7, 37, 11);
+  sender.Signal(SIGKILL);
+  auto receiver = Receiver(GetParam(), {}, 3000);
+  ASSERT_NE(receiver, nullptr);
+  const ReceiverState before(*receiver);
+  auto seq = receiver->ImportSequence(d);
+  EXPECT_CODE(seq, StatusCode::kUnavailable);
+  EXPECT_EQ(ReceiverState(*receiver), before);
+  EXPECT_EQ(receiver->GetSequence(7), nullptr);
+  EXPECT_OK(receiver->CheckInvariants());
+}
+
+TEST_P(TransferTest, CancelledExportIsRefusedAndTheSenderKeepsTheSequence) {
+  Peer sender(GetParam());
+  ASSERT_EQ(sender.ready(), "ready");
+  const std::vector<std::byte> d = sender.MakeAndExport(7, 20, 2);
+  EXPECT_EQ(sender.Send("cancel 7"), "ok");
+  auto receiver = Receiver(GetParam());
+  ASSERT_NE(receiver, nullptr);
+  const ReceiverState before(*receiver);
+  auto seq = receiver->ImportSequence(d);
+  EXPECT_CODE(seq, StatusCode::kFailedPrecondition);
+  EXPECT_NE(seq.status().message().find("refused"), std::string::npos) << seq.status();
+  EXPECT_EQ(ReceiverState(*receiver), before);
+  EXPECT_EQ(sender.Send("state"), "pending 0 tracked 1 free 59");
+  EXPECT_EQ(sender.Send("check 7 2"), "mismatches 0");
+}
+
+TEST_P(TransferTest, ThreeEnginesPassASequenceAlongAndASecondImportIsRefused) {
+  Peer a(GetParam());
+  Peer b(GetParam());
+  Peer c(GetParam());
+  ASSERT_EQ(a.ready(), "ready");
+  ASSERT_EQ(b.ready(), "ready");
+  ASSERT_EQ(c.ready(), "ready");
+  const std::vector<std::byte> from_a = a.MakeAndExport(5, 30, 8);
+  const std::string hex = blockkv_test::ToHex(from_a);
+  EXPECT_EQ(b.Send("import " + hex), "imported 5 30");
+  // The blocks are never held twice: A accepted B, so it refuses C.
+  EXPECT_EQ(c.Send("import " + hex).substr(0, 7), "error 4");
+  EXPECT_EQ(c.Send("state"), "pending 0 tracked 0 free 64");
+  EXPECT_EQ(a.Send("state"), "pending 0 tracked 0 free 64");
+  // B passes it on to this process.
+  const std::vector<std::byte> from_b = b.Export(5);
+  auto receiver = Receiver(GetParam());
+  ASSERT_NE(receiver, nullptr);
+  ASSERT_OK(receiver->ImportSequence(from_b));
+  EXPECT_EQ(blockkv_test::PatternMismatches(*receiver, 5, 8), 0);
+  EXPECT_EQ(b.Send("state"), "pending 0 tracked 0 free 64");
+}
+
+TEST(TransferTest, StoppedSenderTimesOutThenTheSameDescriptorImports) {
+  // Over TCP the sender's worker serves the gets: a stopped sender stalls them.
+  Peer sender("tcp");
+  ASSERT_EQ(sender.ready(), "ready");
+  const std::vector<std::byte> d = sender.MakeAndExport(7, 37, 4);
+  auto receiver = Receiver("tcp", {}, 1000);
+  ASSERT_NE(receiver, nullptr);
+  const ReceiverState before(*receiver);
+  sender.Signal(SIGSTOP);
+  auto seq = receiver->ImportSequence(d);
+  sender.Signal(SIGCONT);
+  EXPECT_CODE(seq, StatusCode::kUnavailable);
+  EXPECT_NE(seq.status().message().find("timed out after 1000 ms"), std::string::npos)
+      << seq.status();
+  EXPECT_EQ(ReceiverState(*receiver), before);
+  EXPECT_OK(receiver->CheckInvariants());
+  // Nothing was lost: the sender still holds it, and the descriptor still works.
+  EXPECT_EQ(sender.Send("state"), "pending 1 tracked 1 free 54");
+  ASSERT_OK(receiver->ImportSequence(d));
+  EXPECT_EQ(blockkv_test::PatternMismatches(*receiver, 7, 4), 0);
+  EXPECT_EQ(sender.Send("state"), "pending 0 tracked 0 free 64");
+}
+
+TEST(TransferTest, PrefixCachingReceiverKnowsTheTokensAndCachesTheBlocks) {
+  Peer sender("tcp", 3, /*prefix=*/true);
+  ASSERT_EQ(sender.ready(), "ready");
+  const std::vector<std::byte> d = sender.MakeAndExport(7, 17, 6);
+  auto receiver = Receiver("tcp", {.prefix = true});
+  ASSERT_NE(receiver, nullptr);
+  ASSERT_OK(receiver->ImportSequence(d));
+  // The 4 full blocks are published; a new sequence with the same 17 tokens hits 16 of them.
+  std::vector<blockkv::TokenId> prompt(17);
+  for (int i = 0; i < 17; ++i) prompt[static_cast<size_t>(i)] = 100 + i;  // transfer_peer's ids
+  ASSERT_OK(receiver->AddSequence(8, prompt));
+  const std::vector<SeqId> uids = {8};
+  const std::vector<int64_t> lengths = {17};
+  ASSERT_OK(receiver->Schedule({.uids = uids, .lengths = lengths}));
+  EXPECT_EQ(receiver->GetSequence(8)->cached_prefix_tokens(), 16);
+  EXPECT_EQ(receiver->GetSequence(8)->block_table()[0], receiver->GetSequence(7)->block_table()[0]);
+  EXPECT_OK(receiver->CheckInvariants());
+}
+
+TEST(TransferTest, LayoutMismatchNamesBothFingerprintsAndChangesNothing) {
+  Peer sender("tcp", /*layers=*/2);
+  ASSERT_EQ(sender.ready(), "ready");
+  const std::vector<std::byte> d = sender.MakeAndExport(7, 12, 1);
+  auto receiver = Receiver("tcp");  // 3 layers
+  ASSERT_NE(receiver, nullptr);
+  const ReceiverState before(*receiver);
+  auto seq = receiver->ImportSequence(d);
+  EXPECT_CODE(seq, StatusCode::kInvalidArgument);
+  const std::string message(seq.status().message());
+  EXPECT_NE(message.find("shape [2, 2, 8]"), std::string::npos) << message;
+  EXPECT_NE(message.find("shape [3, 2, 8]"), std::string::npos) << message;
+  EXPECT_NE(message.find("fingerprint 0x"), message.rfind("fingerprint 0x")) << message;
+  EXPECT_EQ(ReceiverState(*receiver), before);
+  EXPECT_EQ(sender.Send("state"), "pending 1 tracked 1 free 61");
+}
+
+TEST(TransferTest, TruncatedCorruptOrGarbageDescriptorIsInvalidArgument) {
+  Peer sender("tcp");
+  ASSERT_EQ(sender.ready(), "ready");
+  const std::vector<std::byte> d = sender.MakeAndExport(7, 12, 1);
+  auto receiver = Receiver("tcp");
+  ASSERT_NE(receiver, nullptr);
+  const ReceiverState before(*receiver);
+  for (size_t n = 0; n < d.size(); ++n) {
+    EXPECT_CODE(receiver->ImportSequence(std::span(d).first(n)), StatusCode::kInvalidArgument)
+        << n << " bytes";
+  }
+  for (size_t i = 0; i < d.size(); i += 7) {
+    std::vector<std::byte> flipped = d;
+    flipped[i] ^= std::byte{0x40};
+    EXPECT_CODE(receiver->ImportSequence(flipped), StatusCode::kInvalidArgument) << "byte " << i;
+  }
+  std::vector<std::byte> garbage(d.size());
+  for (size_t i = 0; i < garbage.size(); ++i) garbage[i] = std::byte(static_cast<uint8_t>(i * 37));
+  EXPECT_CODE(receiver->ImportSequence(garbage), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ReceiverState(*receiver), before);
+  // The intact descriptor still imports.
+  ASSERT_OK(receiver->ImportSequence(d));
+  EXPECT_EQ(blockkv_test::PatternMismatches(*receiver, 7, 1), 0);
+}
+
+TEST(TransferTest, ExportedSequenceIsPinnedUntilCancelled) {
+  auto m = Receiver("tcp");
+  ASSERT_NE(m, nullptr);
+  const std::vector<SeqId> uids = {1};
+  const std::vector<int64_t> lengths = {6};
+  ASSERT_OK(m->Schedule({.uids = uids, .lengths = lengths}));
+  ASSERT_OK(m->PostForward(uids));
+  ASSERT_OK(m->ExportSequence(1));
+  EXPECT_EQ(m->pending_exports(), 1);
+  const std::vector<int64_t> one = {1};
+  EXPECT_CODE(m->Schedule({.uids = uids, .lengths = one}), StatusCode::kFailedPrecondition);
+  EXPECT_CODE(m->FlushSequence(1), StatusCode::kFailedPrecondition);
+  EXPECT_CODE(m->Fork(1, 2), StatusCode::kFailedPrecondition);
+  EXPECT_CODE(m->Rollback(1, 1), StatusCode::kFailedPrecondition);
+  EXPECT_CODE(m->ExportSequence(1), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 6);
+  EXPECT_EQ(m->free_blocks()[0], 62);
+  ASSERT_OK(m->CancelExport(1));
+  EXPECT_EQ(m->pending_exports(), 0);
+  EXPECT_CODE(m->CancelExport(1), StatusCode::kNotFound);
+  ASSERT_OK(m->Schedule({.uids = uids, .lengths = one}));
+  EXPECT_OK(m->CheckInvariants());
+}
+
+TEST(TransferTest, ExportRefusesTokensInFlightAndUnknownSequences) {
+  auto m = Receiver("tcp");
+  ASSERT_NE(m, nullptr);
+  const std::vector<SeqId> uids = {1};
+  const std::vector<int64_t> lengths = {6};
+  ASSERT_OK(m->Schedule({.uids = uids, .lengths = lengths}));
+  EXPECT_CODE(m->ExportSequence(1), StatusCode::kFailedPrecondition);
+  EXPECT_CODE(m->ExportSequence(2), StatusCode::kNotFound);
+  EXPECT_EQ(m->pending_exports(), 0);
+}
+
+TEST(TransferTest, WithoutTransferConfigExportAndImportAreFailedPrecondition) {
+  blockkv::StateManagerConfig config;
+  config.memory_config = {.mode = blockkv::AllocationMode::kAllocate, .size = 8};
+  auto m = StateManager::Create(config,
+                                {blockkv::KVCacheConfig{.block_size = 4, .cache_shape = {1, 1, 8}}},
+                                blockkv::CpuDevice());
+  ASSERT_OK(m);
+  ASSERT_OK((*m)->GetOrCreateSequence(1));
+  auto d = (*m)->ExportSequence(1);
+  EXPECT_CODE(d, StatusCode::kFailedPrecondition);
+  EXPECT_NE(d.status().message().find("StateManagerConfig.transfer"), std::string::npos);
+  EXPECT_CODE((*m)->ImportSequence({}), StatusCode::kFailedPrecondition);
+}
+
+TEST(TransferTest, UnknownTransportIsAnErrorAtCreate) {
+  auto m = blockkv_test::MakeTransferManager({}, "no_such_transport");
+  EXPECT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("StateManagerConfig.transfer"), std::string::npos)
+      << m.status();
+}
+
+}  // namespace

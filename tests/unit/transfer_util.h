@@ -1,0 +1,113 @@
+// SPDX-License-Identifier: Apache-2.0
+// Shared by transfer_test.cc and its peer process (transfer_peer.cc): the engines' layout, the
+// bytes a sender writes into a sequence's KV, and the hex form descriptors travel in on a pipe.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "blockkv/state_manager.h"
+
+namespace blockkv_test {
+
+struct TransferLayout {
+  int64_t layers = 3;
+  int64_t heads = 2;
+  int64_t head_size = 8;
+  int32_t block_size = 4;
+  int32_t num_blocks = 64;
+  bool prefix = false;
+};
+
+inline blockkv::Result<std::unique_ptr<blockkv::StateManager>> MakeTransferManager(
+    const TransferLayout& l, const std::string& transports, int32_t timeout_ms = 10000) {
+  blockkv::StateManagerConfig config;
+  config.max_tracked_sequences = 8;
+  config.max_ragged_sequence_count = 8;
+  config.max_ragged_batch_size = 4096;
+  config.max_context = 4096;
+  config.memory_config = {.mode = blockkv::AllocationMode::kAllocate, .size = l.num_blocks};
+  config.prefix_cache.enabled = l.prefix;
+  config.transfer = blockkv::TransferConfig{.transports = transports, .timeout_ms = timeout_ms};
+  blockkv::KVCacheConfig kv{.block_size = l.block_size,
+                            .cache_shape = {l.layers, l.heads, l.head_size}};
+  return blockkv::StateManager::Create(config, {kv}, blockkv::CpuDevice());
+}
+
+// The byte `j` of token `t`'s row (K and V of every head) in layer `layer`, for `seed`.
+inline uint8_t PatternByte(uint32_t seed, int64_t layer, int64_t t, int64_t j) {
+  uint32_t x = seed * 0x9E3779B1u ^ static_cast<uint32_t>(layer << 24) ^
+               static_cast<uint32_t>(t << 10) ^ static_cast<uint32_t>(j);
+  x *= 2654435761u;
+  x ^= x >> 15;
+  return static_cast<uint8_t>(x >> 24);
+}
+
+// Bytes of one token's row in one layer.
+inline int64_t RowBytes(const blockkv::StateManager& m) {
+  const blockkv::KVCacheConfig& c = m.kv_cache().config(0);
+  return 2 * c.cache_shape[1] * c.cache_shape[2] * 2;  // K and V, fp16
+}
+
+// Token t's row of `uid` in `layer`.
+inline std::byte* Row(const blockkv::StateManager& m, blockkv::SeqId uid, int64_t layer,
+                      int64_t t) {
+  const blockkv::Sequence* seq = m.GetSequence(uid);
+  const int32_t bs = m.kv_block_size(0);
+  const blockkv::TensorView view = *m.GetCache(layer);
+  const blockkv::BlockId block = seq->block_table()[static_cast<size_t>(t / bs)];
+  return static_cast<std::byte*>(view.data) + ((int64_t{block} * bs + t % bs) * RowBytes(m));
+}
+
+// Writes the pattern into every layer of every seen token of `uid`.
+inline void WritePattern(const blockkv::StateManager& m, blockkv::SeqId uid, uint32_t seed) {
+  const int64_t layers = m.kv_cache().config(0).cache_shape[0];
+  for (int64_t l = 0; l < layers; ++l) {
+    for (int64_t t = 0; t < m.GetSequence(uid)->seen_tokens(); ++t) {
+      std::byte* row = Row(m, uid, l, t);
+      for (int64_t j = 0; j < RowBytes(m); ++j) row[j] = std::byte{PatternByte(seed, l, t, j)};
+    }
+  }
+}
+
+// The number of bytes of `uid`'s seen tokens that differ from the pattern (0: all arrived).
+inline int64_t PatternMismatches(const blockkv::StateManager& m, blockkv::SeqId uid,
+                                 uint32_t seed) {
+  int64_t bad = 0;
+  const int64_t layers = m.kv_cache().config(0).cache_shape[0];
+  for (int64_t l = 0; l < layers; ++l) {
+    for (int64_t t = 0; t < m.GetSequence(uid)->seen_tokens(); ++t) {
+      const std::byte* row = Row(m, uid, l, t);
+      for (int64_t j = 0; j < RowBytes(m); ++j) {
+        bad += row[j] != std::byte{PatternByte(seed, l, t, j)} ? 1 : 0;
+      }
+    }
+  }
+  return bad;
+}
+
+inline std::string ToHex(std::span<const std::byte> bytes) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string s;
+  s.reserve(bytes.size() * 2);
+  for (const std::byte b : bytes) {
+    s += kDigits[static_cast<unsigned>(b) >> 4];
+    s += kDigits[static_cast<unsigned>(b) & 15];
+  }
+  return s;
+}
+
+inline std::vector<std::byte> FromHex(const std::string& s) {
+  const auto nibble = [](char c) { return c <= '9' ? c - '0' : c - 'a' + 10; };
+  std::vector<std::byte> out(s.size() / 2);
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i] = std::byte(static_cast<uint8_t>(nibble(s[2 * i]) << 4 | nibble(s[2 * i + 1])));
+  }
+  return out;
+}
+
+}  // namespace blockkv_test
