@@ -8,7 +8,7 @@
 //   ... schedule uid 7's prompt, PostForward ...
 //   Result<std::vector<std::byte>> d = (*prefill)->ExportSequence(7);   // opaque bytes
 //   ... send *d to the decode engine by any means ...
-//   Result<Sequence*> seq = (*decode)->ImportSequence(*d);              // process B
+//   Result<Sequence*> seq = decode->ImportSequence(*d);                 // process B
 //   // uid 7 is now tracked by the decode engine with its seen tokens and its KV; the prefill
 //   // engine flushes it at its next Schedule (or CompleteExports) once B has confirmed.
 //

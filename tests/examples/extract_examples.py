@@ -58,6 +58,11 @@ HEADER_SETUP = {
         TensorView q{}, k{}, v{}, out{};
     """,
     "kv_cache.h": "",
+    "transfer.h": """
+        KVCacheConfig llama;
+        std::shared_ptr<Device> device = CpuDevice();
+        StateManager* decode = nullptr;
+    """,
     "kv_events.h": """
         KVCacheConfig llama;
     """,
