@@ -60,6 +60,7 @@ from ._blockkv import (
     StateManager,
     StateManagerConfig,
     Tensor,
+    TransferConfig,
     append_kv,
     built_with_cuda,
     mla_append_kv,
@@ -101,6 +102,7 @@ __all__ = [
     "StateManager",
     "StateManagerConfig",
     "Tensor",
+    "TransferConfig",
     "append_kv",
     "built_with_cuda",
     "mla_append_kv",
@@ -115,7 +117,7 @@ for _cls in (AllCleared, AllocationMode, BlockedAllocator, BlockedKVCache, Block
              BlockStored, CacheEventBatch, Device, KVCacheConfig, KVEventsConfig, KVEventsStats,
              MemoryConfig, OffloadConfig,
              OffloadTicket, PrefixCacheConfig, PrefixCacheStats, RaggedBatchWrapper, RemoteTierConfig, ResourceExhaustedError, SchedulingResult,
-             SequenceDescriptor, StateManager, StateManagerConfig, Tensor):
+             SequenceDescriptor, StateManager, StateManagerConfig, Tensor, TransferConfig):
     _cls.__module__ = __name__
 del _cls
 

@@ -21,6 +21,7 @@
 #include "blockkv/state_manager.h"
 #include "common.h"
 #include "kv_events.h"
+#include "transfer.h"
 
 namespace blockkv::python {
 namespace {
@@ -272,7 +273,8 @@ std::string Repr(const StateManagerConfig& c) {
          ", offload_config=" + (IsDefault(c.offload_config) ? "None" : Repr(c.offload_config)) +
          ", prefix_cache=" + (IsDefault(c.prefix_cache) ? "None" : Repr(c.prefix_cache)) +
          ", kv_events=" + KVEventsRepr(c.kv_events) +
-         ", remote_tier=" + (c.remote_tier ? Repr(*c.remote_tier) : std::string("None")) + ")";
+         ", remote_tier=" + (c.remote_tier ? Repr(*c.remote_tier) : std::string("None")) +
+         ", transfer=" + TransferRepr(c.transfer) + ")";
 }
 
 // copy.copy / copy.deepcopy give an independent config; pickle round-trips through a tuple of
@@ -708,33 +710,34 @@ void BindStateManagerConfig(py::module_& m) {
   using C = StateManagerConfig;
   py::class_<C> cls(m, "StateManagerConfig",
                     "Limits of a StateManager and its batches (DeepSpeed's DSStateManagerConfig).");
-  cls.def(
-         py::init([](Int<int32_t, "max_tracked_sequences"> max_tracked_sequences,
-                     Int<int32_t, "max_ragged_batch_size"> max_ragged_batch_size,
-                     Int<int32_t, "max_ragged_sequence_count"> max_ragged_sequence_count,
-                     Int<int64_t, "max_context"> max_context, const py::object& memory_config,
-                     bool offload, const py::object& offload_config, const py::object& prefix_cache,
-                     const py::object& kv_events, const py::object& remote_tier) {
-           C c;
-           c.max_tracked_sequences = max_tracked_sequences;
-           c.max_ragged_batch_size = max_ragged_batch_size;
-           c.max_ragged_sequence_count = max_ragged_sequence_count;
-           c.max_context = max_context;
-           if (!memory_config.is_none()) c.memory_config = memory_config.cast<MemoryConfig>();
-           c.offload = offload;
-           c.offload_config = ToOffloadConfig(offload_config);
-           c.prefix_cache = ToPrefixCache(prefix_cache);
-           c.kv_events = ToKVEventsConfig(kv_events);
-           c.remote_tier = ToRemoteTier(remote_tier);
-           ThrowIfError(c.Validate());
-           return c;
-         }),
-         py::kw_only(), py::arg("max_tracked_sequences") = 2048,
-         py::arg("max_ragged_batch_size") = 768, py::arg("max_ragged_sequence_count") = 512,
-         py::arg("max_context") = 8192, py::arg("memory_config") = py::none(),
-         py::arg("offload") = false, py::arg("offload_config") = py::none(),
-         py::arg("prefix_cache") = py::none(), py::arg("kv_events") = py::none(),
-         py::arg("remote_tier") = py::none())
+  cls.def(py::init([](Int<int32_t, "max_tracked_sequences"> max_tracked_sequences,
+                      Int<int32_t, "max_ragged_batch_size"> max_ragged_batch_size,
+                      Int<int32_t, "max_ragged_sequence_count"> max_ragged_sequence_count,
+                      Int<int64_t, "max_context"> max_context, const py::object& memory_config,
+                      bool offload, const py::object& offload_config,
+                      const py::object& prefix_cache, const py::object& kv_events,
+                      const py::object& remote_tier, const py::object& transfer) {
+            C c;
+            c.max_tracked_sequences = max_tracked_sequences;
+            c.max_ragged_batch_size = max_ragged_batch_size;
+            c.max_ragged_sequence_count = max_ragged_sequence_count;
+            c.max_context = max_context;
+            if (!memory_config.is_none()) c.memory_config = memory_config.cast<MemoryConfig>();
+            c.offload = offload;
+            c.offload_config = ToOffloadConfig(offload_config);
+            c.prefix_cache = ToPrefixCache(prefix_cache);
+            c.kv_events = ToKVEventsConfig(kv_events);
+            c.remote_tier = ToRemoteTier(remote_tier);
+            c.transfer = ToTransferConfig(transfer);
+            ThrowIfError(c.Validate());
+            return c;
+          }),
+          py::kw_only(), py::arg("max_tracked_sequences") = 2048,
+          py::arg("max_ragged_batch_size") = 768, py::arg("max_ragged_sequence_count") = 512,
+          py::arg("max_context") = 8192, py::arg("memory_config") = py::none(),
+          py::arg("offload") = false, py::arg("offload_config") = py::none(),
+          py::arg("prefix_cache") = py::none(), py::arg("kv_events") = py::none(),
+          py::arg("remote_tier") = py::none(), py::arg("transfer") = py::none())
       .def_property(
           "max_tracked_sequences", [](const C& c) { return c.max_tracked_sequences; },
           Int32Setter(&C::max_tracked_sequences, "max_tracked_sequences"))
@@ -807,6 +810,15 @@ void BindStateManagerConfig(py::module_& m) {
           },
           "None (no remote tier, the default) or a RemoteTierConfig (a copy: assign a new one "
           "to change it); needs prefix_cache")
+      .def_property(
+          "transfer",
+          [](const C& c) -> py::object { return c.transfer ? py::cast(*c.transfer) : py::none(); },
+          [](C& c, py::handle v) {
+            std::optional<TransferConfig> transfer = ToTransferConfig(v);
+            SetValidated(c, [&](C& copy) { copy.transfer = std::move(transfer); });
+          },
+          "None (no sequence transfer, the default) or a TransferConfig (a copy): where this "
+          "engine moves sequences to and from others over UCX (docs/transfer.md)")
       .def("__eq__",
            [](const C& a, const C& b) {
              return a.max_tracked_sequences == b.max_tracked_sequences &&
@@ -816,7 +828,8 @@ void BindStateManagerConfig(py::module_& m) {
                     a.memory_config.mode == b.memory_config.mode &&
                     a.memory_config.size == b.memory_config.size && a.offload == b.offload &&
                     a.offload_config == b.offload_config && a.prefix_cache == b.prefix_cache &&
-                    a.kv_events == b.kv_events && a.remote_tier == b.remote_tier;
+                    a.kv_events == b.kv_events && a.remote_tier == b.remote_tier &&
+                    a.transfer == b.transfer;
            })
       .def("__repr__", py::overload_cast<const C&>(&Repr));
   AddValueMethods(
@@ -827,7 +840,7 @@ void BindStateManagerConfig(py::module_& m) {
             c.max_context, MemoryState(c.memory_config), c.offload, PrefixState(c.prefix_cache),
             OffloadState(c.offload_config),
             c.kv_events ? py::object(KVEventsState(*c.kv_events)) : py::object(py::none()),
-            RemoteState(c.remote_tier));
+            RemoteState(c.remote_tier), TransferState(c.transfer));
       },
       [](const py::tuple& state) {
         C c;
@@ -847,6 +860,8 @@ void BindStateManagerConfig(py::module_& m) {
         }
         // ... and nine before remote_tier was.
         if (state.size() > 9) c.remote_tier = RemoteFromState(state[9]);
+        // ... and ten before transfer was.
+        if (state.size() > 10) c.transfer = TransferFromState(state[10]);
         return c;
       });
 }
@@ -859,6 +874,7 @@ void BindConfig(py::module_& m) {
   BindPrefixCacheConfig(m);
   BindOffloadConfig(m);
   BindKVEventsConfig(m);
+  BindTransferConfig(m);
   BindRemoteTierConfig(m);
   BindStateManagerConfig(m);
 }

@@ -24,6 +24,7 @@
 #include "offload_ticket.h"
 #include "sequence.h"
 #include "tensor.h"
+#include "transfer.h"
 
 namespace blockkv::python {
 namespace {
@@ -595,6 +596,7 @@ void BindManager(py::module_& m) {
           "store and prefix cache; None when they hold.");
   BindPrefixCacheMethods(m, cls);
   BindKVEventsMethods(cls);
+  BindTransferMethods(cls);
 }
 
 }  // namespace

@@ -1,0 +1,201 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Sequence transfer from Python (docs/transfer.md): TransferConfig, StateManagerConfig(transfer=...),
+export_sequence / import_sequence / cancel_export between this process and a sender process it
+starts (over TCP and over shared memory), and the errors. UCX that cannot start fails these tests."""
+
+import copy
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import blockkv
+import pytest
+import torch
+
+from conftest import allocate, kv_config
+
+BLOCK = 4
+TRANSPORTS = ["tcp", "posix,sysv,cma,self"]
+
+# The sender: one command per line on stdin, one answer per line on stdout.
+SENDER = textwrap.dedent("""
+    import sys, torch, blockkv
+    blockkv.set_log_level("warning")
+    transports, layers = sys.argv[1], int(sys.argv[2])
+    config = blockkv.StateManagerConfig(
+        memory_config=blockkv.MemoryConfig(mode="allocate", size=32),
+        prefix_cache=blockkv.PrefixCacheConfig(),
+        transfer=blockkv.TransferConfig(transports=transports))
+    kv = blockkv.KVCacheConfig(block_size=4, cache_shape=(layers, 2, 8), cache_dtype="fp16")
+    m = blockkv.StateManager(config, (kv,), device="cpu")
+    print("ready", flush=True)
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        if cmd == "make":  # uid, tokens: a prefilled sequence whose KV is uid * 1000 + position
+            uid, n = int(args[0]), int(args[1])
+            seq = m.add_sequence(uid, list(range(100, 100 + n)))
+            m.schedule([uid], [n])
+            table = seq.block_table()
+            for layer in range(layers):
+                cache = torch.from_dlpack(m.get_cache(layer)).view(torch.int16)
+                for t in range(n):
+                    cache[table[t // 4], t % 4] = uid * 1000 + t + layer
+            m.post_forward([uid])
+            print(m.export_sequence(uid).hex(), flush=True)
+        elif cmd == "state":
+            m.complete_exports()
+            print(m.pending_exports, m.n_tracked_sequences, m.free_blocks[0], flush=True)
+        elif cmd == "cancel":
+            m.cancel_export(int(args[0]))
+            print("ok", flush=True)
+        elif cmd == "quit":
+            break
+""")
+
+
+class Sender:
+    def __init__(self, transports, layers=2):
+        env = dict(os.environ, UCX_LOG_FILE="/dev/stderr")
+        self.proc = subprocess.Popen([sys.executable, "-c", SENDER, transports, str(layers)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=env)
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def send(self, line):
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def export(self, uid, tokens):
+        return bytes.fromhex(self.send(f"make {uid} {tokens}"))
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def sender_factory():
+    senders = []
+
+    def make(*args, **kwargs):
+        senders.append(Sender(*args, **kwargs))
+        return senders[-1]
+
+    yield make
+    for s in senders:
+        if s.proc.poll() is None:
+            s.proc.kill()
+        s.proc.wait()
+
+
+def receiver(transports, layers=2, timeout_ms=10000, prefix=True):
+    config = blockkv.StateManagerConfig(
+        memory_config=allocate(32),
+        prefix_cache=blockkv.PrefixCacheConfig() if prefix else None,
+        transfer=blockkv.TransferConfig(transports=transports, timeout_ms=timeout_ms))
+    return blockkv.StateManager(config, (kv_config(block_size=BLOCK, layers=layers),), device="cpu")
+
+
+def test_config_values_copy_pickle_and_errors():
+    t = blockkv.TransferConfig(transports="tcp", devices="lo", timeout_ms=500)
+    assert (t.transports, t.devices, t.timeout_ms) == ("tcp", "lo", 500)
+    d = blockkv.TransferConfig()
+    assert (d.transports, d.devices, d.timeout_ms) == ("", "", 10000)
+    c = blockkv.StateManagerConfig(transfer=t)
+    assert c.transfer == t
+    assert "TransferConfig(transports='tcp', devices='lo', timeout_ms=500)" in repr(c)
+    assert pickle.loads(pickle.dumps(c)) == c
+    assert copy.deepcopy(t) == t and pickle.loads(pickle.dumps(t)) == t
+    assert blockkv.StateManagerConfig().transfer is None
+    with pytest.raises(ValueError, match="timeout_ms is 0"):
+        blockkv.TransferConfig(timeout_ms=0)
+    with pytest.raises(TypeError, match="transfer must be None or a blockkv.TransferConfig"):
+        blockkv.StateManagerConfig(transfer="tcp")
+
+
+@pytest.mark.parametrize("transports", TRANSPORTS)
+def test_import_moves_the_kv_and_the_sender_frees_after_the_confirm(sender_factory, transports):
+    sender = sender_factory(transports)
+    descriptor = sender.export(7, 10)
+    assert isinstance(descriptor, bytes)
+    assert sender.send("state") == "1 1 29"  # exported: pinned, its 3 blocks held
+    m = receiver(transports)
+    seq = m.import_sequence(descriptor)
+    assert (seq.uid, seq.seen_tokens, seq.in_flight_tokens) == (7, 10, 0)
+    table = seq.block_table()
+    for layer in range(2):
+        cache = torch.from_dlpack(m.get_cache(layer)).view(torch.int16)
+        for t in range(10):
+            assert bool((cache[table[t // BLOCK], t % BLOCK] == 7000 + t + layer).all()), (layer, t)
+    assert sender.send("state") == "0 0 32"
+    # It continues decoding here.
+    m.append_tokens(7, [5])
+    m.schedule([7], [1])
+    m.post_forward([7])
+    assert m.get_sequence(7).seen_tokens == 11
+    m.check_invariants()
+    sender.close()
+
+
+def test_killed_sender_raises_and_changes_nothing(sender_factory):
+    sender = sender_factory("tcp")
+    descriptor = sender.export(7, 10)
+    sender.proc.kill()
+    sender.proc.wait()
+    m = receiver("tcp", timeout_ms=3000)
+    with pytest.raises(RuntimeError, match="nothing was imported"):
+        m.import_sequence(descriptor)
+    assert (m.free_blocks[0], m.n_tracked_sequences) == (32, 0)
+    assert m.get_sequence(7) is None
+    m.check_invariants()
+
+
+def test_layout_mismatch_cancel_and_bad_descriptors_are_value_errors(sender_factory):
+    sender = sender_factory("tcp", layers=3)
+    descriptor = sender.export(7, 6)
+    m = receiver("tcp", layers=2)
+    with pytest.raises(ValueError, match="differs from this engine's"):
+        m.import_sequence(descriptor)
+    with pytest.raises(ValueError, match="not a sequence descriptor"):
+        m.import_sequence(b"x" * 64)
+    with pytest.raises(ValueError, match="truncated|corrupt|fewer than"):
+        m.import_sequence(descriptor[:-9])
+    assert sender.send("cancel 7") == "ok"
+    assert sender.send("state") == "0 1 30"
+    same = receiver("tcp", layers=3)
+    with pytest.raises(ValueError, match="refused"):
+        same.import_sequence(descriptor)
+    assert (same.free_blocks[0], same.n_tracked_sequences) == (32, 0)
+    sender.close()
+
+
+def test_exported_sequence_is_pinned_until_cancelled():
+    m = receiver("tcp")
+    m.add_sequence(1, [1, 2, 3, 4, 5])
+    m.schedule([1], [5])
+    m.post_forward([1])
+    m.export_sequence(1)
+    assert m.pending_exports == 1
+    with pytest.raises(ValueError, match="exported"):
+        m.schedule([1], [1])
+    with pytest.raises(ValueError, match="exported"):
+        m.flush_sequence(1)
+    m.cancel_export(1)
+    assert m.pending_exports == 0
+    m.flush_sequence(1)
+    m.check_invariants()
+
+
+def test_without_transfer_config_export_and_import_are_value_errors():
+    config = blockkv.StateManagerConfig(memory_config=allocate(8))
+    m = blockkv.StateManager(config, (kv_config(block_size=BLOCK),), device="cpu")
+    m.get_or_create_sequence(1)
+    with pytest.raises(ValueError, match="StateManagerConfig.transfer is not set"):
+        m.export_sequence(1)
+    with pytest.raises(ValueError, match="StateManagerConfig.transfer is not set"):
+        m.import_sequence(b"")
