@@ -345,9 +345,15 @@ Result<std::unique_ptr<RemoteTier>> RemoteTier::Open(const RemoteTierConfig& con
   }
   BLOCKKV_ASSIGN_OR_RETURN(RedisUrl url, ParseRedisUrl(config.url));
   std::unique_ptr<RemoteTier> tier(new RemoteTier(config, std::move(url)));
-  BLOCKKV_RETURN_IF_ERROR(tier->Start());
+  BLOCKKV_RETURN_IF_ERROR(tier->Start(tier->fetch_lane_));
+  // The stores' own connections: one that cannot be made now is made later (after a backoff).
+  if (const Status s = tier->Start(tier->store_lane_);
+      !s.ok() && s.code() != StatusCode::kUnavailable) {
+    return s;
+  }
   RemoteTier* t = tier.get();
-  tier->worker_ = std::thread([t] { t->Run(); });
+  tier->fetch_worker_ = std::thread([t] { t->RunFetches(); });
+  tier->store_worker_ = std::thread([t] { t->RunStores(); });
   return tier;
 }
 
@@ -359,15 +365,25 @@ RemoteTier::~RemoteTier() {
     std::lock_guard lock(mu_);
     stop_ = true;
   }
-  work_cv_.notify_all();
-  if (worker_.joinable()) worker_.join();
-  for (const std::unique_ptr<Node>& node : nodes_) {
-    if (node->ctx != nullptr) redisFree(node->ctx);
+  fetch_cv_.notify_all();
+  store_cv_.notify_all();
+  if (fetch_worker_.joinable()) fetch_worker_.join();
+  if (store_worker_.joinable()) store_worker_.join();
+  for (Lane* lane : {&fetch_lane_, &store_lane_}) {
+    for (const std::unique_ptr<Node>& node : lane->nodes) {
+      if (node->ctx != nullptr) redisFree(node->ctx);
+    }
   }
 }
 
-Status RemoteTier::Start() {
+Status RemoteTier::Start(Lane& lane) {
   Status last = UnavailableError("no host");
+  if (!url_.cluster) {  // the one node, connected now or after its backoff
+    lane.nodes[NodeAt(lane, url_.hosts[0].host, url_.hosts[0].port)]->slots = kClusterSlots;
+    lane.num_nodes = 1;
+  } else {
+    lane.refresh_needed = true;  // until a slot map is read
+  }
   for (const RedisUrl::HostPort& seed : url_.hosts) {
     Result<redisContext*> ctx = Connect(url_, seed.host, seed.port, config_.timeout_ms);
     if (!ctx.ok()) {
@@ -375,20 +391,19 @@ Status RemoteTier::Start() {
       last = ctx.status();
       continue;
     }
-    Node& node = *nodes_[NodeAt(seed.host, seed.port)];
+    Node& node = *lane.nodes[NodeAt(lane, seed.host, seed.port)];
     node.ctx = *ctx;
     node.ever_connected = true;
     if (!url_.cluster) {
-      node.slots = kClusterSlots;
-      num_nodes_ = 1;
-      connected_ = true;
+      lane.connected = true;
       return Status::Ok();
     }
-    BLOCKKV_RETURN_IF_ERROR(RefreshSlots());
-    for (const std::unique_ptr<Node>& n : nodes_) {
-      if (n->slots > 0) EnsureConnected(*n);  // one that fails is retried after its backoff
+    BLOCKKV_RETURN_IF_ERROR(RefreshSlots(lane));
+    lane.refresh_needed = false;
+    for (const std::unique_ptr<Node>& n : lane.nodes) {
+      if (n->slots > 0) EnsureConnected(lane, *n);  // one that fails is retried after its backoff
     }
-    UpdateConnected();
+    UpdateConnected(lane);
     return Status::Ok();
   }
   if (url_.hosts.size() > 1) {
@@ -398,41 +413,41 @@ Status RemoteTier::Start() {
   return last;
 }
 
-size_t RemoteTier::NodeAt(std::string_view host, int port) {
-  for (size_t i = 0; i < nodes_.size(); ++i) {
-    if (nodes_[i]->host == host && nodes_[i]->port == port) return i;
+size_t RemoteTier::NodeAt(Lane& lane, std::string_view host, int port) {
+  for (size_t i = 0; i < lane.nodes.size(); ++i) {
+    if (lane.nodes[i]->host == host && lane.nodes[i]->port == port) return i;
   }
   auto node = std::make_unique<Node>();
   node->host = std::string(host);
   node->port = port;
-  nodes_.push_back(std::move(node));
-  return nodes_.size() - 1;
+  lane.nodes.push_back(std::move(node));
+  return lane.nodes.size() - 1;
 }
 
-int RemoteTier::NodeFor(std::string_view key) const {
+int RemoteTier::NodeFor(const Lane& lane, std::string_view key) const {
   if (!url_.cluster) return 0;
-  return slots_.empty() ? -1 : slots_[static_cast<size_t>(KeySlot(key))];
+  return lane.slots.empty() ? -1 : lane.slots[static_cast<size_t>(KeySlot(key))];
 }
 
-Status RemoteTier::RefreshSlots() {
+Status RemoteTier::RefreshSlots(Lane& lane) {
   // Ask a connected node first, then every other known node and the seeds.
   std::vector<size_t> order;
-  for (size_t i = 0; i < nodes_.size(); ++i) {
-    if (nodes_[i]->ctx != nullptr) order.push_back(i);
+  for (size_t i = 0; i < lane.nodes.size(); ++i) {
+    if (lane.nodes[i]->ctx != nullptr) order.push_back(i);
   }
-  for (size_t i = 0; i < nodes_.size(); ++i) {
-    if (nodes_[i]->ctx == nullptr) order.push_back(i);
+  for (size_t i = 0; i < lane.nodes.size(); ++i) {
+    if (lane.nodes[i]->ctx == nullptr) order.push_back(i);
   }
   for (const RedisUrl::HostPort& seed : url_.hosts) {
-    const size_t i = NodeAt(seed.host, seed.port);
+    const size_t i = NodeAt(lane, seed.host, seed.port);
     if (std::find(order.begin(), order.end(), i) == order.end()) order.push_back(i);
   }
   for (const size_t i : order) {
-    Node& asked = *nodes_[i];
-    if (!EnsureConnected(asked)) continue;
+    Node& asked = *lane.nodes[i];
+    if (!EnsureConnected(lane, asked)) continue;
     const Reply reply = Command(asked.ctx, {"CLUSTER", "SLOTS"});
     if (!reply) {
-      Disconnect(asked);
+      Disconnect(lane, asked);
       continue;
     }
     if (reply->type == REDIS_REPLY_ERROR) {
@@ -457,48 +472,48 @@ Status RemoteTier::RefreshSlots() {
       std::string_view host(master->element[0]->str, master->element[0]->len);
       if (host.empty() || host == "?") host = asked.host;  // the node does not know its address
       const auto port = static_cast<int>(master->element[1]->integer);
-      const auto index = static_cast<int16_t>(NodeAt(host, port));
+      const auto index = static_cast<int16_t>(NodeAt(lane, host, port));
       const auto first = std::max<long long>(range->element[0]->integer, 0);
       const auto last = std::min<long long>(range->element[1]->integer, kClusterSlots - 1);
       for (long long slot = first; slot <= last; ++slot) slots[static_cast<size_t>(slot)] = index;
     }
-    slots_ = std::move(slots);
-    for (const std::unique_ptr<Node>& n : nodes_) n->slots = 0;
-    for (const int16_t owner : slots_) {
-      if (owner >= 0) ++nodes_[static_cast<size_t>(owner)]->slots;
+    lane.slots = std::move(slots);
+    for (const std::unique_ptr<Node>& n : lane.nodes) n->slots = 0;
+    for (const int16_t owner : lane.slots) {
+      if (owner >= 0) ++lane.nodes[static_cast<size_t>(owner)]->slots;
     }
-    num_nodes_ = static_cast<int32_t>(
-        std::count_if(nodes_.begin(), nodes_.end(), [](const auto& n) { return n->slots > 0; }));
-    UpdateConnected();
+    lane.num_nodes = static_cast<int32_t>(std::count_if(
+        lane.nodes.begin(), lane.nodes.end(), [](const auto& n) { return n->slots > 0; }));
+    UpdateConnected(lane);
     return Status::Ok();
   }
   return UnavailableError(StrCat("no node of the redis cluster answered CLUSTER SLOTS (seed ",
                                  url_.hosts[0].host, ":", url_.hosts[0].port, ")"));
 }
 
-void RemoteTier::MaybeRefresh() {
-  if (!url_.cluster || !refresh_needed_) return;
+void RemoteTier::MaybeRefresh(Lane& lane) {
+  if (!url_.cluster || !lane.refresh_needed) return;
   const auto now = std::chrono::steady_clock::now();
-  if (now < refresh_at_) return;
-  refresh_needed_ = false;
+  if (now < lane.refresh_at) return;
+  lane.refresh_needed = false;
   ++refreshes_;
-  if (!RefreshSlots().ok()) {
+  if (!RefreshSlots(lane).ok()) {
     ++errors_;
-    refresh_needed_ = true;
+    lane.refresh_needed = true;
   }
   // Backoff: a node that stays down (its slots still its own) is not asked about every command.
-  refresh_at_ = now + refresh_backoff_;
-  refresh_backoff_ =
-      std::min<std::chrono::milliseconds>(refresh_backoff_ * 2, std::chrono::seconds(2));
-  if (connected_) refresh_backoff_ = std::chrono::milliseconds(50);
+  lane.refresh_at = now + lane.refresh_backoff;
+  lane.refresh_backoff =
+      std::min<std::chrono::milliseconds>(lane.refresh_backoff * 2, std::chrono::seconds(2));
+  if (lane.connected) lane.refresh_backoff = std::chrono::milliseconds(50);
 }
 
-void RemoteTier::UpdateConnected() {
-  bool all = num_nodes_ > 0;
-  for (const std::unique_ptr<Node>& n : nodes_) {
+void RemoteTier::UpdateConnected(Lane& lane) {
+  bool all = lane.num_nodes > 0;
+  for (const std::unique_ptr<Node>& n : lane.nodes) {
     if (n->slots > 0 && n->ctx == nullptr) all = false;
   }
-  connected_ = all;
+  lane.connected = all;
 }
 
 bool RemoteTier::Store(std::string key, std::string value) {
@@ -510,7 +525,7 @@ bool RemoteTier::Store(std::string key, std::string value) {
     }
     stores_.emplace_back(std::move(key), std::move(value));
   }
-  work_cv_.notify_one();
+  store_cv_.notify_one();
   return true;
 }
 
@@ -520,7 +535,7 @@ RemoteTier::Fetched RemoteTier::Fetch(std::vector<std::string> keys) {
   job->keys = std::move(keys);
   std::unique_lock lock(mu_);
   fetches_.push_back(job);
-  work_cv_.notify_one();
+  fetch_cv_.notify_one();
   if (!done_cv_.wait_for(lock, std::chrono::milliseconds(config_.timeout_ms),
                          [&] { return job->done; })) {
     // Late: a miss. The worker still runs it if it started (its result is dropped).
@@ -576,31 +591,33 @@ RemoteTierStats RemoteTier::stats() const {
           .reconnects = reconnects_,
           .redirects = redirects_,
           .topology_refreshes = refreshes_,
-          .nodes = num_nodes_,
-          .connected = connected_};
+          .nodes = fetch_lane_.num_nodes,
+          .connected = fetch_lane_.connected && store_lane_.connected};
 }
 
-void RemoteTier::Run() {
+void RemoteTier::RunFetches() {
   std::unique_lock lock(mu_);
   while (true) {
-    work_cv_.wait(lock, [&] { return stop_ || !fetches_.empty() || !stores_.empty(); });
-    if (!fetches_.empty()) {
-      const std::shared_ptr<FetchJob> job = fetches_.front();
-      fetches_.pop_front();
-      std::vector<std::string> keys = job->keys;
-      lock.unlock();
-      FetchJob result{.keys = std::move(keys), .fetched = {}};
-      DoFetch(result);
-      lock.lock();
-      job->fetched = std::move(result.fetched);
-      job->done = true;
-      done_cv_.notify_all();
-      continue;
-    }
-    if (stores_.empty()) {
-      if (stop_) break;
-      continue;
-    }
+    fetch_cv_.wait(lock, [&] { return stop_ || !fetches_.empty(); });
+    if (fetches_.empty()) break;  // stopping
+    const std::shared_ptr<FetchJob> job = fetches_.front();
+    fetches_.pop_front();
+    std::vector<std::string> keys = job->keys;
+    lock.unlock();
+    FetchJob result{.keys = std::move(keys), .fetched = {}};
+    DoFetch(fetch_lane_, result);
+    lock.lock();
+    job->fetched = std::move(result.fetched);
+    job->done = true;
+    done_cv_.notify_all();
+  }
+}
+
+void RemoteTier::RunStores() {
+  std::unique_lock lock(mu_);
+  while (true) {
+    store_cv_.wait(lock, [&] { return stop_ || !stores_.empty(); });
+    if (stores_.empty()) break;  // stopping, every queued store sent
     std::vector<std::pair<std::string, std::string>> batch;
     while (!stores_.empty() && batch.size() < kStoreBatch) {
       batch.push_back(std::move(stores_.front()));
@@ -608,14 +625,14 @@ void RemoteTier::Run() {
     }
     storing_ = true;
     lock.unlock();
-    DoStores(batch);
+    DoStores(store_lane_, batch);
     lock.lock();
     storing_ = false;
     done_cv_.notify_all();
   }
 }
 
-bool RemoteTier::EnsureConnected(Node& node) {
+bool RemoteTier::EnsureConnected(Lane& lane, Node& node) {
   if (node.ctx != nullptr) return true;
   const auto now = std::chrono::steady_clock::now();
   if (now < node.retry_at) return false;
@@ -624,39 +641,39 @@ bool RemoteTier::EnsureConnected(Node& node) {
     ++errors_;
     node.retry_at = now + node.backoff;
     node.backoff = std::min<std::chrono::milliseconds>(node.backoff * 2, std::chrono::seconds(2));
-    if (url_.cluster) refresh_needed_ = true;
+    if (url_.cluster) lane.refresh_needed = true;
     return false;
   }
   node.ctx = *ctx;
   node.backoff = std::chrono::milliseconds(50);
   if (node.ever_connected) ++reconnects_;
   node.ever_connected = true;
-  UpdateConnected();
+  UpdateConnected(lane);
   return true;
 }
 
-void RemoteTier::Disconnect(Node& node) {
+void RemoteTier::Disconnect(Lane& lane, Node& node) {
   ++errors_;
   redisFree(node.ctx);
   node.ctx = nullptr;
   node.retry_at = std::chrono::steady_clock::now();  // the next command tries once at once
-  if (url_.cluster) refresh_needed_ = true;
-  UpdateConnected();
+  if (url_.cluster) lane.refresh_needed = true;
+  UpdateConnected(lane);
 }
 
-redisReply* RemoteTier::FollowRedirect(Redirect r, std::string_view cmd, std::string_view key,
-                                       std::string_view value) {
+redisReply* RemoteTier::FollowRedirect(Lane& lane, Redirect r, std::string_view cmd,
+                                       std::string_view key, std::string_view value) {
   for (int hop = 0; hop < kMaxRedirects; ++hop) {
     ++redirects_;
-    const size_t index = NodeAt(r.host, r.port);
-    if (!r.ask && !slots_.empty()) {
+    const size_t index = NodeAt(lane, r.host, r.port);
+    if (!r.ask && !lane.slots.empty()) {
       // The slot moved for good: send its next commands there at once, and read the whole map
       // again before the next command.
-      slots_[static_cast<size_t>(KeySlot(key))] = static_cast<int16_t>(index);
-      refresh_needed_ = true;
+      lane.slots[static_cast<size_t>(KeySlot(key))] = static_cast<int16_t>(index);
+      lane.refresh_needed = true;
     }
-    Node& node = *nodes_[index];
-    if (!EnsureConnected(node)) return nullptr;
+    Node& node = *lane.nodes[index];
+    if (!EnsureConnected(lane, node)) return nullptr;
     bool sent = !r.ask || Append(node.ctx, {"ASKING"});
     sent = sent &&
            (value.empty() ? Append(node.ctx, {cmd, key}) : Append(node.ctx, {cmd, key, value}));
@@ -667,7 +684,7 @@ redisReply* RemoteTier::FollowRedirect(Redirect r, std::string_view cmd, std::st
       raw = nullptr;
     }
     if (!sent || redisGetReply(node.ctx, &raw) != REDIS_OK) {
-      Disconnect(node);
+      Disconnect(lane, node);
       return nullptr;
     }
     Reply reply(static_cast<redisReply*>(raw));
@@ -677,13 +694,13 @@ redisReply* RemoteTier::FollowRedirect(Redirect r, std::string_view cmd, std::st
   return nullptr;
 }
 
-void RemoteTier::DoFetch(FetchJob& job) {
+void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
   const size_t n = job.keys.size();
   std::vector<std::string_view>& values = job.fetched.values;
   std::vector<uint8_t>& failed = job.fetched.failed;
   values.assign(n, std::string_view());
   failed.assign(n, 0);
-  MaybeRefresh();
+  MaybeRefresh(lane);
   auto replies = std::make_shared<std::vector<Reply>>();
   // A reply to GET: a value, none, a redirect to follow, or an error.
   std::vector<Redirect> redirects;
@@ -703,9 +720,9 @@ void RemoteTier::DoFetch(FetchJob& job) {
     }
   };
   // Group the keys by node; write every node's commands, then read every node's replies.
-  std::vector<std::vector<size_t>> groups(nodes_.size());
+  std::vector<std::vector<size_t>> groups(lane.nodes.size());
   for (size_t i = 0; i < n; ++i) {
-    const int node = NodeFor(job.keys[i]);
+    const int node = NodeFor(lane, job.keys[i]);
     if (node < 0) {
       failed[i] = 1;  // no node owns its slot
     } else {
@@ -719,8 +736,8 @@ void RemoteTier::DoFetch(FetchJob& job) {
   for (size_t g = 0; g < groups.size(); ++g) {
     const std::vector<size_t>& items = groups[g];
     if (items.empty()) continue;
-    Node& node = *nodes_[g];
-    if (!EnsureConnected(node)) {
+    Node& node = *lane.nodes[g];
+    if (!EnsureConnected(lane, node)) {
       fail(items, 0);
       continue;
     }
@@ -739,7 +756,7 @@ void RemoteTier::DoFetch(FetchJob& job) {
                                   lens.data()) == REDIS_OK;
     }
     if (!ok || !Flush(node.ctx)) {
-      Disconnect(node);
+      Disconnect(lane, node);
       fail(items, 0);
       continue;
     }
@@ -747,12 +764,12 @@ void RemoteTier::DoFetch(FetchJob& job) {
   }
   for (const size_t g : sent) {
     const std::vector<size_t>& items = groups[g];
-    Node& node = *nodes_[g];
+    Node& node = *lane.nodes[g];
     const size_t expected = url_.cluster ? items.size() : 1;
     for (size_t r = 0; r < expected; ++r) {
       void* raw = nullptr;
       if (redisGetReply(node.ctx, &raw) != REDIS_OK) {
-        Disconnect(node);
+        Disconnect(lane, node);
         fail(items, url_.cluster ? r : 0);
         break;
       }
@@ -767,7 +784,7 @@ void RemoteTier::DoFetch(FetchJob& job) {
         break;
       }
       if (reply->type != REDIS_REPLY_ARRAY || reply->elements != items.size()) {
-        Disconnect(node);
+        Disconnect(lane, node);
         fail(items, 0);
         break;
       }
@@ -786,7 +803,7 @@ void RemoteTier::DoFetch(FetchJob& job) {
   std::vector<Redirect> pending;
   pending.swap(redirects);
   for (const Redirect& r : pending) {
-    redisReply* reply = FollowRedirect(r, "GET", job.keys[r.item], {});
+    redisReply* reply = FollowRedirect(lane, r, "GET", job.keys[r.item], {});
     if (reply == nullptr) {
       failed[r.item] = 1;
     } else {
@@ -796,8 +813,8 @@ void RemoteTier::DoFetch(FetchJob& job) {
   job.fetched.reply = std::move(replies);
 }
 
-void RemoteTier::DoStores(std::vector<std::pair<std::string, std::string>>& batch) {
-  MaybeRefresh();
+void RemoteTier::DoStores(Lane& lane, std::vector<std::pair<std::string, std::string>>& batch) {
+  MaybeRefresh(lane);
   std::vector<Redirect> redirects;
   const auto take = [&](size_t item, const redisReply& reply) {
     Redirect r{.item = item};
@@ -811,9 +828,9 @@ void RemoteTier::DoStores(std::vector<std::pair<std::string, std::string>>& batc
       stored_bytes_ += static_cast<int64_t>(batch[item].second.size());
     }
   };
-  std::vector<std::vector<size_t>> groups(nodes_.size());
+  std::vector<std::vector<size_t>> groups(lane.nodes.size());
   for (size_t i = 0; i < batch.size(); ++i) {
-    const int node = NodeFor(batch[i].first);
+    const int node = NodeFor(lane, batch[i].first);
     if (node < 0) {
       ++dropped_;
     } else {
@@ -824,8 +841,8 @@ void RemoteTier::DoStores(std::vector<std::pair<std::string, std::string>>& batc
   for (size_t g = 0; g < groups.size(); ++g) {
     const std::vector<size_t>& items = groups[g];
     if (items.empty()) continue;
-    Node& node = *nodes_[g];
-    if (!EnsureConnected(node)) {
+    Node& node = *lane.nodes[g];
+    if (!EnsureConnected(lane, node)) {
       dropped_ += std::ssize(items);
       continue;
     }
@@ -835,19 +852,19 @@ void RemoteTier::DoStores(std::vector<std::pair<std::string, std::string>>& batc
     }
     if (!ok || !Flush(node.ctx)) {
       dropped_ += std::ssize(items);
-      Disconnect(node);
+      Disconnect(lane, node);
       continue;
     }
     sent.push_back(g);
   }
   for (const size_t g : sent) {
     const std::vector<size_t>& items = groups[g];
-    Node& node = *nodes_[g];
+    Node& node = *lane.nodes[g];
     for (size_t r = 0; r < items.size(); ++r) {
       void* raw = nullptr;
       if (redisGetReply(node.ctx, &raw) != REDIS_OK) {
         dropped_ += static_cast<int64_t>(items.size() - r);
-        Disconnect(node);
+        Disconnect(lane, node);
         break;
       }
       const Reply reply(static_cast<redisReply*>(raw));
@@ -857,7 +874,7 @@ void RemoteTier::DoStores(std::vector<std::pair<std::string, std::string>>& batc
   std::vector<Redirect> pending;
   pending.swap(redirects);
   for (const Redirect& r : pending) {
-    const Reply reply(FollowRedirect(r, "SET", batch[r.item].first, batch[r.item].second));
+    const Reply reply(FollowRedirect(lane, r, "SET", batch[r.item].first, batch[r.item].second));
     if (reply == nullptr) {
       ++dropped_;
     } else {

@@ -2,11 +2,12 @@
 // The remote prefix tier's Redis client and value format (docs/remote_tier.md). Internal to the
 // StateManager, which keys, verifies and places the blocks.
 //
-// A worker thread owns one hiredis connection per server: one for a standalone server, one per
-// master of a Redis Cluster (slot -> node from CLUSTER SLOTS, read at open and again after a MOVED
-// or a connection error). Stores are queued (bounded; a full queue drops and counts) and sent
-// pipelined, up to kStoreBatch SETs per batch, grouped per node; a fetch (queued ahead of the
-// stores, waited for at most timeout_ms) is one MGET on a standalone server and pipelined GETs
+// Two worker threads, one for fetches and one for stores, each with its own lane: one hiredis
+// connection per server (one for a standalone server, one per master of a Redis Cluster) and its
+// own slot map (CLUSTER SLOTS, read at open and again after a MOVED or a connection error), so a
+// fetch never waits behind a batch of SETs being sent. Stores are queued (bounded; a full queue
+// drops and counts) and sent pipelined, up to kStoreBatch SETs per batch, grouped per node; a
+// fetch (waited for at most timeout_ms) is one MGET on a standalone server and pipelined GETs
 // per node on a cluster, every node's commands written before any reply is read, so k blocks cost
 // one round trip per node. MOVED / ASK are followed (ASK with ASKING). A failed command closes
 // that node's connection; the next command to it reconnects, and a failed reconnect waits a
@@ -136,35 +137,44 @@ class RemoteTier {
   RemoteTier(RemoteTierConfig config, RedisUrl url);
   static Result<redisContext*> Connect(const RedisUrl& url, const std::string& host, int port,
                                        int32_t timeout_ms);
-  // Open's work on the calling thread: the first seed that answers (a cluster: its slot map,
-  // then a connection to every master; one that fails is retried later).
-  Status Start();
-  void Run();
-  // Worker only (and Start, before the worker starts).
-  bool EnsureConnected(Node& node);
-  void Disconnect(Node& node);                     // after a failed command
-  size_t NodeAt(std::string_view host, int port);  // its index in nodes_, added when new
-  int NodeFor(std::string_view key) const;         // its node's index; -1 = no node owns its slot
-  Status RefreshSlots();  // CLUSTER SLOTS from a connected node (or a seed)
-  void MaybeRefresh();
-  void UpdateConnected();
+  // One worker's connections and slot map: only that worker touches them (and Start, before
+  // the workers start).
+  struct Lane {
+    std::vector<std::unique_ptr<Node>> nodes;
+    std::vector<int16_t> slots;  // cluster: slot -> index in nodes, -1 = none (empty: no map)
+    bool refresh_needed = false;
+    std::chrono::steady_clock::time_point refresh_at{};
+    std::chrono::milliseconds refresh_backoff{50};
+    std::atomic<int32_t> num_nodes{0};   // nodes owning slots (read by stats())
+    std::atomic<bool> connected{false};  // every one of them connected (read by stats())
+  };
+  // Open's work on the calling thread, once per lane: the first seed that answers (a cluster: its
+  // slot map, then a connection to every master; one that fails is retried later).
+  Status Start(Lane& lane);
+  void RunFetches();
+  void RunStores();
+  bool EnsureConnected(Lane& lane, Node& node);
+  void Disconnect(Lane& lane, Node& node);                     // after a failed command
+  size_t NodeAt(Lane& lane, std::string_view host, int port);  // its index, added when new
+  int NodeFor(const Lane& lane, std::string_view key) const;   // -1 = no node owns its slot
+  Status RefreshSlots(Lane& lane);  // CLUSTER SLOTS from a connected node (or a seed)
+  void MaybeRefresh(Lane& lane);
+  void UpdateConnected(Lane& lane);
   // Sends `cmd` (GET or SET) for item i of `keys` to host:port after MOVED / ASK, following up to
   // a few redirects more; the reply, or null when it failed (counted).
-  redisReply* FollowRedirect(Redirect r, std::string_view cmd, std::string_view key,
+  redisReply* FollowRedirect(Lane& lane, Redirect r, std::string_view cmd, std::string_view key,
                              std::string_view value);
-  void DoFetch(FetchJob& job);
-  void DoStores(std::vector<std::pair<std::string, std::string>>& batch);
+  void DoFetch(Lane& lane, FetchJob& job);
+  void DoStores(Lane& lane, std::vector<std::pair<std::string, std::string>>& batch);
 
   const RemoteTierConfig config_;
   const RedisUrl url_;
-  std::vector<std::unique_ptr<Node>> nodes_;  // worker only (and Start)
-  std::vector<int16_t> slots_;                // cluster: slot -> index in nodes_, -1 = none
-  bool refresh_needed_ = false;
-  std::chrono::steady_clock::time_point refresh_at_{};
-  std::chrono::milliseconds refresh_backoff_{50};
+  Lane fetch_lane_;
+  Lane store_lane_;
 
   std::mutex mu_;
-  std::condition_variable work_cv_;
+  std::condition_variable fetch_cv_;
+  std::condition_variable store_cv_;
   std::condition_variable done_cv_;
   std::deque<std::shared_ptr<FetchJob>> fetches_;
   std::deque<std::pair<std::string, std::string>> stores_;
@@ -174,9 +184,8 @@ class RemoteTier {
   std::atomic<int64_t> hits_{0}, misses_{0}, not_found_{0}, verify_failed_{0}, miss_error_{0},
       late_{0}, fetched_bytes_{0}, stored_{0}, stored_bytes_{0}, dropped_{0}, errors_{0},
       reconnects_{0}, redirects_{0}, refreshes_{0};
-  std::atomic<int32_t> num_nodes_{0};
-  std::atomic<bool> connected_{false};
-  std::thread worker_;
+  std::thread fetch_worker_;
+  std::thread store_worker_;
 };
 
 }  // namespace blockkv::internal

@@ -45,7 +45,8 @@ struct RemoteTierStats {
   int64_t stored_bytes = 0;          // value bytes stored
   int64_t dropped = 0;               // stores dropped: queue full, or the server unreachable
   int64_t errors = 0;                // failed commands, connects and fetch timeouts
-  int64_t reconnects = 0;            // connections made again after a failure
+  int64_t reconnects = 0;            // connections made again after a failure (fetches and stores
+                                     // have their own)
   int64_t redirects = 0;             // cluster MOVED / ASK replies followed
   int64_t topology_refreshes = 0;    // cluster slot maps read again (CLUSTER SLOTS) after open
   int32_t nodes = 0;                 // servers that own slots (1 for a standalone server)

@@ -255,14 +255,14 @@ TEST(RemoteTierTest, AKilledServerIsMissesThenARestartedOneIsReconnected) {
 
   // Restarted (empty: persistence is off). a reconnects once its backoff has passed.
   server.Start();
-  for (int i = 0; i < 100 && a->mgr->remote_tier_stats().reconnects == 0; ++i) {
+  for (int i = 0; i < 100 && !a->mgr->remote_tier_stats().connected; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     EXPECT_EQ(a->Prefill(10 + i, Prompt(1000 + 10 * i, 5)), 0);
     ASSERT_TRUE(a->mgr->FlushSequence(10 + i).ok());
   }
   a->mgr->FlushRemoteTier();
   s = a->mgr->remote_tier_stats();
-  EXPECT_EQ(s.reconnects, 1);
+  EXPECT_EQ(s.reconnects, 2);  // the fetches' connection and the stores'
   EXPECT_TRUE(s.connected);
   const std::vector<TokenId> next = Prompt(5000, 9);
   const int64_t stored = s.stored;
@@ -424,6 +424,32 @@ TEST(RemoteTierTest, AStalledServerIsATimedOutMissAndNeverBlocksSchedule) {
   c->ExpectPrefixData(1, prompt, 4);
   EXPECT_EQ(c->Prefill(2, next), 8);
   c->ExpectPrefixData(2, next, 2);
+}
+
+TEST(RemoteTierTest, AFetchIsServedWhileStoresWait) {
+  RedisServer server;
+  const std::vector<TokenId> prompt = Prompt(100, 17);
+  auto a = Engine::Make({.url = server.url()});
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->Prefill(1, prompt), 0);
+  a->mgr->FlushRemoteTier();
+  auto b = Engine::Make({.url = server.url(), .timeout_ms = 1000});
+  ASSERT_NE(b, nullptr);
+  // Writes wait (CLIENT PAUSE ... WRITE), reads go on: b's stores hang, its fetches do not.
+  ASSERT_EQ(server.Text({"CLIENT", "PAUSE", "2500", "WRITE"}), "OK");
+  const std::vector<TokenId> fresh = Prompt(7000, 17);
+  EXPECT_EQ(b->Prefill(1, fresh), 0);    // a read: not found; its 4 blocks queued, then hanging
+  EXPECT_EQ(b->Prefill(2, prompt), 16);  // fetched while those SETs wait
+  b->ExpectPrefixData(2, prompt, 4);
+  RemoteTierStats s = b->mgr->remote_tier_stats();
+  EXPECT_EQ(s.hits, 4);
+  EXPECT_EQ(s.misses, 1);
+  EXPECT_EQ(s.misses_not_found, 1);
+  EXPECT_EQ(s.misses_error + s.misses_late, 0);
+  ASSERT_EQ(server.Text({"CLIENT", "UNPAUSE"}), "OK");
+  b->mgr->FlushRemoteTier();
+  s = b->mgr->remote_tier_stats();
+  EXPECT_EQ(s.stored + s.dropped, 4);  // sent once unpaused, or dropped at the socket's timeout
 }
 
 TEST(RemoteTierTest, AClusterSpreadsBlocksOverItsNodesAndAnotherEngineHitsThem) {
