@@ -50,7 +50,7 @@ struct RemoteTierStats {
   int64_t redirects = 0;             // cluster MOVED / ASK replies followed
   int64_t topology_refreshes = 0;    // cluster slot maps read again (CLUSTER SLOTS) after open
   int32_t nodes = 0;                 // servers that own slots (1 for a standalone server)
-  bool connected = false;            // every such server's connection is up now
+  bool connected = false;            // both workers' connections to every such server are up
 };
 
 }  // namespace blockkv
