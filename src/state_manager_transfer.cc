@@ -13,6 +13,7 @@
 //   u64 XXH3-64 of every byte before it
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -425,6 +426,7 @@ Result<Sequence*> StateManager::Impl::ImportSequence(std::span<const std::byte> 
     }
   }
   std::vector<std::vector<BlockId>> local(static_cast<size_t>(num_groups()));
+  std::vector<std::vector<size_t>> order(static_cast<size_t>(num_groups()));  // by remote id
   const auto give_back = [&] {
     for (int g = 0; g < num_groups(); ++g) {
       const Status released = pools_[g].Release(local[static_cast<size_t>(g)]);
@@ -440,12 +442,26 @@ Result<Sequence*> StateManager::Impl::ImportSequence(std::span<const std::byte> 
       give_back();
       return taken;
     }
+    // Which local block holds which table entry is ours to choose: the k-th smallest local id
+    // takes the entry of the k-th smallest remote id, so a run of consecutive remote ids lands in
+    // consecutive local ones and is one get per layer (free lists hand out blocks in the order
+    // they were freed, which need not be ascending on either side).
+    std::vector<size_t>& by_remote = order[static_cast<size_t>(g)];
+    by_remote.resize(blocks.size());
+    std::iota(by_remote.begin(), by_remote.end(), size_t{0});
+    const std::vector<BlockId>& ids = d.groups[static_cast<size_t>(g)].ids;
+    std::sort(by_remote.begin(), by_remote.end(),
+              [&ids](size_t a, size_t b) { return ids[a] < ids[b]; });
+    std::vector<BlockId> ascending = blocks;
+    std::sort(ascending.begin(), ascending.end());
+    for (size_t k = 0; k < blocks.size(); ++k) blocks[by_remote[k]] = ascending[k];
   }
   // One get per layer and run of blocks consecutive on both sides.
   std::vector<TransferGet> gets;
   for (int g = 0; g < num_groups(); ++g) {
     const RemoteGroup& rg = d.groups[static_cast<size_t>(g)];
     const std::vector<BlockId>& mine = local[static_cast<size_t>(g)];
+    const std::vector<size_t>& by_remote = order[static_cast<size_t>(g)];
     const KVCacheConfig& c = cache_->config(g);
     const auto lbb = static_cast<uint64_t>(internal::SnapshotCodec::LayerBlockBytes(c));
     BLOCKKV_ASSIGN_OR_RETURN(TensorView storage, cache_->GetGroupStorage(g));
@@ -454,10 +470,12 @@ Result<Sequence*> StateManager::Impl::ImportSequence(std::span<const std::byte> 
     const auto remote_blocks = static_cast<uint64_t>(rg.num_blocks);
     for (int64_t layer = 0; layer < c.num_caches(); ++layer) {
       const auto l = static_cast<uint64_t>(layer);
-      for (size_t i = 0; i < mine.size();) {
+      for (size_t k = 0; k < by_remote.size();) {
+        const size_t i = by_remote[k];
         size_t n = 1;
-        while (i + n < mine.size() && mine[i + n] == mine[i] + static_cast<BlockId>(n) &&
-               rg.ids[i + n] == rg.ids[i] + static_cast<BlockId>(n)) {
+        while (k + n < by_remote.size() &&
+               mine[by_remote[k + n]] == mine[i] + static_cast<BlockId>(n) &&
+               rg.ids[by_remote[k + n]] == rg.ids[i] + static_cast<BlockId>(n)) {
           ++n;
         }
         gets.push_back(
@@ -465,7 +483,7 @@ Result<Sequence*> StateManager::Impl::ImportSequence(std::span<const std::byte> 
              .remote = rg.base + (l * remote_blocks + static_cast<uint64_t>(rg.ids[i])) * lbb,
              .length = n * lbb,
              .region = rg.region});
-        i += n;
+        k += n;
       }
     }
   }

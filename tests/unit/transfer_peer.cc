@@ -6,7 +6,7 @@
 //   export <uid>                -> descriptor <hex>
 //   import <hex>                -> imported <uid> <seen>
 //   state                       -> pending <exports> tracked <sequences> free <blocks>
-//   cancel <uid> | check <uid> <seed> (-> mismatches <n>) | quit
+//   cancel <uid> | flush <uid> | check <uid> <seed> (-> mismatches <n>) | quit
 // Errors: "error <code> <message>".
 #include <iostream>
 #include <numeric>
@@ -100,6 +100,11 @@ int main(int argc, char** argv) {
       Reply("pending " + std::to_string(m.pending_exports()) + " tracked " +
             std::to_string(m.n_tracked_sequences()) + " free " +
             std::to_string(m.free_blocks()[0]));
+    } else if (cmd == "flush") {
+      SeqId uid = 0;
+      in >> uid;
+      const Status s = m.FlushSequence(uid);
+      s.ok() ? Reply("ok") : ReplyError(s);
     } else if (cmd == "cancel") {
       SeqId uid = 0;
       in >> uid;

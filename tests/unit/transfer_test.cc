@@ -147,6 +147,31 @@ TEST_P(TransferTest, ImportCopiesEveryLayerOfEveryBlockExactly) {
   EXPECT_OK(receiver->CheckInvariants());
 }
 
+TEST_P(TransferTest, ScatteredBlocksOnBothSidesArriveExactly) {
+  // Flushes leave both free lists out of order: the sequence's blocks are neither ascending nor
+  // consecutive on the sender, nor are the receiver's free blocks.
+  Peer sender(GetParam());
+  ASSERT_EQ(sender.ready(), "ready");
+  ASSERT_EQ(sender.Send("make 1 20 1"), "ok");
+  ASSERT_EQ(sender.Send("make 2 8 1"), "ok");
+  ASSERT_EQ(sender.Send("make 3 20 1"), "ok");
+  ASSERT_EQ(sender.Send("flush 1"), "ok");
+  ASSERT_EQ(sender.Send("flush 3"), "ok");
+  const std::vector<std::byte> d = sender.MakeAndExport(4, 90, 21);  // 23 blocks
+  auto receiver = Receiver(GetParam());
+  ASSERT_NE(receiver, nullptr);
+  const std::vector<SeqId> uids = {1, 2, 3};
+  const std::vector<int64_t> lengths = {12, 40, 16};
+  ASSERT_OK(receiver->Schedule({.uids = uids, .lengths = lengths}));
+  ASSERT_OK(receiver->PostForward(uids));
+  ASSERT_OK(receiver->FlushSequence(3));
+  ASSERT_OK(receiver->FlushSequence(1));
+  ASSERT_OK(receiver->ImportSequence(d));
+  EXPECT_EQ(blockkv_test::PatternMismatches(*receiver, 4, 21), 0);
+  EXPECT_OK(receiver->CheckInvariants());
+  EXPECT_EQ(sender.Send("state"), "pending 0 tracked 1 free 62");
+}
+
 TEST_P(TransferTest, SenderFreesItsBlocksOnlyAfterTheReceiverConfirms) {
   Peer sender(GetParam());
   ASSERT_EQ(sender.ready(), "ready");
