@@ -413,11 +413,28 @@ Result<Sequence*> StateManager::Impl::ImportSequence(std::span<const std::byte> 
     return ResourceExhaustedError(StrCat("ImportSequence: no tracking slot for sequence ", uid,
                                          ": all ", config_.max_tracked_sequences, " are in use"));
   }
-  // All or nothing: every pool's need against its free blocks before any is taken.
+  // The leading full blocks this engine caches already are not copied: their entries share the
+  // cached blocks (prefix caching on, one cache group without a window, the tokens known and
+  // nothing released; the keys are the default extras' — a sequence's own are not carried).
+  int32_t hit = 0;
+  std::vector<BlockId> hit_blocks;
+  if (prefix_ != nullptr && num_groups() == 1 && SlidingWindow(0) == 0 &&
+      static_cast<int64_t>(d.tokens.size()) >= d.seen_tokens && d.groups[0].released == 0) {
+    const auto full = static_cast<int32_t>(d.seen_tokens / kv_block_size(0));
+    hit_blocks.resize(static_cast<size_t>(full));
+    BlockHash last;
+    hit = prefix_->Match(0, std::span(d.tokens).first(static_cast<size_t>(d.seen_tokens)),
+                         prefix_->InternNamespace(""), BlockKeyExtras{}, full, hit_blocks, &last);
+    hit_blocks.resize(static_cast<size_t>(hit));
+  }
+  // All or nothing: every pool's need against its free blocks before any is taken (a cached
+  // block the hit revives is no longer free).
   std::vector<int64_t> pool_need(static_cast<size_t>(num_groups()), 0);
   for (int g = 0; g < num_groups(); ++g) {
     pool_need[static_cast<size_t>(pool_lead_[g])] += needed[static_cast<size_t>(g)];
   }
+  pool_need[0] -= hit;
+  for (const BlockId b : hit_blocks) pool_need[0] += pools_[0].is_evictable(b) ? 1 : 0;
   for (int g = 0; g < num_groups(); ++g) {
     if (pool_need[static_cast<size_t>(g)] > pools_[g].free_blocks()) {
       return ResourceExhaustedError(
@@ -433,12 +450,19 @@ Result<Sequence*> StateManager::Impl::ImportSequence(std::span<const std::byte> 
       BLOCKKV_CHECK(released.ok(), "ImportSequence: a block it took had no reference");
     }
   };
+  if (hit > 0) {
+    const Status shared = pools_[0].AddRef(hit_blocks);
+    BLOCKKV_CHECK(shared.ok(), "ImportSequence: a matched block was neither held nor cached");
+  }
   for (int g = 0; g < num_groups(); ++g) {
     std::vector<BlockId>& blocks = local[static_cast<size_t>(g)];
+    const size_t skip = g == 0 ? hit_blocks.size() : 0;  // entries [0, skip) are cached blocks
+    blocks = g == 0 ? hit_blocks : std::vector<BlockId>{};
     blocks.resize(static_cast<size_t>(needed[static_cast<size_t>(g)]));
-    const Status taken = pools_[g].Take(needed[static_cast<size_t>(g)], blocks);
+    const auto fresh = static_cast<int32_t>(blocks.size() - skip);
+    const Status taken = pools_[g].Take(fresh, std::span(blocks).subspan(skip));
     if (!taken.ok()) {
-      blocks.clear();
+      blocks.resize(skip);
       give_back();
       return taken;
     }
@@ -446,15 +470,16 @@ Result<Sequence*> StateManager::Impl::ImportSequence(std::span<const std::byte> 
     // takes the entry of the k-th smallest remote id, so a run of consecutive remote ids lands in
     // consecutive local ones and is one get per layer (free lists hand out blocks in the order
     // they were freed, which need not be ascending on either side).
-    std::vector<size_t>& by_remote = order[static_cast<size_t>(g)];
-    by_remote.resize(blocks.size());
-    std::iota(by_remote.begin(), by_remote.end(), size_t{0});
+    std::vector<size_t>& by_remote = order[static_cast<size_t>(g)];  // the entries to read
+    by_remote.resize(blocks.size() - skip);
+    std::iota(by_remote.begin(), by_remote.end(), skip);
     const std::vector<BlockId>& ids = d.groups[static_cast<size_t>(g)].ids;
     std::sort(by_remote.begin(), by_remote.end(),
               [&ids](size_t a, size_t b) { return ids[a] < ids[b]; });
-    std::vector<BlockId> ascending = blocks;
+    std::vector<BlockId> ascending(blocks.begin() + static_cast<std::ptrdiff_t>(skip),
+                                   blocks.end());
     std::sort(ascending.begin(), ascending.end());
-    for (size_t k = 0; k < blocks.size(); ++k) blocks[by_remote[k]] = ascending[k];
+    for (size_t k = 0; k < by_remote.size(); ++k) blocks[by_remote[k]] = ascending[k];
   }
   // One get per layer and run of blocks consecutive on both sides.
   std::vector<TransferGet> gets;
@@ -509,6 +534,7 @@ Result<Sequence*> StateManager::Impl::ImportSequence(std::span<const std::byte> 
     seq = CreateInSlot(uid);
   }
   seq->seen_tokens_ = d.seen_tokens;
+  seq->cached_prefix_tokens_ = int64_t{hit} * kv_block_size(0);
   for (int g = 0; g < num_groups(); ++g) {
     const RemoteGroup& rg = d.groups[static_cast<size_t>(g)];
     Sequence::GroupState& state = seq->groups_[g];

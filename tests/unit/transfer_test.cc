@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <sstream>
@@ -298,6 +299,63 @@ TEST(TransferTest, PrefixCachingReceiverKnowsTheTokensAndCachesTheBlocks) {
   ASSERT_OK(receiver->Schedule({.uids = uids, .lengths = lengths}));
   EXPECT_EQ(receiver->GetSequence(8)->cached_prefix_tokens(), 16);
   EXPECT_EQ(receiver->GetSequence(8)->block_table()[0], receiver->GetSequence(7)->block_table()[0]);
+  EXPECT_OK(receiver->CheckInvariants());
+}
+
+TEST(TransferTest, PrefixBlocksTheReceiverCachesAreSharedNotCopied) {
+  Peer sender("tcp", 3, /*prefix=*/true);
+  ASSERT_EQ(sender.ready(), "ready");
+  const std::vector<std::byte> d = sender.MakeAndExport(7, 37, 6);  // tokens 100, 101, ...
+  auto receiver = Receiver("tcp", {.prefix = true});
+  ASSERT_NE(receiver, nullptr);
+  // The receiver computed the first 18 of those tokens itself (4 full blocks, cached), with KV of
+  // its own (another pattern), and finished that sequence: its blocks are cached, unreferenced.
+  std::vector<blockkv::TokenId> prompt(18);
+  for (int i = 0; i < 18; ++i) prompt[static_cast<size_t>(i)] = 100 + i;
+  ASSERT_OK(receiver->AddSequence(1, prompt));
+  const std::vector<SeqId> uids = {1};
+  const std::vector<int64_t> lengths = {18};
+  ASSERT_OK(receiver->Schedule({.uids = uids, .lengths = lengths}));
+  ASSERT_OK(receiver->PostForward(uids));
+  blockkv_test::WritePattern(*receiver, 1, 99);
+  const std::vector<blockkv::BlockId> cached(receiver->GetSequence(1)->block_table().begin(),
+                                             receiver->GetSequence(1)->block_table().begin() + 4);
+  ASSERT_OK(receiver->FlushSequence(1));
+  ASSERT_EQ(receiver->free_blocks()[0], 64);  // 4 of them cached and evictable
+
+  auto seq = receiver->ImportSequence(d);
+  ASSERT_OK(seq);
+  const std::span<const blockkv::BlockId> table = (*seq)->block_table();
+  EXPECT_TRUE(std::equal(cached.begin(), cached.end(), table.begin()));
+  EXPECT_EQ((*seq)->cached_prefix_tokens(), 16);
+  // Tokens 0-15 are the receiver's own KV (not copied), 16-36 the sender's.
+  EXPECT_EQ(blockkv_test::PatternMismatches(*receiver, 7, 99, 0, 16), 0);
+  EXPECT_EQ(blockkv_test::PatternMismatches(*receiver, 7, 6, 16, 37), 0);
+  EXPECT_EQ(receiver->free_blocks()[0], 64 - 10);
+  EXPECT_OK(receiver->CheckInvariants());
+  EXPECT_EQ(sender.Send("state"), "pending 0 tracked 0 free 64");
+}
+
+TEST(TransferTest, FailedImportGivesBackTheCachedBlocksItShared) {
+  Peer sender("tcp", 3, /*prefix=*/true);
+  ASSERT_EQ(sender.ready(), "ready");
+  const std::vector<std::byte> d = sender.MakeAndExport(7, 37, 6);
+  sender.Signal(SIGKILL);
+  auto receiver = Receiver("tcp", {.prefix = true}, 3000);
+  ASSERT_NE(receiver, nullptr);
+  std::vector<blockkv::TokenId> prompt(18);
+  for (int i = 0; i < 18; ++i) prompt[static_cast<size_t>(i)] = 100 + i;
+  ASSERT_OK(receiver->AddSequence(1, prompt));
+  const std::vector<SeqId> uids = {1};
+  const std::vector<int64_t> lengths = {18};
+  ASSERT_OK(receiver->Schedule({.uids = uids, .lengths = lengths}));
+  ASSERT_OK(receiver->PostForward(uids));
+  ASSERT_OK(receiver->FlushSequence(1));
+  const ReceiverState before(*receiver);
+  EXPECT_CODE(receiver->ImportSequence(d), StatusCode::kUnavailable);
+  EXPECT_EQ(ReceiverState(*receiver), before);
+  EXPECT_EQ(receiver->prefix_cache()->cached_blocks(0), 4);
+  EXPECT_EQ(receiver->pool(0).evictable_blocks(), 4);
   EXPECT_OK(receiver->CheckInvariants());
 }
 

@@ -74,13 +74,15 @@ inline void WritePattern(const blockkv::StateManager& m, blockkv::SeqId uid, uin
   }
 }
 
-// The number of bytes of `uid`'s seen tokens that differ from the pattern (0: all arrived).
-inline int64_t PatternMismatches(const blockkv::StateManager& m, blockkv::SeqId uid,
-                                 uint32_t seed) {
+// The number of bytes of `uid`'s seen tokens [begin, end) (end < 0: all) that differ from the
+// pattern (0: all arrived).
+inline int64_t PatternMismatches(const blockkv::StateManager& m, blockkv::SeqId uid, uint32_t seed,
+                                 int64_t begin = 0, int64_t end = -1) {
   int64_t bad = 0;
   const int64_t layers = m.kv_cache().config(0).cache_shape[0];
+  if (end < 0) end = m.GetSequence(uid)->seen_tokens();
   for (int64_t l = 0; l < layers; ++l) {
-    for (int64_t t = 0; t < m.GetSequence(uid)->seen_tokens(); ++t) {
+    for (int64_t t = begin; t < end; ++t) {
       const std::byte* row = Row(m, uid, l, t);
       for (int64_t j = 0; j < RowBytes(m); ++j) {
         bad += row[j] != std::byte{PatternByte(seed, l, t, j)} ? 1 : 0;
