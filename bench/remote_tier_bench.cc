@@ -21,10 +21,17 @@
 //                     every node's pipeline written, then every reply read
 //   cluster_raw_get   the k keys' GETs, routed and pipelined the same way (MGET across slots is
 //                     refused by a cluster)
+//   serve_vs_recompute/recompute_2048  blockkv demo's model (4 layers, dim 128, fp32, random
+//                weights) prefills a 2,049-token prompt on the CPU: what a miss costs
+//   serve_vs_recompute/serve_2048  a cold engine takes the prompt's 128 blocks from the tier (one
+//                MGET, verification, copies) and the model computes the last token; its logits
+//                against the recomputing engine's are the counter logit_max_diff
 // Counter: bytes/s of KV (k × block bytes per iteration). FLUSHALL runs untimed between store
 // iterations so that the server's memory stays bounded.
 #include <hiredis/hiredis.h>
 
+#include <algorithm>
+#include <cmath>
 #include <csignal>
 #include <cstdint>
 #include <cstdio>
@@ -32,6 +39,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -48,7 +56,9 @@
 
 #include "bench_util.h"
 #include "blockkv/blockkv.h"
+#include "blockkv/ragged_batch.h"
 #include "blockkv/state_manager.h"
+#include "model.h"
 
 extern char** environ;
 
@@ -353,6 +363,127 @@ BENCHMARK(ClusterTierStore)->Apply(Args);
 BENCHMARK(ClusterRawSet)->Apply(Args);
 BENCHMARK(ClusterTierFetch)->Apply(Args);
 BENCHMARK(ClusterRawGet)->Apply(Args);
+
+// ---- serving a 2,048-token prefix from the tier against recomputing it ----------------------
+
+constexpr int64_t kServedTokens = 2048;
+
+// blockkv demo's model (tools/model.h: 4 layers, dim 128, 2 heads / 1 KV head × 64, SwiGLU 384,
+// random fp32 weights) with a manager of its cache shape; `remote`: the tier on, else off.
+struct DemoEngine {
+  explicit DemoEngine(bool remote) {
+    tool::ModelConfig mc;
+    mc.seq_len = 4096;
+    Result<tool::Model> m = tool::Model::Random(mc, /*seed=*/7);
+    blockkv_bench::Check(m.status(), "Model::Random");
+    model = std::make_unique<tool::Model>(std::move(*m));
+    StateManagerConfig config;
+    config.max_tracked_sequences = 4;
+    config.max_ragged_batch_size = 4096;
+    config.max_ragged_sequence_count = 4;
+    config.max_context = 4096;
+    config.memory_config = {.mode = AllocationMode::kAllocate, .size = 600};
+    config.prefix_cache.enabled = true;
+    if (remote) {
+      config.remote_tier = RemoteTierConfig{.url = "redis://127.0.0.1:" + std::to_string(g_port),
+                                            .model_id = "demo",
+                                            .timeout_ms = 10000};
+    }
+    auto mgr = StateManager::Create(
+        config,
+        {KVCacheConfig{.block_size = kBlockSize,
+                       .cache_shape = {mc.n_layers, mc.n_kv_heads, mc.head_size()},
+                       .cache_dtype = DType::kFloat32,
+                       .max_blocks_per_allocation_group = 256}},
+        CpuDevice(int64_t{1} << 30));
+    blockkv_bench::Check(mgr.status(), "StateManager::Create");
+    manager = std::move(*mgr);
+    auto b = RaggedBatch::Create(*manager);
+    blockkv_bench::Check(b.status(), "RaggedBatch::Create");
+    batch = std::move(*b);
+  }
+  // Schedules `prompt` as `uid` (what the cache gives is taken), runs the model over the rest,
+  // keeps the last token's logits; returns the tokens taken from the cache.
+  int64_t Run(SeqId uid, const std::vector<TokenId>& prompt) {
+    blockkv_bench::Check(manager->AddSequence(uid, prompt).status(), "AddSequence");
+    const SeqId uids[] = {uid};
+    const int64_t lengths[] = {std::ssize(prompt)};
+    blockkv_bench::Check(manager->ScheduleBatch({.uids = uids, .lengths = lengths}, prompt, *batch),
+                         "ScheduleBatch");
+    const Sequence& seq = *manager->GetSequence(uid);
+    const std::span<const TokenId> tokens = std::span(prompt).subspan(
+        static_cast<size_t>(seq.seen_tokens()), static_cast<size_t>(seq.in_flight_tokens()));
+    const int64_t rows[] = {std::ssize(tokens) - 1};
+    logits.resize(static_cast<size_t>(model->config().vocab_size));
+    tool::PagedAttentionBackend paged(*manager, *batch, model->config());
+    blockkv_bench::Check(model->Forward(tokens, paged, rows, logits), "Model::Forward");
+    const int64_t cached = seq.cached_prefix_tokens();
+    blockkv_bench::Check(manager->PostForward(*batch), "PostForward");
+    return cached;
+  }
+  // Forgets the sequence and every cached block: the next Run starts cold.
+  void Reset(SeqId uid) {
+    blockkv_bench::Check(manager->FlushSequence(uid), "FlushSequence");
+    manager->ResetPrefixCache();
+  }
+  std::unique_ptr<tool::Model> model;
+  std::unique_ptr<StateManager> manager;
+  std::unique_ptr<RaggedBatch> batch;
+  std::vector<float> logits;
+};
+
+std::vector<TokenId> DemoPrompt() {
+  std::vector<TokenId> p(kServedTokens + 1);
+  for (size_t i = 0; i < p.size(); ++i) p[i] = static_cast<TokenId>((i * 37 + 11) % 256);
+  return p;
+}
+
+// What a miss costs: the model computes all 2,049 tokens.
+void RecomputePrefix(benchmark::State& state) {
+  DemoEngine engine(/*remote=*/false);
+  const std::vector<TokenId> prompt = DemoPrompt();
+  for (auto _ : state) {
+    if (engine.Run(1, prompt) != 0) state.SkipWithError("a recompute row hit");
+    state.PauseTiming();
+    engine.Reset(1);
+    state.ResumeTiming();
+  }
+  state.counters["tokens_computed"] = static_cast<double>(prompt.size());
+}
+
+// A cold engine serves the 2,048-token prefix from the tier (one MGET of 128 blocks of 32 KiB,
+// verification, copies into fresh blocks) and computes the last token. logit_max_diff: the
+// largest difference between its last-token logits and the recomputing engine's (untimed).
+void ServePrefixFromTier(benchmark::State& state) {
+  const std::vector<TokenId> prompt = DemoPrompt();
+  DemoEngine writer(/*remote=*/true);
+  if (writer.Run(1, prompt) != 0) state.SkipWithError("the writer hit");
+  writer.manager->FlushRemoteTier();
+  const std::vector<float> want = writer.logits;
+  DemoEngine reader(/*remote=*/true);
+  double diff = 0;
+  for (auto _ : state) {
+    if (reader.Run(1, prompt) != kServedTokens) state.SkipWithError("the tier did not serve");
+    state.PauseTiming();
+    for (size_t i = 0; i < want.size(); ++i) {
+      diff = std::max(diff, static_cast<double>(std::abs(reader.logits[i] - want[i])));
+    }
+    reader.Reset(1);
+    state.ResumeTiming();
+  }
+  state.counters["tokens_computed"] = 1;
+  state.counters["logit_max_diff"] = diff;
+  FlushAll();
+}
+
+BENCHMARK(RecomputePrefix)
+    ->Name("serve_vs_recompute/recompute_2048")
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(ServePrefixFromTier)
+    ->Name("serve_vs_recompute/serve_2048")
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();  // the server's share of the work is in the wall time only
 
 }  // namespace
 }  // namespace blockkv

@@ -529,17 +529,49 @@ bool RemoteTier::Store(std::string key, std::string value) {
   return true;
 }
 
-RemoteTier::Fetched RemoteTier::Fetch(std::vector<std::string> keys) {
-  const size_t n = keys.size();
+void RemoteFetchJob::Finish() {
+  {
+    std::lock_guard lock(mu);
+    done = true;
+  }
+  cv.notify_all();
+}
+
+bool RemoteFetchJob::WaitFor(std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mu);
+  return cv.wait_for(lock, timeout, [&] { return done; });
+}
+
+bool RemoteFetchJob::Done() {
+  std::lock_guard lock(mu);
+  return done;
+}
+
+std::shared_ptr<RemoteTier::FetchJob> RemoteTier::FetchAsync(std::vector<std::string> keys) {
   auto job = std::make_shared<FetchJob>();
   job->keys = std::move(keys);
-  std::unique_lock lock(mu_);
+  std::lock_guard lock(mu_);
   fetches_.push_back(job);
   fetch_cv_.notify_one();
-  if (!done_cv_.wait_for(lock, std::chrono::milliseconds(config_.timeout_ms),
-                         [&] { return job->done; })) {
+  return job;
+}
+
+void RemoteTier::Cancel(const std::shared_ptr<FetchJob>& job) {
+  {
+    std::lock_guard lock(mu_);
+    if (std::erase(fetches_, job) == 0) return;  // started (or done): it finishes on its own
+  }
+  job->fetched.values.assign(job->keys.size(), std::string_view());  // off the queue: ours
+  job->fetched.failed.assign(job->keys.size(), 1);
+  job->Finish();
+}
+
+RemoteTier::Fetched RemoteTier::Fetch(std::vector<std::string> keys) {
+  const size_t n = keys.size();
+  const std::shared_ptr<FetchJob> job = FetchAsync(std::move(keys));
+  if (!job->WaitFor(std::chrono::milliseconds(config_.timeout_ms))) {
     // Late: a miss. The worker still runs it if it started (its result is dropped).
-    std::erase(fetches_, job);
+    Cancel(job);
     ++errors_;
     return {.reply = nullptr,
             .values = std::vector<std::string_view>(n),
@@ -599,17 +631,21 @@ void RemoteTier::RunFetches() {
   std::unique_lock lock(mu_);
   while (true) {
     fetch_cv_.wait(lock, [&] { return stop_ || !fetches_.empty(); });
-    if (fetches_.empty()) break;  // stopping
+    if (stop_) {  // closing: a fetch still queued (one asked for ahead) fails at once
+      for (const std::shared_ptr<FetchJob>& job : fetches_) {
+        job->fetched.values.assign(job->keys.size(), std::string_view());
+        job->fetched.failed.assign(job->keys.size(), 1);
+        job->Finish();
+      }
+      fetches_.clear();
+      break;
+    }
     const std::shared_ptr<FetchJob> job = fetches_.front();
     fetches_.pop_front();
-    std::vector<std::string> keys = job->keys;
     lock.unlock();
-    FetchJob result{.keys = std::move(keys), .fetched = {}};
-    DoFetch(fetch_lane_, result);
+    DoFetch(fetch_lane_, *job);  // its keys are fixed once queued; only this writes `fetched`
+    job->Finish();
     lock.lock();
-    job->fetched = std::move(result.fetched);
-    job->done = true;
-    done_cv_.notify_all();
   }
 }
 

@@ -79,6 +79,29 @@ int64_t VerifyRemoteValue(std::string_view value, const RemoteBlockMeta& want);
 // "blockkv:{<fingerprint>:<namespace hash>:<block key>}": hex, one hash tag (one cluster slot).
 std::string RemoteKey(uint64_t fingerprint, std::string_view ns, const BlockHash& key);
 
+class RemoteTier;
+
+// One fetch: its keys, and once `done`, what it got. Shared by the tier's queue, the state
+// manager and RemoteFetchTicket; signals its own completion so that a ticket needs no tier.
+struct RemoteFetchJob {
+  struct Fetched {
+    std::shared_ptr<const void> reply;
+    std::vector<std::string_view> values;
+    std::vector<uint8_t> failed;  // per key: 1 = the command failed (an error, not "none")
+    bool late = false;            // the wait gave up after timeout_ms: every value ""
+  };
+  std::vector<std::string> keys;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;  // guarded by mu; `fetched` is final once it is set
+  Fetched fetched;
+  // Marks it done (the worker wrote `fetched` before) and wakes the waiters.
+  void Finish();
+  // Waits until done, at most `timeout`; whether it is done.
+  bool WaitFor(std::chrono::milliseconds timeout);
+  bool Done();
+};
+
 class RemoteTier {
  public:
   static constexpr size_t kStoreBatch = 64;
@@ -95,14 +118,16 @@ class RemoteTier {
   bool Store(std::string key, std::string value);
   // What a fetch got: the values of its keys ("" for a key with none), views into `reply`
   // (hiredis's own buffers: no copy), which the caller keeps as long as it reads them.
-  struct Fetched {
-    std::shared_ptr<const void> reply;
-    std::vector<std::string_view> values;
-    std::vector<uint8_t> failed;  // per key: 1 = the command failed (an error, not "none")
-    bool late = false;            // the wait gave up after timeout_ms: every value ""
-  };
+  using Fetched = RemoteFetchJob::Fetched;
+  using FetchJob = RemoteFetchJob;
   // The values of `keys`, waiting at most timeout_ms: all "" on a timeout or an error (counted).
   Fetched Fetch(std::vector<std::string> keys);
+  // Queues a fetch of `keys` and returns at once; the job is done when the fetch worker has run
+  // it (every command bounded by timeout_ms), or failed when the tier closes first.
+  std::shared_ptr<FetchJob> FetchAsync(std::vector<std::string> keys);
+  // Late: takes `job` off the queue if it has not started, finishing it as failed (a started
+  // one runs to its end).
+  void Cancel(const std::shared_ptr<FetchJob>& job);
   // Waits until every store queued so far was sent or failed.
   void Drain();
 
@@ -112,11 +137,6 @@ class RemoteTier {
   const RedisUrl& url() const { return url_; }
 
  private:
-  struct FetchJob {
-    std::vector<std::string> keys;
-    Fetched fetched;
-    bool done = false;
-  };
   // One server and the worker's connection to it.
   struct Node {
     std::string host;

@@ -282,8 +282,20 @@ class StateManager::Impl {
   // unreachable server leaves it off with one log line; other failures are returned.
   Status EnableRemoteTier();
   // Continues a run of `run` matched blocks of group 0 from the remote tier, at most `max`
-  // blocks: fetches, verifies and appends the values to remote_values_; returns how many.
+  // blocks: fetches (or takes what FetchRemotePrefix fetched ahead, without waiting), verifies
+  // and appends the values to remote_values_; returns how many.
   int32_t MatchRemote(const SequenceKeys& keys, int32_t run, int32_t max);
+  // MatchRemote's verification of values[offset, offset + max) of `fetched` as blocks run, ...
+  // (remote_keys_ holds their keys); counts the miss that stops it.
+  int32_t AcceptRemote(const SequenceKeys& keys, int32_t run, int32_t max,
+                       const internal::RemoteFetchJob& fetched, size_t offset);
+  // StateManager::FetchRemotePrefix: the job, and the blocks it asks for (none: nullptr, 0).
+  Result<std::pair<std::shared_ptr<internal::RemoteFetchJob>, int32_t>> FetchRemotePrefix(
+      SeqId uid);
+  // Forgets a sequence's fetch ahead, taking it off the queue when it has not started.
+  void DropPrefetch(SequenceKeys& keys);
+  // remote_keys_[0, n): the chain keys of keys' first n blocks of group 0.
+  void RemoteKeys(const SequenceKeys& keys, size_t n);
   // Copies remote_values_[first, first + blocks.size()) into `blocks` (fresh) and publishes them
   // chained on `parent` (what the block before them was published as; nullptr for block 0).
   // `run`: the index of blocks[0] in the sequence; `priority`: the sequence's retention priority.

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "blockkv/state_manager.h"
@@ -31,6 +32,10 @@ struct StateManager::Impl::SequenceKeys {
   int32_t chunks = 0;
   BlockHash chunk_key;
   int32_t checkpointed = 0;
+  // The remote tier's fetch ahead (FetchRemotePrefix) of blocks [prefetch_first, ...), until the
+  // first Schedule takes it.
+  std::shared_ptr<internal::RemoteFetchJob> prefetch;
+  int32_t prefetch_first = 0;
 };
 
 }  // namespace blockkv

@@ -139,6 +139,7 @@ void StateManager::Impl::ResetKeys(int32_t slot) {
   for (SequenceKeys::Group& g : keys.groups) g = {};
   keys.chunks = keys.checkpointed = 0;
   keys.chunk_key = {};
+  DropPrefetch(keys);
 }
 
 void StateManager::Impl::ForkKeys(const Sequence& from, const Sequence& to) {
@@ -146,6 +147,7 @@ void StateManager::Impl::ForkKeys(const Sequence& from, const Sequence& to) {
   SequenceKeys& child = keys_[to.slot_];
   child = keys_[from.slot_];
   child.looked_up = true;
+  child.prefetch = nullptr;  // the parent's, if it has one
 }
 
 // ---- scheduling -------------------------------------------------------------------------------
@@ -298,6 +300,7 @@ const StateManager::Impl::PrefixHit* StateManager::Impl::LookupPrefix(size_t i, 
 void StateManager::Impl::TakePrefix(size_t i, Sequence& seq) {
   SequenceKeys& keys = keys_[seq.slot_];
   keys.looked_up = true;
+  DropPrefetch(keys);  // its values, when taken, are in remote_values_
   const auto index = static_cast<size_t>(hit_index_[i]);
   const PrefixHit& hit = hits_[index];
   const BlockId* blocks = hit_blocks_.data() + hit.first;

@@ -3,7 +3,10 @@
 // following blocks from Redis into fresh blocks, and writing newly published blocks through. The
 // client is remote_tier.cc.
 #include <algorithm>
+#include <chrono>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "blockkv/log.h"
@@ -90,31 +93,112 @@ void StateManager::Impl::FlushRemoteTier() {
   if (remote_ != nullptr) remote_->Drain();
 }
 
-int32_t StateManager::Impl::MatchRemote(const SequenceKeys& keys, int32_t run, int32_t max) {
-  if (max <= 0) return 0;
+void StateManager::Impl::RemoteKeys(const SequenceKeys& keys, size_t n) {
   const auto bs = static_cast<size_t>(kv_block_size(0));
-  const auto end = static_cast<size_t>(run) + static_cast<size_t>(max);
-  remote_keys_.resize(end);
-  for (size_t i = 0; i < end; ++i) {
+  remote_keys_.resize(n);
+  for (size_t i = 0; i < n; ++i) {
     remote_keys_[i] = prefix_->Hash(i == 0 ? nullptr : &remote_keys_[i - 1],
                                     std::span(keys.tokens).subspan(i * bs, bs), keys.extras, i);
   }
+}
+
+void StateManager::Impl::DropPrefetch(SequenceKeys& keys) {
+  if (keys.prefetch == nullptr) return;
+  if (remote_ != nullptr && !keys.prefetch->Done()) remote_->Cancel(keys.prefetch);
+  keys.prefetch = nullptr;
+}
+
+Result<std::pair<std::shared_ptr<internal::RemoteFetchJob>, int32_t>>
+StateManager::Impl::FetchRemotePrefix(SeqId uid) {
+  if (!config_.remote_tier) {
+    return FailedPreconditionError(
+        "FetchRemotePrefix: no remote tier (StateManagerConfig.remote_tier is unset)");
+  }
+  const Sequence* seq = Find(uid);
+  if (seq == nullptr) {
+    return NotFoundError(StrCat("FetchRemotePrefix: sequence ", uid, " is not tracked"));
+  }
+  SequenceKeys& keys = keys_[seq->slot_];
+  if (!keys.registered) {
+    return FailedPreconditionError(StrCat("FetchRemotePrefix: sequence ", uid,
+                                          " was not added with AddSequence: its prompt is "
+                                          "unknown"));
+  }
+  if (keys.looked_up || seq->seen_tokens_ != 0 || seq->groups_[0].allocated != 0) {
+    return FailedPreconditionError(
+        StrCat("FetchRemotePrefix: sequence ", uid,
+               " was scheduled already; its prefix is looked up at its first Schedule"));
+  }
+  std::pair<std::shared_ptr<internal::RemoteFetchJob>, int32_t> none{nullptr, 0};
+  if (remote_ == nullptr) return none;  // the server was unreachable at Create: the tier is off
+  DropPrefetch(keys);
+  // What the device holds now is not fetched; the last known token is always computed. At most
+  // the blocks free now: a fetch lands in host memory until Schedule copies it to fresh blocks.
+  const auto bs = static_cast<int64_t>(kv_block_size(0));
+  const auto known = static_cast<int64_t>(keys.tokens.size());
+  const auto limit = static_cast<int32_t>(known > 0 ? (known - 1) / bs : 0);
+  std::vector<BlockId>& scratch = match_blocks_[0];
+  scratch.assign(static_cast<size_t>(limit), kNoBlock);
+  BlockHash last;
+  const int32_t run =
+      prefix_->Match(0, keys.tokens, keys.ns_id, keys.extras, limit, scratch, &last);
+  const auto count = static_cast<int32_t>(
+      std::min<int64_t>(limit - run, std::max<int64_t>(0, pools_[0].free_blocks())));
+  if (count <= 0) return none;
+  RemoteKeys(keys, static_cast<size_t>(run) + static_cast<size_t>(count));
   std::vector<std::string> names;
-  names.reserve(static_cast<size_t>(max));
-  for (auto i = static_cast<size_t>(run); i < end; ++i) {
+  names.reserve(static_cast<size_t>(count));
+  for (auto i = static_cast<size_t>(run); i < remote_keys_.size(); ++i) {
     names.push_back(internal::RemoteKey(remote_fingerprint_, keys.extras.ns, remote_keys_[i]));
   }
-  internal::RemoteTier::Fetched fetched = remote_->Fetch(std::move(names));
+  keys.prefetch = remote_->FetchAsync(std::move(names));
+  keys.prefetch_first = run;
+  return std::pair{keys.prefetch, count};
+}
+
+int32_t StateManager::Impl::MatchRemote(const SequenceKeys& keys, int32_t run, int32_t max) {
+  if (max <= 0) return 0;
+  using Miss = internal::RemoteTier::Miss;
+  RemoteKeys(keys, static_cast<size_t>(run) + static_cast<size_t>(max));
+  if (keys.prefetch != nullptr) {  // fetched ahead: what has arrived, never a wait
+    internal::RemoteFetchJob& job = *keys.prefetch;
+    if (!job.Done()) {
+      remote_->CountLookup(0, Miss::kLate);
+      return 0;
+    }
+    if (run < keys.prefetch_first) {  // blocks before it were evicted since: the chain breaks
+      remote_->CountLookup(0, Miss::kNotFound);
+      return 0;
+    }
+    const auto skip = static_cast<size_t>(run - keys.prefetch_first);
+    const auto have = static_cast<int64_t>(job.keys.size()) - static_cast<int64_t>(skip);
+    if (have <= 0) return 0;
+    return AcceptRemote(keys, run, static_cast<int32_t>(std::min<int64_t>(max, have)), job, skip);
+  }
+  std::vector<std::string> names;
+  names.reserve(static_cast<size_t>(max));
+  for (auto i = static_cast<size_t>(run); i < remote_keys_.size(); ++i) {
+    names.push_back(internal::RemoteKey(remote_fingerprint_, keys.extras.ns, remote_keys_[i]));
+  }
+  internal::RemoteFetchJob job;
+  job.fetched = remote_->Fetch(std::move(names));
+  return AcceptRemote(keys, run, max, job, 0);
+}
+
+int32_t StateManager::Impl::AcceptRemote(const SequenceKeys& keys, int32_t run, int32_t max,
+                                         const internal::RemoteFetchJob& job, size_t offset) {
+  const internal::RemoteTier::Fetched& fetched = job.fetched;
+  const auto bs = static_cast<size_t>(kv_block_size(0));
   const KVCacheConfig& c = cache_->config(0);
   int32_t n = 0;
   using Miss = internal::RemoteTier::Miss;
   Miss miss = Miss::kNone;
   for (; n < max; ++n) {
-    const std::string_view value = fetched.values[static_cast<size_t>(n)];
+    const std::string_view value = fetched.values[offset + static_cast<size_t>(n)];
     if (value.empty()) {
-      miss = fetched.late                                  ? Miss::kLate
-             : fetched.failed[static_cast<size_t>(n)] != 0 ? Miss::kError
-                                                           : Miss::kNotFound;
+      miss = fetched.late                                           ? Miss::kLate
+             : fetched.failed[offset + static_cast<size_t>(n)] != 0 ? Miss::kError
+                                                                    : Miss::kNotFound;
       break;
     }
     const auto i = static_cast<size_t>(run) + static_cast<size_t>(n);
@@ -212,6 +296,18 @@ void StateManager::Impl::StoreRemote(const SequenceKeys& keys, int32_t index, co
 }
 
 RemoteTierStats StateManager::remote_tier_stats() const { return impl_->remote_tier_stats(); }
+
+Result<RemoteFetchTicket> StateManager::FetchRemotePrefix(SeqId uid) {
+  BLOCKKV_ASSIGN_OR_RETURN(auto job, impl_->FetchRemotePrefix(uid));
+  return RemoteFetchTicket(std::move(job.first), job.second);
+}
+
+bool RemoteFetchTicket::Poll() const { return job_ == nullptr || job_->Done(); }
+
+void RemoteFetchTicket::Wait() const {
+  while (job_ != nullptr && !job_->WaitFor(std::chrono::seconds(1))) {
+  }
+}
 void StateManager::FlushRemoteTier() { impl_->FlushRemoteTier(); }
 
 }  // namespace blockkv

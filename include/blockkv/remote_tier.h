@@ -9,9 +9,14 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <utility>
 
 namespace blockkv {
+namespace internal {
+struct RemoteFetchJob;
+}  // namespace internal
 
 struct RemoteTierConfig {
   // A standalone server: redis://[user:password@]host:port[/db]  (a password alone:
@@ -51,6 +56,29 @@ struct RemoteTierStats {
   int64_t topology_refreshes = 0;    // cluster slot maps read again (CLUSTER SLOTS) after open
   int32_t nodes = 0;                 // servers that own slots (1 for a standalone server)
   bool connected = false;            // both workers' connections to every such server are up
+};
+
+// A fetch from the remote tier in flight (StateManager::FetchRemotePrefix): the blocks of a
+// prompt past its local matches, asked for ahead of its first Schedule, which takes what has
+// arrived by then without waiting (docs/remote_tier.md, "Fetching ahead"). Copyable; outlives
+// the manager safely (a fetch still queued when the tier closes is finished as failed).
+class RemoteFetchTicket {
+ public:
+  RemoteFetchTicket() = default;  // nothing to fetch: done
+  // Whether the values arrived (or the fetch failed: then Schedule counts a miss).
+  bool Poll() const;
+  // Blocks until Poll() is true: at most about the tier's timeout_ms per server it asks.
+  void Wait() const;
+  // Blocks asked for (0: nothing to fetch, e.g. the tier is off or holds nothing past the
+  // local matches).
+  int32_t blocks() const { return blocks_; }
+
+ private:
+  friend class StateManager;
+  RemoteFetchTicket(std::shared_ptr<internal::RemoteFetchJob> job, int32_t blocks)
+      : job_(std::move(job)), blocks_(blocks) {}
+  std::shared_ptr<internal::RemoteFetchJob> job_;
+  int32_t blocks_ = 0;
 };
 
 }  // namespace blockkv

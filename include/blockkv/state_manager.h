@@ -387,6 +387,15 @@ class StateManager {
   // Waits until every block queued for the remote tier so far was stored or failed (each command
   // is bounded by RemoteTierConfig::timeout_ms). Nothing to wait for without the tier.
   void FlushRemoteTier();
+  // Fetches ahead, from the remote tier, the blocks of `uid`'s prompt past those the device holds
+  // now (at most the blocks free now), and returns at once; the sequence's first Schedule takes
+  // what has arrived by then, verified, without waiting, and recomputes the rest (a fetch still
+  // in flight is a late miss). Without it, that Schedule fetches and waits (at most timeout_ms).
+  // An empty ticket when there is nothing to fetch or the tier is off (its server was
+  // unreachable at Create). kFailedPrecondition: no remote tier configured, a sequence not added
+  // with AddSequence, or one scheduled already; kNotFound: not tracked. Flushing the sequence
+  // drops its fetch. docs/remote_tier.md, "Fetching ahead".
+  Result<RemoteFetchTicket> FetchRemotePrefix(SeqId uid);
 
   // ---- sequence transfer (state_manager_transfer.cc; StateManagerConfig.transfer) ----
   // docs/transfer.md has the flow, the descriptor's format and what each failure leaves.

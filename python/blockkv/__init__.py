@@ -53,6 +53,7 @@ from ._blockkv import (
     PrefixCacheConfig,
     PrefixCacheStats,
     RaggedBatchWrapper,
+    RemoteFetchTicket,
     RemoteTierConfig,
     ResourceExhaustedError,
     SchedulingResult,
@@ -94,6 +95,7 @@ __all__ = [
     "PrefixCacheConfig",
     "PrefixCacheStats",
     "RaggedBatchWrapper",
+    "RemoteFetchTicket",
     "RemoteTierConfig",
     "ResourceExhaustedError",
     "SchedulingError",
@@ -116,7 +118,7 @@ __all__ = [
 for _cls in (AllCleared, AllocationMode, BlockedAllocator, BlockedKVCache, BlockRemoved,
              BlockStored, CacheEventBatch, Device, KVCacheConfig, KVEventsConfig, KVEventsStats,
              MemoryConfig, OffloadConfig,
-             OffloadTicket, PrefixCacheConfig, PrefixCacheStats, RaggedBatchWrapper, RemoteTierConfig, ResourceExhaustedError, SchedulingResult,
+             OffloadTicket, PrefixCacheConfig, PrefixCacheStats, RaggedBatchWrapper, RemoteFetchTicket, RemoteTierConfig, ResourceExhaustedError, SchedulingResult,
              SequenceDescriptor, StateManager, StateManagerConfig, Tensor, TransferConfig):
     _cls.__module__ = __name__
 del _cls

@@ -580,6 +580,18 @@ void BindManager(py::module_& m) {
           "(cluster MOVED / ASK followed), topology_refreshes, nodes (servers owning slots), "
           "connected. Zeros without the tier.")
       .def(
+          "fetch_remote_prefix",
+          [](const Manager& self, SeqId uid) {
+            return ValueOrThrow(
+                Locked(self->lock, [&] { return self->manager->FetchRemotePrefix(uid); }));
+          },
+          py::arg("uid"),
+          "Fetches ahead, from the remote tier, the blocks of the prompt of `uid` (added with "
+          "add_sequence, not yet scheduled) past those the device holds, and returns a "
+          "RemoteFetchTicket at once; the first schedule of `uid` takes what has arrived by "
+          "then without waiting and recomputes the rest. ValueError: no remote tier, or the "
+          "sequence was not added with add_sequence, was scheduled, or is not tracked.")
+      .def(
           "flush_remote_tier",
           [](const Manager& self) {
             py::gil_scoped_release release;
@@ -601,7 +613,31 @@ void BindManager(py::module_& m) {
 
 }  // namespace
 
+void BindRemoteFetchTicket(py::module_& m) {
+  py::class_<RemoteFetchTicket>(m, "RemoteFetchTicket",
+                                "A fetch from the remote tier in flight "
+                                "(StateManager.fetch_remote_prefix). Thread-safe.")
+      .def(
+          "poll", [](const RemoteFetchTicket& t) { return t.Poll(); },
+          "True when the values arrived or the fetch failed")
+      .def(
+          "wait",
+          [](const RemoteFetchTicket& t) {
+            py::gil_scoped_release release;
+            t.Wait();
+          },
+          "Blocks (the GIL released) until poll() is true: about the tier's timeout_ms at most")
+      .def_property_readonly(
+          "blocks", [](const RemoteFetchTicket& t) { return t.blocks(); },
+          "Blocks asked for (0: nothing to fetch, or the tier is off)")
+      .def("__repr__", [](const RemoteFetchTicket& t) {
+        return "<blockkv.RemoteFetchTicket blocks=" + std::to_string(t.blocks()) +
+               (t.Poll() ? " done>" : " in flight>");
+      });
+}
+
 void BindStateManager(py::module_& m) {
+  BindRemoteFetchTicket(m);
   BindSchedulingResult(m);
   BindSequence(m);
   BindManager(m);

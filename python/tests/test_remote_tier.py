@@ -182,6 +182,38 @@ def test_two_managers_share_blocks_through_redis(redis_server):
     assert prefill(other, 1, prompt, lambda b: 7).cached_prefix_tokens == 0
 
 
+def test_a_prompt_fetched_ahead_is_taken_by_its_first_schedule(redis_server):
+    url = f"redis://:pw@127.0.0.1:{redis_server}"
+    prompt = list(range(700, 700 + 3 * BLOCK + 1))
+    a = make_manager(blockkv.RemoteTierConfig(url, model_id="m"))
+    prefill(a, 1, prompt, lambda b: 40 + b)
+    a.flush_remote_tier()
+    b = make_manager(blockkv.RemoteTierConfig(url, model_id="m"))
+    seq = b.add_sequence(5, prompt)
+    ticket = b.fetch_remote_prefix(5)
+    assert isinstance(ticket, blockkv.RemoteFetchTicket) and ticket.blocks == 3
+    ticket.wait()
+    assert ticket.poll() and "done" in repr(ticket)
+    b.schedule([5], [len(prompt)])
+    assert seq.cached_prefix_tokens == 3 * BLOCK
+    table = seq.block_table()
+    for layer in caches(b):
+        for i in range(3):
+            assert torch.all(layer[table[i]] == 40 + i)
+    assert b.remote_tier_stats()["hits"] == 3
+    with pytest.raises(ValueError, match="was scheduled already"):
+        b.fetch_remote_prefix(5)
+    with pytest.raises(ValueError, match="sequence 404 is not tracked"):
+        b.fetch_remote_prefix(404)
+    plain = blockkv.StateManager(
+        blockkv.StateManagerConfig(memory_config=allocate(32),
+                                   prefix_cache=blockkv.PrefixCacheConfig()),
+        (kv_config(block_size=BLOCK),), device="cpu")
+    plain.add_sequence(1, prompt)
+    with pytest.raises(ValueError, match="no remote tier"):
+        plain.fetch_remote_prefix(1)
+
+
 def test_two_managers_share_blocks_through_a_cluster(redis_cluster):
     url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in redis_cluster[:2])
     prompt = list(range(700, 700 + 8 * BLOCK + 1))  # 8 full blocks

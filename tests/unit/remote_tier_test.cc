@@ -92,8 +92,11 @@ class Engine {
   }
   // Adds `uid` with `prompt`, computes what the cache does not give (writing each block it
   // computes), and returns the tokens taken from the cache.
-  int64_t Prefill(SeqId uid, const std::vector<TokenId>& prompt, const std::string& ns = "") {
-    EXPECT_TRUE(mgr->AddSequence(uid, prompt, {.keys = {.ns = ns}}).ok());
+  int64_t Prefill(SeqId uid, const std::vector<TokenId>& prompt, const std::string& ns = "",
+                  bool add = true) {
+    if (add) {
+      EXPECT_TRUE(mgr->AddSequence(uid, prompt, {.keys = {.ns = ns}}).ok());
+    }
     const SeqId uids[] = {uid};
     const int64_t lengths[] = {static_cast<int64_t>(prompt.size())};
     const Status s = mgr->Schedule({.uids = uids, .lengths = lengths});
@@ -623,6 +626,110 @@ TEST(RemoteTierTest, AReshardedSlotIsFollowedThroughAskThenMoved) {
   EXPECT_EQ(s.redirects, 1);
   EXPECT_EQ(s.topology_refreshes, 1);
   EXPECT_TRUE(s.connected);
+}
+
+TEST(RemoteTierTest, APromptFetchedAheadIsTakenByScheduleWithoutWaiting) {
+  RedisServer server;
+  const std::vector<TokenId> prompt = Prompt(100, 17);  // 4 full blocks, 1 token left
+  auto a = Engine::Make({.url = server.url(), .model_id = "m"});
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->Prefill(1, prompt), 0);
+  a->mgr->FlushRemoteTier();
+  // A fetch at Schedule would wait a minute for the stalled server below, and miss.
+  auto b = Engine::Make({.url = server.url(), .model_id = "m", .timeout_ms = 60000});
+  ASSERT_NE(b, nullptr);
+  ASSERT_TRUE(b->mgr->AddSequence(7, prompt).ok());
+  Result<RemoteFetchTicket> ticket = b->mgr->FetchRemotePrefix(7);
+  ASSERT_TRUE(ticket.ok()) << ticket.status();
+  EXPECT_EQ(ticket->blocks(), 4);
+  ticket->Wait();
+  EXPECT_TRUE(ticket->Poll());
+  server.Stop();
+  const Resume resume{server};
+  // The values are here: Schedule takes them, verified, and asks the server nothing.
+  EXPECT_EQ(b->Prefill(7, prompt, "", /*add=*/false), 16);
+  b->ExpectPrefixData(7, prompt, 4);
+  const RemoteTierStats s = b->mgr->remote_tier_stats();
+  EXPECT_EQ(s.hits, 4);
+  EXPECT_EQ(s.misses, 0);
+  EXPECT_EQ(s.fetched_bytes, a->mgr->remote_tier_stats().stored_bytes);
+  server.Continue();
+}
+
+TEST(RemoteTierTest, AFetchAheadStillInFlightIsALateMissAndRecomputed) {
+  RedisServer server;
+  const std::vector<TokenId> prompt = Prompt(100, 17);
+  auto a = Engine::Make({.url = server.url(), .model_id = "m"});
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->Prefill(1, prompt), 0);
+  a->mgr->FlushRemoteTier();
+  auto b = Engine::Make({.url = server.url(), .model_id = "m", .timeout_ms = 60000});
+  ASSERT_NE(b, nullptr);
+  server.Stop();  // the fetch cannot land until the server goes on
+  const Resume resume{server};
+  ASSERT_TRUE(b->mgr->AddSequence(7, prompt).ok());
+  Result<RemoteFetchTicket> ticket = b->mgr->FetchRemotePrefix(7);
+  ASSERT_TRUE(ticket.ok()) << ticket.status();
+  EXPECT_EQ(ticket->blocks(), 4);
+  EXPECT_FALSE(ticket->Poll());
+  // Schedule does not wait for it: a late miss, every block computed here.
+  EXPECT_EQ(b->Prefill(7, prompt, "", /*add=*/false), 0);
+  b->ExpectPrefixData(7, prompt, 4);
+  RemoteTierStats s = b->mgr->remote_tier_stats();
+  EXPECT_EQ(s.hits, 0);
+  EXPECT_EQ(s.misses, 1);
+  EXPECT_EQ(s.misses_late, 1);
+  server.Continue();
+  ticket->Wait();  // it lands, and is dropped: the sequence computed its blocks
+  EXPECT_TRUE(ticket->Poll());
+  b->ExpectPrefixData(7, prompt, 4);
+  // A fetch queued behind it and dropped with its sequence is finished, not left hanging.
+  ASSERT_TRUE(b->mgr->AddSequence(8, Prompt(900, 9)).ok());
+  Result<RemoteFetchTicket> dropped = b->mgr->FetchRemotePrefix(8);
+  ASSERT_TRUE(dropped.ok()) << dropped.status();
+  ASSERT_TRUE(b->mgr->FlushSequence(8).ok());
+  dropped->Wait();
+  EXPECT_TRUE(dropped->Poll());
+}
+
+TEST(RemoteTierTest, FetchingAheadIsRefusedWhereItCannotServeAndChangesNothing) {
+  RedisServer server;
+  auto b = Engine::Make({.url = server.url(), .model_id = "m"});
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(b->mgr->FetchRemotePrefix(99).status().code(), StatusCode::kNotFound);
+  ASSERT_TRUE(b->mgr->GetOrCreateSequence(5).ok());
+  Status s = b->mgr->FetchRemotePrefix(5).status();
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("was not added with AddSequence"), std::string::npos) << s;
+  const std::vector<TokenId> prompt = Prompt(100, 17);
+  EXPECT_EQ(b->Prefill(6, prompt), 0);
+  s = b->mgr->FetchRemotePrefix(6).status();
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("was scheduled already"), std::string::npos) << s;
+  // Nothing past the local matches: an empty ticket (sequence 6's blocks are on the device).
+  ASSERT_TRUE(b->mgr->AddSequence(7, prompt).ok());
+  Result<RemoteFetchTicket> none = b->mgr->FetchRemotePrefix(7);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(none->blocks(), 0);
+  EXPECT_TRUE(none->Poll());
+  ASSERT_TRUE(b->mgr->AddSequence(8, Prompt(500, 3)).ok());  // under a block and a token
+  EXPECT_EQ(b->mgr->FetchRemotePrefix(8)->blocks(), 0);
+  EXPECT_TRUE(b->mgr->CheckInvariants().ok());
+  // A manager without a tier.
+  StateManagerConfig config;
+  config.prefix_cache.enabled = true;
+  config.memory_config = {.mode = AllocationMode::kAllocate, .size = 32};
+  auto plain = StateManager::Create(config,
+                                    {KVCacheConfig{.block_size = kBlockSize,
+                                                   .cache_shape = {1, 1, 8},
+                                                   .cache_dtype = DType::kFloat32,
+                                                   .max_blocks_per_allocation_group = 32}},
+                                    CpuDevice(16 << 20));
+  ASSERT_TRUE(plain.ok()) << plain.status().message();
+  ASSERT_TRUE((*plain)->AddSequence(1, prompt).ok());
+  s = (*plain)->FetchRemotePrefix(1).status();
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("no remote tier"), std::string::npos) << s;
 }
 
 TEST(RemoteTierTest, ClusterUrlsParseAndBadOnesNameTheBadPart) {
