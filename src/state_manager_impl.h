@@ -285,9 +285,14 @@ class StateManager::Impl {
   // blocks: fetches (or takes what FetchRemotePrefix fetched ahead, without waiting), verifies
   // and appends the values to remote_values_; returns how many.
   int32_t MatchRemote(const SequenceKeys& keys, int32_t run, int32_t max);
-  // MatchRemote's verification of values[offset, offset + max) of `fetched` as blocks run, ...
-  // (remote_keys_ holds their keys); counts the miss that stops it.
-  int32_t AcceptRemote(const SequenceKeys& keys, int32_t run, int32_t max,
+  // Blocks [first, first + count) of a sequence.
+  struct BlockRange {
+    int32_t first = 0;
+    int32_t count = 0;
+  };
+  // MatchRemote's verification of values[offset, offset + blocks.count) of `fetched` as the
+  // sequence's `blocks` (remote_keys_ holds their keys); counts the miss that stops it.
+  int32_t AcceptRemote(const SequenceKeys& keys, BlockRange blocks,
                        const internal::RemoteFetchJob& fetched, size_t offset);
   // StateManager::FetchRemotePrefix: the job, and the blocks it asks for (none: nullptr, 0).
   Result<std::pair<std::shared_ptr<internal::RemoteFetchJob>, int32_t>> FetchRemotePrefix(

@@ -173,7 +173,9 @@ int32_t StateManager::Impl::MatchRemote(const SequenceKeys& keys, int32_t run, i
     const auto skip = static_cast<size_t>(run - keys.prefetch_first);
     const auto have = static_cast<int64_t>(job.keys.size()) - static_cast<int64_t>(skip);
     if (have <= 0) return 0;
-    return AcceptRemote(keys, run, static_cast<int32_t>(std::min<int64_t>(max, have)), job, skip);
+    return AcceptRemote(keys,
+                        {.first = run, .count = static_cast<int32_t>(std::min<int64_t>(max, have))},
+                        job, skip);
   }
   std::vector<std::string> names;
   names.reserve(static_cast<size_t>(max));
@@ -182,11 +184,13 @@ int32_t StateManager::Impl::MatchRemote(const SequenceKeys& keys, int32_t run, i
   }
   internal::RemoteFetchJob job;
   job.fetched = remote_->Fetch(std::move(names));
-  return AcceptRemote(keys, run, max, job, 0);
+  return AcceptRemote(keys, {.first = run, .count = max}, job, 0);
 }
 
-int32_t StateManager::Impl::AcceptRemote(const SequenceKeys& keys, int32_t run, int32_t max,
+int32_t StateManager::Impl::AcceptRemote(const SequenceKeys& keys, BlockRange blocks,
                                          const internal::RemoteFetchJob& job, size_t offset) {
+  const int32_t run = blocks.first;
+  const int32_t max = blocks.count;
   const internal::RemoteTier::Fetched& fetched = job.fetched;
   const auto bs = static_cast<size_t>(kv_block_size(0));
   const KVCacheConfig& c = cache_->config(0);
