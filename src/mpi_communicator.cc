@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "blockkv/mpi_communicator.h"
 
+#include <limits>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -71,6 +73,22 @@ Result<int64_t> MpiCommunicator::AllReduceMin(int64_t value) {
     return MpiError(StrCat("MPI_Allreduce(MIN) on rank ", rank_, " of ", world_size_), error);
   }
   return min;
+}
+
+Status MpiCommunicator::AllReduceMinEach(std::span<int64_t> values) {
+  BLOCKKV_RETURN_IF_ERROR(CheckMpiIsRunning("MpiCommunicator::AllReduceMinEach"));
+  if (values.size() > static_cast<size_t>(std::numeric_limits<int>::max())) {
+    return InvalidArgumentError(StrCat("MpiCommunicator::AllReduceMinEach: ", values.size(),
+                                       " values, more than an MPI count holds"));
+  }
+  if (int error = MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()),
+                                MPI_INT64_T, MPI_MIN, comm_);
+      error != MPI_SUCCESS) {
+    return MpiError(
+        StrCat("MPI_Allreduce(MIN) of ", values.size(), " on rank ", rank_, " of ", world_size_),
+        error);
+  }
+  return Status::Ok();
 }
 
 Status MpiCommunicator::Barrier() {

@@ -469,11 +469,13 @@ CacheEventBatch PrefixCache::DrainEvents() {
   return batch;
 }
 
-void PrefixCache::RecordLookup(int32_t ns_id, int64_t queried_tokens, int64_t hit_tokens) {
+void PrefixCache::RecordLookup(int32_t ns_id, const PrefixCacheStats& lookup) {
   PrefixCacheStats& s = ns_stats_[static_cast<size_t>(ns_id)];
-  ++s.lookups;
-  s.queried_tokens += queried_tokens;
-  s.hit_tokens += hit_tokens;
+  s.lookups += lookup.lookups;
+  s.queried_tokens += lookup.queried_tokens;
+  s.hit_tokens += lookup.hit_tokens;
+  s.host_hit_tokens += lookup.host_hit_tokens;
+  s.remote_hit_tokens += lookup.remote_hit_tokens;
 }
 
 PrefixCacheStats PrefixCache::stats(std::string_view ns) const {
@@ -488,6 +490,8 @@ PrefixCacheStats PrefixCache::total_stats() const {
     total.queried_tokens += s.queried_tokens;
     total.hit_tokens += s.hit_tokens;
     total.evictions += s.evictions;
+    total.host_hit_tokens += s.host_hit_tokens;
+    total.remote_hit_tokens += s.remote_hit_tokens;
   }
   return total;
 }

@@ -603,6 +603,9 @@ void RemoteTier::CountLookup(int64_t hits, Miss miss) {
     case Miss::kLate:
       ++late_;
       break;
+    case Miss::kOtherRank:
+      ++other_rank_;
+      break;
   }
   ++misses_;
 }
@@ -614,6 +617,7 @@ RemoteTierStats RemoteTier::stats() const {
           .misses_verify_failed = verify_failed_,
           .misses_error = miss_error_,
           .misses_late = late_,
+          .misses_other_rank = other_rank_,
           .invalid = verify_failed_,
           .fetched_bytes = fetched_bytes_,
           .stored = stored_,

@@ -131,7 +131,7 @@ class RemoteTier {
   // Waits until every store queued so far was sent or failed.
   void Drain();
 
-  enum class Miss { kNone, kNotFound, kVerifyFailed, kError, kLate };
+  enum class Miss { kNone, kNotFound, kVerifyFailed, kError, kLate, kOtherRank };
   void CountLookup(int64_t hits, Miss miss);
   RemoteTierStats stats() const;
   const RedisUrl& url() const { return url_; }
@@ -202,8 +202,8 @@ class RemoteTier {
   bool stop_ = false;
 
   std::atomic<int64_t> hits_{0}, misses_{0}, not_found_{0}, verify_failed_{0}, miss_error_{0},
-      late_{0}, fetched_bytes_{0}, stored_{0}, stored_bytes_{0}, dropped_{0}, errors_{0},
-      reconnects_{0}, redirects_{0}, refreshes_{0};
+      late_{0}, other_rank_{0}, fetched_bytes_{0}, stored_{0}, stored_bytes_{0}, dropped_{0},
+      errors_{0}, reconnects_{0}, redirects_{0}, refreshes_{0};
   std::thread fetch_worker_;
   std::thread store_worker_;
 };

@@ -23,12 +23,12 @@
 #include "blockkv/prefix_cache.h"
 #include "blockkv/ragged_batch.h"
 #include "blockkv/state_manager.h"
+#include "remote_tier.h"
 
 namespace blockkv {
 namespace internal {
 class BlockSize;
 class PrefixHostTier;
-class RemoteTier;
 class TransferEndpoint;
 class UidMap;
 }  // namespace internal
@@ -283,17 +283,35 @@ class StateManager::Impl {
   Status EnableRemoteTier();
   // Continues a run of `run` matched blocks of group 0 from the remote tier, at most `max`
   // blocks: fetches (or takes what FetchRemotePrefix fetched ahead, without waiting), verifies
-  // and appends the values to remote_values_; returns how many.
+  // and appends the values to remote_values_; returns how many. With tp_size > 1 only a fetch
+  // ahead is taken (the ranks agreed on it: AgreeRemotePrefix), never a fetch of its own.
   int32_t MatchRemote(const SequenceKeys& keys, int32_t run, int32_t max);
   // Blocks [first, first + count) of a sequence.
   struct BlockRange {
     int32_t first = 0;
     int32_t count = 0;
   };
-  // MatchRemote's verification of values[offset, offset + blocks.count) of `fetched` as the
-  // sequence's `blocks` (remote_keys_ holds their keys); counts the miss that stops it.
-  int32_t AcceptRemote(const SequenceKeys& keys, BlockRange blocks,
-                       const internal::RemoteFetchJob& fetched, size_t offset);
+  struct RemoteValue {
+    std::shared_ptr<const void> reply;  // owns `value` (hiredis's reply)
+    std::string_view value;             // as fetched and verified
+    size_t payload = 0;                 // offset of the block's bytes in it
+  };
+  struct Verified {
+    int32_t blocks = 0;                                                   // leading ones verified
+    internal::RemoteTier::Miss miss = internal::RemoteTier::Miss::kNone;  // what stopped them
+  };
+  // Verifies values[offset, offset + blocks.count) of `fetched` as the sequence's `blocks`
+  // (remote_keys_ holds their keys), appending each verified one to `out` when given.
+  Verified VerifyRemote(const SequenceKeys& keys, BlockRange blocks,
+                        const internal::RemoteTier::Fetched& fetched, size_t offset,
+                        std::vector<RemoteValue>* out);
+  // StateManager::RemotePrefixOffer / AgreeRemotePrefix (docs/remote_tier.md, "Tensor
+  // parallelism"). `who` names the caller in errors.
+  Status CheckAgreeable(std::span<const SeqId> uids, std::string_view who) const;
+  RemotePrefixVote RemotePrefixOffer(std::span<const SeqId> uids);
+  Result<std::vector<int32_t>> AgreeRemotePrefix(const RemotePrefixVote& reduced);
+  // The leading blocks of group 0 the device holds of `keys`' prompt, short of its last token.
+  int32_t DeviceRun(const SequenceKeys& keys);
   // StateManager::FetchRemotePrefix: the job, and the blocks it asks for (none: nullptr, 0).
   Result<std::pair<std::shared_ptr<internal::RemoteFetchJob>, int32_t>> FetchRemotePrefix(
       SeqId uid);
@@ -401,11 +419,6 @@ class StateManager::Impl {
   // The remote tier (remote_tier.h) when configured and reachable at Create.
   std::unique_ptr<internal::RemoteTier> remote_;
   uint64_t remote_fingerprint_ = 0;
-  struct RemoteValue {
-    std::shared_ptr<const void> reply;  // owns `value` (hiredis's reply)
-    std::string_view value;             // as fetched and verified
-    size_t payload = 0;                 // offset of the block's bytes in it
-  };
   std::vector<RemoteValue> remote_values_;  // this call's remote hits
   std::vector<BlockHash> remote_keys_;      // scratch: a lookup's chain keys
 

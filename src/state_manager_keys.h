@@ -36,6 +36,10 @@ struct StateManager::Impl::SequenceKeys {
   // first Schedule takes it.
   std::shared_ptr<internal::RemoteFetchJob> prefetch;
   int32_t prefetch_first = 0;
+  // AgreeRemotePrefix: the leading blocks of group 0 its first Schedule may take (the hit every
+  // tensor-parallel rank holds); -1: not agreed. Forgotten with the fetch ahead.
+  int32_t agreed = -1;
+  int32_t offered = 0;  // what this rank offered (RemotePrefixOffer), to count a cut as a miss
 };
 
 }  // namespace blockkv

@@ -148,6 +148,7 @@ void StateManager::Impl::ForkKeys(const Sequence& from, const Sequence& to) {
   child = keys_[from.slot_];
   child.looked_up = true;
   child.prefetch = nullptr;  // the parent's, if it has one
+  child.agreed = -1;
 }
 
 // ---- scheduling -------------------------------------------------------------------------------
@@ -183,7 +184,9 @@ const StateManager::Impl::PrefixHit* StateManager::Impl::LookupPrefix(size_t i, 
   size_t remote_first = 0;
   for (int g = 0; g < num_groups(); ++g) {
     std::vector<BlockId>& blocks = match_blocks_[static_cast<size_t>(g)];
-    const auto limit = static_cast<int32_t>(cap / prefix_->block_size(g));
+    auto limit = static_cast<int32_t>(cap / prefix_->block_size(g));
+    // Tensor-parallel ranks agreed on the hit (AgreeRemotePrefix; one group).
+    if (keys.agreed >= 0) limit = std::min(limit, keys.agreed);
     blocks.assign(static_cast<size_t>(limit), kNoBlock);
     if (g == checkpoint_group_) {
       MatchCheckpoints(keys, limit);
@@ -323,7 +326,12 @@ void StateManager::Impl::TakePrefix(size_t i, Sequence& seq) {
   }
   seq.seen_tokens_ = hit.tokens;
   seq.cached_prefix_tokens_ = hit.tokens;
-  prefix_->RecordLookup(keys.ns_id, static_cast<int64_t>(keys.tokens.size()), hit.tokens);
+  const int64_t bs = kv_block_size(0);  // promotions are of group 0 (one group, no window)
+  prefix_->RecordLookup(keys.ns_id, {.lookups = 1,
+                                     .queried_tokens = static_cast<int64_t>(keys.tokens.size()),
+                                     .hit_tokens = hit.tokens,
+                                     .host_hit_tokens = int64_t{hit.promoted - hit.remote} * bs,
+                                     .remote_hit_tokens = int64_t{hit.remote} * bs});
 }
 
 void StateManager::Impl::ShareHitBlocks(bool share) {

@@ -4,7 +4,9 @@
 // client is remote_tier.cc.
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -103,6 +105,7 @@ void StateManager::Impl::RemoteKeys(const SequenceKeys& keys, size_t n) {
 }
 
 void StateManager::Impl::DropPrefetch(SequenceKeys& keys) {
+  keys.agreed = -1;
   if (keys.prefetch == nullptr) return;
   if (remote_ != nullptr && !keys.prefetch->Done()) remote_->Cancel(keys.prefetch);
   keys.prefetch = nullptr;
@@ -137,11 +140,7 @@ StateManager::Impl::FetchRemotePrefix(SeqId uid) {
   const auto bs = static_cast<int64_t>(kv_block_size(0));
   const auto known = static_cast<int64_t>(keys.tokens.size());
   const auto limit = static_cast<int32_t>(known > 0 ? (known - 1) / bs : 0);
-  std::vector<BlockId>& scratch = match_blocks_[0];
-  scratch.assign(static_cast<size_t>(limit), kNoBlock);
-  BlockHash last;
-  const int32_t run =
-      prefix_->Match(0, keys.tokens, keys.ns_id, keys.extras, limit, scratch, &last);
+  const int32_t run = DeviceRun(keys);
   const auto count = static_cast<int32_t>(
       std::min<int64_t>(limit - run, std::max<int64_t>(0, pools_[0].free_blocks())));
   if (count <= 0) return none;
@@ -156,10 +155,23 @@ StateManager::Impl::FetchRemotePrefix(SeqId uid) {
   return std::pair{keys.prefetch, count};
 }
 
+int32_t StateManager::Impl::DeviceRun(const SequenceKeys& keys) {
+  const auto bs = static_cast<int64_t>(kv_block_size(0));
+  const auto known = static_cast<int64_t>(keys.tokens.size());
+  const auto limit = static_cast<int32_t>(known > 0 ? (known - 1) / bs : 0);
+  std::vector<BlockId>& scratch = match_blocks_[0];
+  scratch.assign(static_cast<size_t>(limit), kNoBlock);
+  BlockHash last;
+  return prefix_->Match(0, keys.tokens, keys.ns_id, keys.extras, limit, scratch, &last);
+}
+
 int32_t StateManager::Impl::MatchRemote(const SequenceKeys& keys, int32_t run, int32_t max) {
   if (max <= 0) return 0;
+  // Tensor-parallel ranks take only what they agreed on (AgreeRemotePrefix capped `max`).
+  if (config_.remote_tier->tp_size > 1 && (keys.prefetch == nullptr || keys.agreed < 0)) return 0;
   using Miss = internal::RemoteTier::Miss;
   RemoteKeys(keys, static_cast<size_t>(run) + static_cast<size_t>(max));
+  Verified got;
   if (keys.prefetch != nullptr) {  // fetched ahead: what has arrived, never a wait
     internal::RemoteFetchJob& job = *keys.prefetch;
     if (!job.Done()) {
@@ -173,39 +185,39 @@ int32_t StateManager::Impl::MatchRemote(const SequenceKeys& keys, int32_t run, i
     const auto skip = static_cast<size_t>(run - keys.prefetch_first);
     const auto have = static_cast<int64_t>(job.keys.size()) - static_cast<int64_t>(skip);
     if (have <= 0) return 0;
-    return AcceptRemote(keys,
-                        {.first = run, .count = static_cast<int32_t>(std::min<int64_t>(max, have))},
-                        job, skip);
+    got = VerifyRemote(keys,
+                       {.first = run, .count = static_cast<int32_t>(std::min<int64_t>(max, have))},
+                       job.fetched, skip, &remote_values_);
+  } else {
+    std::vector<std::string> names;
+    names.reserve(static_cast<size_t>(max));
+    for (auto i = static_cast<size_t>(run); i < remote_keys_.size(); ++i) {
+      names.push_back(internal::RemoteKey(remote_fingerprint_, keys.extras.ns, remote_keys_[i]));
+    }
+    const internal::RemoteTier::Fetched fetched = remote_->Fetch(std::move(names));
+    got = VerifyRemote(keys, {.first = run, .count = max}, fetched, 0, &remote_values_);
   }
-  std::vector<std::string> names;
-  names.reserve(static_cast<size_t>(max));
-  for (auto i = static_cast<size_t>(run); i < remote_keys_.size(); ++i) {
-    names.push_back(internal::RemoteKey(remote_fingerprint_, keys.extras.ns, remote_keys_[i]));
-  }
-  internal::RemoteFetchJob job;
-  job.fetched = remote_->Fetch(std::move(names));
-  return AcceptRemote(keys, {.first = run, .count = max}, job, 0);
+  remote_->CountLookup(0, got.miss);
+  return got.blocks;
 }
 
-int32_t StateManager::Impl::AcceptRemote(const SequenceKeys& keys, BlockRange blocks,
-                                         const internal::RemoteFetchJob& job, size_t offset) {
-  const int32_t run = blocks.first;
-  const int32_t max = blocks.count;
-  const internal::RemoteTier::Fetched& fetched = job.fetched;
+StateManager::Impl::Verified StateManager::Impl::VerifyRemote(
+    const SequenceKeys& keys, BlockRange blocks, const internal::RemoteTier::Fetched& fetched,
+    size_t offset, std::vector<RemoteValue>* out) {
+  using Miss = internal::RemoteTier::Miss;
   const auto bs = static_cast<size_t>(kv_block_size(0));
   const KVCacheConfig& c = cache_->config(0);
-  int32_t n = 0;
-  using Miss = internal::RemoteTier::Miss;
-  Miss miss = Miss::kNone;
-  for (; n < max; ++n) {
-    const std::string_view value = fetched.values[offset + static_cast<size_t>(n)];
+  Verified got;
+  for (; got.blocks < blocks.count; ++got.blocks) {
+    const size_t at = offset + static_cast<size_t>(got.blocks);
+    const std::string_view value = fetched.values[at];
     if (value.empty()) {
-      miss = fetched.late                                           ? Miss::kLate
-             : fetched.failed[offset + static_cast<size_t>(n)] != 0 ? Miss::kError
-                                                                    : Miss::kNotFound;
+      got.miss = fetched.late              ? Miss::kLate
+                 : fetched.failed[at] != 0 ? Miss::kError
+                                           : Miss::kNotFound;
       break;
     }
-    const auto i = static_cast<size_t>(run) + static_cast<size_t>(n);
+    const auto i = static_cast<size_t>(blocks.first) + static_cast<size_t>(got.blocks);
     const internal::RemoteBlockMeta want{
         .fingerprint = remote_fingerprint_,
         .key = remote_keys_[i],
@@ -218,14 +230,124 @@ int32_t StateManager::Impl::AcceptRemote(const SequenceKeys& keys, BlockRange bl
         .payload_bytes = static_cast<uint64_t>(c.num_caches() * LayerBlockBytes(c))};
     const int64_t payload = internal::VerifyRemoteValue(value, want);
     if (payload < 0) {
-      miss = Miss::kVerifyFailed;
+      got.miss = Miss::kVerifyFailed;
       break;
     }
-    remote_values_.push_back(
-        {.reply = fetched.reply, .value = value, .payload = static_cast<size_t>(payload)});
+    if (out != nullptr) {
+      out->push_back(
+          {.reply = fetched.reply, .value = value, .payload = static_cast<size_t>(payload)});
+    }
   }
-  remote_->CountLookup(0, miss);
-  return n;
+  return got;
+}
+
+// ---- tensor-parallel agreement ----------------------------------------------------------------
+// A vote's values: {ok, h, -h, end_0, ..., end_n-1}. ok is 0 on a rank that refused the call;
+// h a hash of the uids, so that min(h) == -min(-h) exactly when every rank passed the same ones;
+// end_i the leading blocks of uid i this rank holds (device, then verified fetched values).
+
+namespace {
+
+constexpr size_t kVoteHeader = 3;
+
+int64_t UidsHash(std::span<const SeqId> uids) {
+  // Non-negative, so that its negation is too.
+  return static_cast<int64_t>(XXH3_64bits(uids.data(), uids.size_bytes()) >> 2);
+}
+
+}  // namespace
+
+Status StateManager::Impl::CheckAgreeable(std::span<const SeqId> uids, std::string_view who) const {
+  if (!config_.remote_tier) {
+    return FailedPreconditionError(
+        StrCat(who, ": no remote tier (StateManagerConfig.remote_tier is unset)"));
+  }
+  for (size_t i = 0; i < uids.size(); ++i) {
+    const Sequence* seq = Find(uids[i]);
+    if (seq == nullptr)
+      return NotFoundError(StrCat(who, ": sequence ", uids[i], " is not tracked"));
+    const SequenceKeys& keys = keys_[seq->slot_];
+    if (!keys.registered) {
+      return FailedPreconditionError(StrCat(who, ": sequence ", uids[i],
+                                            " was not added with AddSequence: its prompt is "
+                                            "unknown"));
+    }
+    if (keys.looked_up || seq->seen_tokens_ != 0 || seq->groups_[0].allocated != 0) {
+      return FailedPreconditionError(StrCat(who, ": sequence ", uids[i], " was scheduled already"));
+    }
+    if (std::find(uids.begin(), uids.begin() + static_cast<std::ptrdiff_t>(i), uids[i]) !=
+        uids.begin() + static_cast<std::ptrdiff_t>(i)) {
+      return InvalidArgumentError(StrCat(who, ": sequence ", uids[i], " is given twice"));
+    }
+  }
+  return Status::Ok();
+}
+
+RemotePrefixVote StateManager::Impl::RemotePrefixOffer(std::span<const SeqId> uids) {
+  RemotePrefixVote vote{.uids = {uids.begin(), uids.end()},
+                        .values = std::vector<int64_t>(kVoteHeader + uids.size(), 0)};
+  const int64_t h = UidsHash(uids);
+  vote.values[1] = h;
+  vote.values[2] = -h;
+  if (!CheckAgreeable(uids, "RemotePrefixOffer").ok()) return vote;  // ok = 0
+  vote.values[0] = 1;
+  for (size_t i = 0; i < uids.size(); ++i) {
+    SequenceKeys& keys = keys_[Find(uids[i])->slot_];
+    const int32_t run = DeviceRun(keys);
+    int64_t end = run;
+    if (remote_ != nullptr && keys.prefetch != nullptr && keys.prefetch_first <= run) {
+      internal::RemoteFetchJob& job = *keys.prefetch;
+      while (!job.WaitFor(std::chrono::seconds(1))) {
+      }
+      const auto skip = static_cast<size_t>(run - keys.prefetch_first);
+      const auto have = static_cast<int64_t>(job.keys.size()) - static_cast<int64_t>(skip);
+      if (have > 0) {
+        RemoteKeys(keys, static_cast<size_t>(run + have));
+        end += VerifyRemote(keys, {.first = run, .count = static_cast<int32_t>(have)}, job.fetched,
+                            skip, nullptr)
+                   .blocks;
+      }
+    }
+    vote.values[kVoteHeader + i] = end;
+    keys.offered = static_cast<int32_t>(end);
+  }
+  return vote;
+}
+
+Result<std::vector<int32_t>> StateManager::Impl::AgreeRemotePrefix(
+    const RemotePrefixVote& reduced) {
+  const std::span<const SeqId> uids = reduced.uids;
+  const std::span<const int64_t> v = reduced.values;
+  if (v.size() != kVoteHeader + uids.size()) {
+    return InvalidArgumentError(StrCat("AgreeRemotePrefix: ", v.size(), " values for ", uids.size(),
+                                       " uids; RemotePrefixOffer gives ",
+                                       kVoteHeader + uids.size()));
+  }
+  BLOCKKV_RETURN_IF_ERROR(CheckAgreeable(uids, "AgreeRemotePrefix"));
+  if (v[0] != 1) {
+    return FailedPreconditionError(
+        "AgreeRemotePrefix: another tensor-parallel rank refused the agreement (its own error "
+        "names why); nothing was agreed");
+  }
+  if (v[1] != -v[2] || v[1] != UidsHash(uids)) {
+    return FailedPreconditionError(
+        StrCat("AgreeRemotePrefix: the tensor-parallel ranks passed different sequences (",
+               uids.size(), " uids here); every rank must pass the same uids in the same order"));
+  }
+  std::vector<int32_t> agreed(uids.size());
+  for (size_t i = 0; i < uids.size(); ++i) {
+    agreed[i] = static_cast<int32_t>(
+        std::clamp<int64_t>(v[kVoteHeader + i], 0, std::numeric_limits<int32_t>::max()));
+  }
+  for (size_t i = 0; i < uids.size(); ++i) {
+    SequenceKeys& keys = keys_[Find(uids[i])->slot_];
+    keys.agreed = agreed[i];
+    // Another rank lacked a block this one holds: a miss of this rank's lookup.
+    if (remote_ != nullptr && agreed[i] < keys.offered) {
+      remote_->CountLookup(0, internal::RemoteTier::Miss::kOtherRank);
+    }
+  }
+  return agreed;
 }
 
 Status StateManager::Impl::PlaceRemote(const SequenceKeys& keys, size_t first,
@@ -304,6 +426,30 @@ RemoteTierStats StateManager::remote_tier_stats() const { return impl_->remote_t
 Result<RemoteFetchTicket> StateManager::FetchRemotePrefix(SeqId uid) {
   BLOCKKV_ASSIGN_OR_RETURN(auto job, impl_->FetchRemotePrefix(uid));
   return RemoteFetchTicket(std::move(job.first), job.second);
+}
+
+RemotePrefixVote StateManager::RemotePrefixOffer(std::span<const SeqId> uids) {
+  return impl_->RemotePrefixOffer(uids);
+}
+
+Result<std::vector<int32_t>> StateManager::AgreeRemotePrefix(const RemotePrefixVote& reduced) {
+  return impl_->AgreeRemotePrefix(reduced);
+}
+
+Result<std::vector<int32_t>> StateManager::AgreeRemotePrefix(std::span<const SeqId> uids,
+                                                             Communicator& comm) {
+  RemotePrefixVote vote = impl_->RemotePrefixOffer(uids);
+  const std::optional<RemoteTierConfig>& rc = impl_->config().remote_tier;
+  Status mismatch;
+  if (rc && (comm.world_size() != rc->tp_size || comm.rank() != rc->tp_rank)) {
+    mismatch = InvalidArgumentError(StrCat(
+        "AgreeRemotePrefix: the communicator is rank ", comm.rank(), " of ", comm.world_size(),
+        ", the remote tier's config rank ", rc->tp_rank, " of tp_size ", rc->tp_size));
+    vote.values[0] = 0;
+  }
+  BLOCKKV_RETURN_IF_ERROR(comm.AllReduceMinEach(vote.values));
+  BLOCKKV_RETURN_IF_ERROR(mismatch);
+  return impl_->AgreeRemotePrefix(vote);
 }
 
 bool RemoteFetchTicket::Poll() const { return job_ == nullptr || job_->Done(); }

@@ -29,6 +29,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 
 #include "blockkv/communicator.h"
 #include "blockkv/status.h"
@@ -47,6 +48,8 @@ class MpiCommunicator final : public Communicator {
   // MPI_Allreduce of one MPI_INT64_T with MPI_MIN. kFailedPrecondition after MPI_Finalize;
   // kInternal with MPI's error string when MPI fails.
   Result<int64_t> AllReduceMin(int64_t value) override;
+  // One MPI_Allreduce(MPI_IN_PLACE, MPI_MIN) of all of `values`; errors as AllReduceMin.
+  Status AllReduceMinEach(std::span<int64_t> values) override;
   // MPI_Barrier; errors as AllReduceMin.
   Status Barrier() override;
 

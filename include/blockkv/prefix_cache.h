@@ -129,6 +129,10 @@ struct PrefixCacheStats {
   int64_t queried_tokens = 0;  // prompt tokens those lookups could have hit
   int64_t hit_tokens = 0;      // tokens taken from the cache
   int64_t evictions = 0;       // cached blocks taken for reuse (counted for the block's namespace)
+  // Of hit_tokens, those whose blocks were copied back from the host level (offload) and those
+  // fetched from the remote tier (remote_tier.h); the rest were on the device.
+  int64_t host_hit_tokens = 0;
+  int64_t remote_hit_tokens = 0;
 };
 
 class PrefixCache : public BlockPool::EvictionListener {
@@ -237,7 +241,8 @@ class PrefixCache : public BlockPool::EvictionListener {
   // Stats of one namespace ("" = the default), or of all of them together.
   PrefixCacheStats stats(std::string_view ns) const;
   PrefixCacheStats total_stats() const;
-  void RecordLookup(int32_t ns_id, int64_t queried_tokens, int64_t hit_tokens);
+  // Adds one lookup's counters (lookups, queried, hit, host and remote hit tokens) to `ns_id`'s.
+  void RecordLookup(int32_t ns_id, const PrefixCacheStats& lookup);
 
   int64_t cached_blocks(int group) const;
 

@@ -12,6 +12,9 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
+
+#include "blockkv/sequence.h"
 
 namespace blockkv {
 namespace internal {
@@ -44,6 +47,8 @@ struct RemoteTierStats {
   int64_t misses_error = 0;          // the command failed: connection lost, socket timeout, a node
                                      // down, a reply that was an error
   int64_t misses_late = 0;           // the lookup stopped waiting for the fetch after timeout_ms
+  int64_t misses_other_rank = 0;     // another tensor-parallel rank lacked the block
+                                     // (AgreeRemotePrefix)
   int64_t invalid = 0;               // fetched values that did not verify (= misses_verify_failed)
   int64_t fetched_bytes = 0;         // value bytes received
   int64_t stored = 0;                // blocks stored
@@ -79,6 +84,14 @@ class RemoteFetchTicket {
       : job_(std::move(job)), blocks_(blocks) {}
   std::shared_ptr<internal::RemoteFetchJob> job_;
   int32_t blocks_ = 0;
+};
+
+// StateManager::RemotePrefixOffer's result, for an engine that runs the all-reduce itself: the
+// uids it was made for, and the values to reduce (element-wise minimum over the ranks, in place)
+// before StateManager::AgreeRemotePrefix(vote). Opaque values: a header, then one per uid.
+struct RemotePrefixVote {
+  std::vector<SeqId> uids;
+  std::vector<int64_t> values;
 };
 
 }  // namespace blockkv

@@ -396,6 +396,26 @@ class StateManager {
   // with AddSequence, or one scheduled already; kNotFound: not tracked. Flushing the sequence
   // drops its fetch. docs/remote_tier.md, "Fetching ahead".
   Result<RemoteFetchTicket> FetchRemotePrefix(SeqId uid);
+  // Tensor-parallel ranks agree on their remote tier hits (docs/remote_tier.md, "Tensor
+  // parallelism"): each rank keys its own shard, so one rank's tier may lack a block another's
+  // holds, and every rank must schedule the same. A collective over `comm` (world size
+  // RemoteTierConfig::tp_size, rank tp_rank): every rank calls it with the same `uids`, in the
+  // same order, once their FetchRemotePrefix was called. It waits for each fetch ahead, verifies
+  // it, and agrees on each sequence's hit: the leading blocks every rank holds, on its device or
+  // fetched. Each sequence's first Schedule (and CanSchedule) then takes at most that many. With
+  // tp_size > 1 a sequence not agreed on takes no block from the tier. Returns the agreed hit of
+  // each uid, in blocks of the cache group. Errors, on every rank and changing nothing:
+  // kInvalidArgument (comm's size or rank differ from the config; a rank with the error names
+  // it), kFailedPrecondition (as FetchRemotePrefix on some rank; the ranks passed different
+  // uids), kNotFound (an untracked uid), or the communicator's error.
+  Result<std::vector<int32_t>> AgreeRemotePrefix(std::span<const SeqId> uids, Communicator& comm);
+  // AgreeRemotePrefix in two halves around the engine's own all-reduce (torch.distributed, say):
+  // RemotePrefixOffer waits for and verifies the fetches and returns what this rank offers (a
+  // local error is carried in `values`, never returned, so every rank still reaches the
+  // collective); the engine replaces `values` by their element-wise minimum over the ranks; then
+  // AgreeRemotePrefix(vote) on every rank. The same errors and results as above.
+  RemotePrefixVote RemotePrefixOffer(std::span<const SeqId> uids);
+  Result<std::vector<int32_t>> AgreeRemotePrefix(const RemotePrefixVote& reduced);
 
   // ---- sequence transfer (state_manager_transfer.cc; StateManagerConfig.transfer) ----
   // docs/transfer.md has the flow, the descriptor's format and what each failure leaves.

@@ -97,7 +97,9 @@ std::string Repr(const PrefixCacheStats& s) {
   return "PrefixCacheStats(lookups=" + std::to_string(s.lookups) +
          ", queried_tokens=" + std::to_string(s.queried_tokens) +
          ", hit_tokens=" + std::to_string(s.hit_tokens) +
-         ", evictions=" + std::to_string(s.evictions) + ")";
+         ", evictions=" + std::to_string(s.evictions) +
+         ", host_hit_tokens=" + std::to_string(s.host_hit_tokens) +
+         ", remote_hit_tokens=" + std::to_string(s.remote_hit_tokens) + ")";
 }
 
 void BindStats(py::module_& m) {
@@ -111,6 +113,11 @@ void BindStats(py::module_& m) {
       .def_readonly("hit_tokens", &S::hit_tokens, "Tokens taken from the cache")
       .def_readonly("evictions", &S::evictions,
                     "Cached blocks taken for reuse, counted for the evicted block's namespace")
+      .def_readonly("host_hit_tokens", &S::host_hit_tokens,
+                    "Of hit_tokens, those copied back from the host level (offload)")
+      .def_readonly("remote_hit_tokens", &S::remote_hit_tokens,
+                    "Of hit_tokens, those fetched from the remote tier (remote_tier_stats() has "
+                    "the tier's own counters)")
       .def_property_readonly(
           "hit_rate",
           [](const S& s) {
@@ -126,12 +133,16 @@ void BindStats(py::module_& m) {
              d["queried_tokens"] = s.queried_tokens;
              d["hit_tokens"] = s.hit_tokens;
              d["evictions"] = s.evictions;
+             d["host_hit_tokens"] = s.host_hit_tokens;
+             d["remote_hit_tokens"] = s.remote_hit_tokens;
              return d;
            })
       .def("__eq__",
            [](const S& a, const S& b) {
              return a.lookups == b.lookups && a.queried_tokens == b.queried_tokens &&
-                    a.hit_tokens == b.hit_tokens && a.evictions == b.evictions;
+                    a.hit_tokens == b.hit_tokens && a.evictions == b.evictions &&
+                    a.host_hit_tokens == b.host_hit_tokens &&
+                    a.remote_hit_tokens == b.remote_hit_tokens;
            })
       .def("__repr__", &Repr);
 }

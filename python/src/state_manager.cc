@@ -560,6 +560,7 @@ void BindManager(py::module_& m) {
             d["misses_verify_failed"] = s.misses_verify_failed;
             d["misses_error"] = s.misses_error;
             d["misses_late"] = s.misses_late;
+            d["misses_other_rank"] = s.misses_other_rank;
             d["invalid"] = s.invalid;
             d["fetched_bytes"] = s.fetched_bytes;
             d["stored"] = s.stored;
@@ -575,7 +576,8 @@ void BindManager(py::module_& m) {
           },
           "The remote tier's counters (docs/remote_tier.md): a dict of hits (blocks fetched and "
           "placed), misses (lookups the tier stopped) and misses by cause (misses_not_found, "
-          "misses_verify_failed, misses_error, misses_late), invalid (values that did not "
+          "misses_verify_failed, misses_error, misses_late, misses_other_rank), invalid (values "
+          "that did not "
           "verify), fetched_bytes, stored, stored_bytes, dropped, errors, reconnects, redirects "
           "(cluster MOVED / ASK followed), topology_refreshes, nodes (servers owning slots), "
           "connected. Zeros without the tier.")
@@ -591,6 +593,36 @@ void BindManager(py::module_& m) {
           "RemoteFetchTicket at once; the first schedule of `uid` takes what has arrived by "
           "then without waiting and recomputes the rest. ValueError: no remote tier, or the "
           "sequence was not added with add_sequence, was scheduled, or is not tracked.")
+      .def(
+          "agree_remote_prefix",
+          [](const Manager& self, py::handle uids, const py::function& all_reduce_min) {
+            const std::vector<SeqId> u = ToInt64Vector(uids, "uids");
+            RemotePrefixVote vote;
+            {
+              py::gil_scoped_release release;  // waits for the fetches
+              vote = Locked(self->lock, [&] { return self->manager->RemotePrefixOffer(u); });
+            }
+            // The engine's all-reduce, with no lock held (object_lock.h, rule 1).
+            const py::object reduced = all_reduce_min(py::cast(vote.values));
+            std::vector<int64_t> values = ToInt64Vector(reduced, "all_reduce_min's result");
+            if (values.size() != vote.values.size()) {
+              throw py::value_error("agree_remote_prefix: all_reduce_min returned " +
+                                    std::to_string(values.size()) + " values for " +
+                                    std::to_string(vote.values.size()) +
+                                    "; it must return as many as it was given");
+            }
+            vote.values = std::move(values);
+            return ValueOrThrow(
+                Locked(self->lock, [&] { return self->manager->AgreeRemotePrefix(vote); }));
+          },
+          py::arg("uids"), py::arg("all_reduce_min"),
+          "Tensor-parallel ranks agree on their remote tier hits (docs/remote_tier.md, "
+          "\"Tensor parallelism\"). Every rank calls it with the same uids in the same order, "
+          "after fetch_remote_prefix of each; all_reduce_min(list of ints) -> list of ints must "
+          "return the element-wise minimum of every rank's list (e.g. torch.distributed.all_reduce "
+          "with ReduceOp.MIN on an int64 tensor). Returns each uid's agreed hit in blocks; its "
+          "first schedule takes at most that many. ValueError (on every rank): a sequence not "
+          "added, scheduled already or untracked on some rank, different uids on different ranks.")
       .def(
           "flush_remote_tier",
           [](const Manager& self) {

@@ -201,6 +201,9 @@ def test_a_prompt_fetched_ahead_is_taken_by_its_first_schedule(redis_server):
         for i in range(3):
             assert torch.all(layer[table[i]] == 40 + i)
     assert b.remote_tier_stats()["hits"] == 3
+    stats = b.prefix_cache_stats()
+    assert (stats.hit_tokens, stats.remote_hit_tokens, stats.host_hit_tokens) == (3 * BLOCK, 3 * BLOCK, 0)
+    assert stats._asdict()["remote_hit_tokens"] == 3 * BLOCK
     with pytest.raises(ValueError, match="was scheduled already"):
         b.fetch_remote_prefix(5)
     with pytest.raises(ValueError, match="sequence 404 is not tracked"):
@@ -265,6 +268,55 @@ def test_a_second_process_hits_what_the_first_process_stored(redis_server):
     assert (s["hits"], s["misses"], s["stored"]) == (4, 0, 0)
 
 
+def test_tensor_parallel_ranks_agree_over_torch_distributed(redis_server):
+    """Two ranks, two processes, a gloo group: rank 0's tier holds 4 blocks of the prompt,
+    rank 1's 2; both take the 2 every rank holds."""
+    url = f"redis://:pw@127.0.0.1:{redis_server}"
+    port = free_port()
+    prompt = list(range(300, 300 + 4 * BLOCK + 1))
+    ranks = [subprocess.Popen([sys.executable, __file__, "agree", url, str(rank), str(port),
+                               json.dumps(prompt)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]
+    outputs = [rank.communicate(timeout=300) for rank in ranks]
+    for rank, (out, err) in zip(ranks, outputs):
+        assert rank.returncode == 0, err
+        assert out.split() == ["agreed", "2", "cached", str(2 * BLOCK), "data", "ok"], out
+
+
+def agree_main(url, rank, port, prompt):
+    """A rank of test_tensor_parallel_ranks_agree_over_torch_distributed."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+
+    def all_reduce_min(values):
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return t.tolist()
+
+    config = blockkv.RemoteTierConfig(url, model_id="m", tp_rank=rank, tp_size=2)
+    held = 4 - 2 * rank
+    writer = make_manager(config)
+    prefill(writer, 1, prompt[:held * BLOCK + 1], lambda b: 10 * rank + b)
+    writer.flush_remote_tier()
+    dist.barrier()  # every rank's blocks are stored
+    reader = make_manager(config)
+    seq = reader.add_sequence(7, prompt)
+    reader.fetch_remote_prefix(7)
+    agreed = reader.agree_remote_prefix([7], all_reduce_min)
+    reader.schedule([7], [len(prompt)])
+    table = seq.block_table()
+    ok = all(torch.all(layer[table[b]] == 10 * rank + b)
+             for layer in caches(reader) for b in range(agreed[0]))
+    print("agreed", *agreed, "cached", seq.cached_prefix_tokens, "data", "ok" if ok else "wrong")
+    with pytest.raises(ValueError, match="returned 1 values"):
+        other = reader.add_sequence(8, prompt)
+        del other
+        reader.agree_remote_prefix([8], lambda values: values[:1])
+    dist.destroy_process_group()
+
+
 def store_main(url, prompt):
     """The child of test_a_second_process_hits_what_the_first_process_stored."""
     m = make_manager(blockkv.RemoteTierConfig(url, model_id="m"))
@@ -275,3 +327,5 @@ def store_main(url, prompt):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["store"]:
     store_main(sys.argv[2], json.loads(sys.argv[3]))
+if __name__ == "__main__" and sys.argv[1:2] == ["agree"]:
+    agree_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), json.loads(sys.argv[5]))

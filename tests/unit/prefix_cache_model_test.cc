@@ -1290,6 +1290,7 @@ class PrefixCacheModel {
         ++stats.lookups;
         stats.queried_tokens += static_cast<int64_t>(s.tokens.size());
         stats.hit_tokens += hit.tokens;
+        stats.host_hit_tokens += int64_t{hit.promoted} * block_size(0);
         CountHit(s, hit);
         // Every block of the hit holds what was computed for exactly these tokens.
         for (int g = 0; g < num_groups_; ++g) {
@@ -1796,19 +1797,23 @@ class PrefixCacheModel {
       const PrefixCacheStats got = mgr_->prefix_cache()->stats(ns);
       const PrefixCacheStats& want = stats_[ns];
       MODEL_CHECK(got.lookups == want.lookups && got.queried_tokens == want.queried_tokens &&
-                  got.hit_tokens == want.hit_tokens && got.evictions == want.evictions)
+                  got.hit_tokens == want.hit_tokens && got.evictions == want.evictions &&
+                  got.host_hit_tokens == want.host_hit_tokens && got.remote_hit_tokens == 0)
           << "namespace '" << ns << "': lookups " << got.lookups << ", queried "
-          << got.queried_tokens << ", hit " << got.hit_tokens << ", evictions " << got.evictions
+          << got.queried_tokens << ", hit " << got.hit_tokens << " (host " << got.host_hit_tokens
+          << ", remote " << got.remote_hit_tokens << "), evictions " << got.evictions
           << "; the model " << want.lookups << ", " << want.queried_tokens << ", "
-          << want.hit_tokens << ", " << want.evictions;
+          << want.hit_tokens << " (host " << want.host_hit_tokens << "), " << want.evictions;
       total.lookups += want.lookups;
       total.queried_tokens += want.queried_tokens;
       total.hit_tokens += want.hit_tokens;
       total.evictions += want.evictions;
+      total.host_hit_tokens += want.host_hit_tokens;
     }
     const PrefixCacheStats all = mgr_->prefix_cache()->total_stats();
     MODEL_CHECK(all.lookups == total.lookups && all.queried_tokens == total.queried_tokens &&
-                all.hit_tokens == total.hit_tokens && all.evictions == total.evictions);
+                all.hit_tokens == total.hit_tokens && all.evictions == total.evictions &&
+                all.host_hit_tokens == total.host_hit_tokens);
     return VerifyHost();
   }
 

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -15,6 +16,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "blockkv/log.h"
@@ -206,6 +208,12 @@ TEST(RemoteTierTest, ASecondEngineHitsTheFirstEnginesBlocks) {
   EXPECT_EQ(b->Prefill(9, longer), 24);
   EXPECT_EQ(b->mgr->remote_tier_stats().hits, 6);
   b->ExpectPrefixData(9, longer, 6);
+  // prefix_cache_stats splits the hits by where they came from: 16 + 16 + 24 tokens, of which
+  // 16 (request 7) and 8 (request 9's last 2 blocks) from the tier.
+  const PrefixCacheStats p = b->mgr->prefix_cache()->total_stats();
+  EXPECT_EQ(p.hit_tokens, 56);
+  EXPECT_EQ(p.remote_hit_tokens, 24);
+  EXPECT_EQ(p.host_hit_tokens, 0);
 }
 
 TEST(RemoteTierTest, NoServerAtStartLeavesTheTierOffWithOneLogLine) {
@@ -351,10 +359,14 @@ TEST(RemoteTierTest, AnotherNamespaceOrModelNeverHits) {
   ASSERT_NE(other_model, nullptr);
   EXPECT_EQ(other_model->Prefill(1, prompt, "tenant-a"), 0);
   EXPECT_EQ(other_model->mgr->remote_tier_stats().hits, 0);
+  // Another rank's shard: nothing it could fetch verifies (its offer is 0 blocks).
   auto other_rank =
       Engine::Make({.url = server.url(), .model_id = "llama", .tp_rank = 1, .tp_size = 2});
   ASSERT_NE(other_rank, nullptr);
-  EXPECT_EQ(other_rank->Prefill(1, prompt, "tenant-a"), 0);
+  ASSERT_TRUE(other_rank->mgr->AddSequence(1, prompt, {.keys = {.ns = "tenant-a"}}).ok());
+  ASSERT_TRUE(other_rank->mgr->FetchRemotePrefix(1).ok());
+  const SeqId one[] = {1};
+  EXPECT_EQ(other_rank->mgr->RemotePrefixOffer(one).values.back(), 0);
   // The same tenant and model: a hit (so the misses above are the keys, not the setup).
   auto same = Engine::Make({.url = server.url(), .model_id = "llama"});
   ASSERT_NE(same, nullptr);
@@ -796,6 +808,229 @@ TEST(RemoteTierTest, BadConfigsAreClearErrors) {
   ASSERT_FALSE(mgr.ok());
   EXPECT_EQ(mgr.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(mgr.status().message().find("prefix_cache.enabled"), std::string::npos);
+}
+
+// ---- tensor parallelism: the ranks agree on each hit ------------------------------------------
+
+// Element-wise minimum of the ranks' votes, as the engine's all-reduce would give each rank.
+void ReduceVotes(const std::vector<RemotePrefixVote*>& votes) {
+  for (RemotePrefixVote* v : votes) {
+    for (size_t i = 0; i < v->values.size(); ++i) {
+      for (const RemotePrefixVote* w : votes) {
+        v->values[i] = std::min(v->values[i], w->values[i]);
+      }
+    }
+  }
+}
+
+RemoteTierConfig RankConfig(const RedisServer& server, int32_t rank) {
+  return {.url = server.url(), .model_id = "llama", .tp_rank = rank, .tp_size = 2};
+}
+
+// Rank 0's tier holds the prompt's 8 blocks, rank 1's only its first 3: each rank's reader gets
+// a hit of 3, the blocks every rank holds, byte for byte.
+TEST(RemoteTierTest, TensorParallelRanksAgreeOnTheBlocksEveryRankHolds) {
+  RedisServer server;
+  const std::vector<TokenId> prompt = Prompt(100, 33);  // 8 full blocks and a last token
+  auto w0 = Engine::Make(RankConfig(server, 0));
+  auto w1 = Engine::Make(RankConfig(server, 1));
+  ASSERT_NE(w0, nullptr);
+  ASSERT_NE(w1, nullptr);
+  EXPECT_EQ(w0->Prefill(1, prompt), 0);
+  EXPECT_EQ(w1->Prefill(1, {prompt.begin(), prompt.begin() + 13}), 0);
+  w0->mgr->FlushRemoteTier();
+  w1->mgr->FlushRemoteTier();
+
+  auto r0 = Engine::Make(RankConfig(server, 0));
+  auto r1 = Engine::Make(RankConfig(server, 1));
+  ASSERT_NE(r0, nullptr);
+  ASSERT_NE(r1, nullptr);
+  const SeqId uids[] = {7};
+  for (Engine* r : {r0.get(), r1.get()}) {
+    ASSERT_TRUE(r->mgr->AddSequence(7, prompt).ok());
+    ASSERT_TRUE(r->mgr->FetchRemotePrefix(7).ok());
+  }
+  RemotePrefixVote v0 = r0->mgr->RemotePrefixOffer(uids);
+  RemotePrefixVote v1 = r1->mgr->RemotePrefixOffer(uids);
+  EXPECT_EQ(v0.values.back(), 8);
+  EXPECT_EQ(v1.values.back(), 3);
+  ReduceVotes({&v0, &v1});
+  for (Engine* r : {r0.get(), r1.get()}) {
+    const Result<std::vector<int32_t>> agreed = r->mgr->AgreeRemotePrefix(r == r0.get() ? v0 : v1);
+    ASSERT_TRUE(agreed.ok()) << agreed.status();
+    EXPECT_EQ(*agreed, std::vector<int32_t>{3});
+    EXPECT_EQ(r->Prefill(7, prompt, "", /*add=*/false), 3 * kBlockSize);
+    r->ExpectPrefixData(7, prompt, 3);
+  }
+  EXPECT_EQ(r0->mgr->remote_tier_stats().hits, 3);
+  EXPECT_EQ(r0->mgr->remote_tier_stats().misses_other_rank, 1);
+  EXPECT_EQ(r1->mgr->remote_tier_stats().hits, 3);
+  EXPECT_EQ(r1->mgr->remote_tier_stats().misses_other_rank, 0);
+}
+
+// With tp_size > 1 a lookup never takes a block from the tier on its own: one rank alone cannot
+// know that the others hold it.
+TEST(RemoteTierTest, ATensorParallelRankTakesNoBlockFromTheTierWithoutAnAgreement) {
+  RedisServer server;
+  const std::vector<TokenId> prompt = Prompt(100, 17);
+  auto w0 = Engine::Make(RankConfig(server, 0));
+  ASSERT_NE(w0, nullptr);
+  EXPECT_EQ(w0->Prefill(1, prompt), 0);
+  w0->mgr->FlushRemoteTier();
+  auto r0 = Engine::Make(RankConfig(server, 0));
+  ASSERT_NE(r0, nullptr);
+  EXPECT_EQ(r0->Prefill(1, prompt), 0);  // no fetch ahead, no agreement
+  ASSERT_TRUE(r0->mgr->AddSequence(2, Prompt(100, 18)).ok());
+  ASSERT_TRUE(r0->mgr->FetchRemotePrefix(2).ok());
+  EXPECT_EQ(r0->Prefill(2, Prompt(100, 18), "", /*add=*/false), 16);  // the device's 4 blocks
+  EXPECT_EQ(r0->mgr->remote_tier_stats().hits, 0);
+}
+
+TEST(RemoteTierTest, AnAgreementRefusedOnOneRankIsRefusedOnEveryRankAndChangesNothing) {
+  RedisServer server;
+  const std::vector<TokenId> prompt = Prompt(100, 17);
+  auto w0 = Engine::Make(RankConfig(server, 0));
+  auto w1 = Engine::Make(RankConfig(server, 1));
+  ASSERT_NE(w0, nullptr);
+  ASSERT_NE(w1, nullptr);
+  EXPECT_EQ(w0->Prefill(1, prompt), 0);
+  EXPECT_EQ(w1->Prefill(1, prompt), 0);
+  w0->mgr->FlushRemoteTier();
+  w1->mgr->FlushRemoteTier();
+  auto r0 = Engine::Make(RankConfig(server, 0));
+  auto r1 = Engine::Make(RankConfig(server, 1));
+  ASSERT_NE(r0, nullptr);
+  ASSERT_NE(r1, nullptr);
+  for (Engine* r : {r0.get(), r1.get()}) {
+    ASSERT_TRUE(r->mgr->AddSequence(7, prompt).ok());
+    ASSERT_TRUE(r->mgr->FetchRemotePrefix(7).ok());
+  }
+  // Rank 1 names a sequence it does not track: it says which, rank 0 that another rank refused.
+  {
+    const SeqId good[] = {7};
+    const SeqId bad[] = {9};
+    RemotePrefixVote v0 = r0->mgr->RemotePrefixOffer(good);
+    RemotePrefixVote v1 = r1->mgr->RemotePrefixOffer(bad);
+    ReduceVotes({&v0, &v1});
+    const auto a0 = r0->mgr->AgreeRemotePrefix(v0);
+    const auto a1 = r1->mgr->AgreeRemotePrefix(v1);
+    EXPECT_EQ(a0.status().code(), StatusCode::kFailedPrecondition) << a0.status();
+    EXPECT_NE(a0.status().message().find("another tensor-parallel rank"), std::string::npos);
+    EXPECT_EQ(a1.status().code(), StatusCode::kNotFound) << a1.status();
+    EXPECT_NE(a1.status().message().find("sequence 9"), std::string::npos);
+  }
+  // The ranks pass different (tracked) sequences.
+  {
+    for (Engine* r : {r0.get(), r1.get()}) ASSERT_TRUE(r->mgr->AddSequence(8, prompt).ok());
+    const SeqId a[] = {7};
+    const SeqId b[] = {8};
+    RemotePrefixVote v0 = r0->mgr->RemotePrefixOffer(a);
+    RemotePrefixVote v1 = r1->mgr->RemotePrefixOffer(b);
+    ReduceVotes({&v0, &v1});
+    for (auto [r, v] : {std::pair{r0.get(), &v0}, std::pair{r1.get(), &v1}}) {
+      const auto agreed = r->mgr->AgreeRemotePrefix(*v);
+      EXPECT_EQ(agreed.status().code(), StatusCode::kFailedPrecondition) << agreed.status();
+      EXPECT_NE(agreed.status().message().find("different sequences"), std::string::npos);
+    }
+  }
+  // A vote of the wrong size, a uid twice.
+  {
+    const SeqId a[] = {7};
+    RemotePrefixVote v = r0->mgr->RemotePrefixOffer(a);
+    v.values.pop_back();
+    EXPECT_EQ(r0->mgr->AgreeRemotePrefix(v).status().code(), StatusCode::kInvalidArgument);
+    const SeqId twice[] = {7, 7};
+    const auto refused = r0->mgr->AgreeRemotePrefix(r0->mgr->RemotePrefixOffer(twice));
+    EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument) << refused.status();
+  }
+  // Nothing was agreed: the first Schedule takes nothing from the tier.
+  EXPECT_EQ(r0->Prefill(7, prompt, "", /*add=*/false), 0);
+  EXPECT_EQ(r0->mgr->remote_tier_stats().hits, 0);
+}
+
+// Two ranks, one thread each, whose collectives meet in memory: the element-wise minimum.
+class ThreadPairCommunicator final : public Communicator {
+ public:
+  struct Shared {
+    std::mutex mu;
+    std::condition_variable cv;
+    int64_t arrived = 0;
+    int64_t generation = 0;
+    int64_t min = 0;
+    int64_t result = 0;
+  };
+  ThreadPairCommunicator(Shared* shared, int rank) : shared_(shared), rank_(rank) {}
+  int world_size() const override { return 2; }
+  int rank() const override { return rank_; }
+  Result<int64_t> AllReduceMin(int64_t value) override {
+    std::unique_lock lock(shared_->mu);
+    const int64_t generation = shared_->generation;
+    shared_->min = shared_->arrived == 0 ? value : std::min(shared_->min, value);
+    if (++shared_->arrived == 2) {
+      shared_->arrived = 0;
+      shared_->result = shared_->min;
+      ++shared_->generation;
+      shared_->cv.notify_all();
+      return shared_->result;
+    }
+    shared_->cv.wait(lock, [&] { return shared_->generation != generation; });
+    return shared_->result;
+  }
+  Status Barrier() override { return AllReduceMin(0).status(); }
+
+ private:
+  Shared* shared_;
+  int rank_;
+};
+
+TEST(RemoteTierTest, AgreeRemotePrefixRunsOverTheEnginesCommunicator) {
+  RedisServer server;
+  const std::vector<TokenId> prompt = Prompt(100, 33);
+  auto w0 = Engine::Make(RankConfig(server, 0));
+  auto w1 = Engine::Make(RankConfig(server, 1));
+  ASSERT_NE(w0, nullptr);
+  ASSERT_NE(w1, nullptr);
+  EXPECT_EQ(w0->Prefill(1, {prompt.begin(), prompt.begin() + 21}), 0);  // 5 blocks
+  EXPECT_EQ(w1->Prefill(1, prompt), 0);                                 // 8 blocks
+  w0->mgr->FlushRemoteTier();
+  w1->mgr->FlushRemoteTier();
+  auto r0 = Engine::Make(RankConfig(server, 0));
+  auto r1 = Engine::Make(RankConfig(server, 1));
+  ASSERT_NE(r0, nullptr);
+  ASSERT_NE(r1, nullptr);
+  ThreadPairCommunicator::Shared shared;
+  Result<std::vector<int32_t>> agreed[2] = {InternalError("not run"), InternalError("not run")};
+  Status misconfigured[2];
+  {
+    std::vector<std::thread> ranks;
+    ranks.reserve(2);
+    for (int rank = 0; rank < 2; ++rank) {
+      ranks.emplace_back([&, rank] {
+        Engine& r = rank == 0 ? *r0 : *r1;
+        ThreadPairCommunicator comm(&shared, rank);
+        if (!r.mgr->AddSequence(7, prompt).ok() || !r.mgr->FetchRemotePrefix(7).ok()) return;
+        const SeqId uids[] = {7};
+        agreed[rank] = r.mgr->AgreeRemotePrefix(uids, comm);
+        // A communicator whose rank is not the config's: that rank says so, the other refuses.
+        ThreadPairCommunicator swapped(&shared, 1 - rank);
+        misconfigured[rank] = rank == 1 ? r.mgr->AgreeRemotePrefix(uids, swapped).status()
+                                        : r.mgr->AgreeRemotePrefix(uids, comm).status();
+      });
+    }
+    for (std::thread& t : ranks) t.join();
+  }
+  for (const Result<std::vector<int32_t>>& a : agreed) {
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_EQ(*a, std::vector<int32_t>{5});
+  }
+  EXPECT_EQ(misconfigured[0].code(), StatusCode::kFailedPrecondition) << misconfigured[0];
+  EXPECT_EQ(misconfigured[1].code(), StatusCode::kInvalidArgument) << misconfigured[1];
+  EXPECT_NE(misconfigured[1].message().find("rank 0 of 2"), std::string::npos);
+  // The first agreement stands.
+  for (Engine* r : {r0.get(), r1.get()}) {
+    EXPECT_EQ(r->Prefill(7, prompt, "", /*add=*/false), 5 * kBlockSize);
+    r->ExpectPrefixData(7, prompt, 5);
+  }
 }
 
 }  // namespace
