@@ -189,6 +189,14 @@ BlockHash PrefixCache::Hash(const BlockHash* parent, std::span<const TokenId> bl
   return HashBlock(parent, block_tokens, extras, index, config_.hash_seed, config_.hash_function);
 }
 
+void PrefixCache::ChainKeys(std::span<const TokenId> tokens, int32_t block_size,
+                            const BlockKeyExtras& extras, std::span<BlockHash> out) const {
+  const auto n = static_cast<size_t>(block_size);
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i] = Hash(i == 0 ? nullptr : &out[i - 1], tokens.subspan(i * n, n), extras, i);
+  }
+}
+
 int32_t PrefixCache::InternNamespace(std::string_view ns) {
   auto [it, inserted] =
       ns_ids_.try_emplace(std::string(ns), static_cast<int32_t>(ns_names_.size()));

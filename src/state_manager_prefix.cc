@@ -444,12 +444,11 @@ void StateManager::Impl::MatchCheckpoints(const SequenceKeys& keys, int32_t limi
   const int g = checkpoint_group_;
   const auto n = static_cast<size_t>(checkpoint_tokens_);
   std::vector<BlockId>& out = match_blocks_[static_cast<size_t>(g)];
-  BlockHash key;
-  for (int32_t c = 0; c < limit; ++c) {
-    const auto i = static_cast<size_t>(c);
+  match_keys_.resize(static_cast<size_t>(limit));
+  prefix_->ChainKeys(keys.tokens, checkpoint_tokens_, keys.extras, match_keys_);
+  for (size_t i = 0; i < match_keys_.size(); ++i) {
     const std::span<const TokenId> chunk = std::span(keys.tokens).subspan(i * n, n);
-    key = prefix_->Hash(c == 0 ? nullptr : &key, chunk, keys.extras, i);
-    out[i] = prefix_->FindRoot(g, key, chunk, keys.ns_id, keys.extras, i);
+    out[i] = prefix_->FindRoot(g, match_keys_[i], chunk, keys.ns_id, keys.extras, i);
   }
 }
 

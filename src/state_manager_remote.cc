@@ -96,12 +96,8 @@ void StateManager::Impl::FlushRemoteTier() {
 }
 
 void StateManager::Impl::RemoteKeys(const SequenceKeys& keys, size_t n) {
-  const auto bs = static_cast<size_t>(kv_block_size(0));
   remote_keys_.resize(n);
-  for (size_t i = 0; i < n; ++i) {
-    remote_keys_[i] = prefix_->Hash(i == 0 ? nullptr : &remote_keys_[i - 1],
-                                    std::span(keys.tokens).subspan(i * bs, bs), keys.extras, i);
-  }
+  prefix_->ChainKeys(keys.tokens, kv_block_size(0), keys.extras, remote_keys_);
 }
 
 void StateManager::Impl::DropPrefetch(SequenceKeys& keys) {

@@ -151,6 +151,11 @@ class PrefixCache : public BlockPool::EvictionListener {
   // The key of block `index` of a sequence whose previous block's key is `parent`.
   BlockHash Hash(const BlockHash* parent, std::span<const TokenId> block_tokens,
                  const BlockKeyExtras& extras, size_t index) const;
+  // The chained keys of the first out.size() blocks of `block_size` tokens of `tokens`:
+  // out[i] = Hash(i == 0 ? nullptr : &out[i - 1], block i, extras, i).
+  // REQUIRES: tokens.size() >= out.size() * block_size.
+  void ChainKeys(std::span<const TokenId> tokens, int32_t block_size, const BlockKeyExtras& extras,
+                 std::span<BlockHash> out) const;
 
   // The namespace's id, interned on first use.
   int32_t InternNamespace(std::string_view ns);
