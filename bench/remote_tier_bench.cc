@@ -16,6 +16,9 @@
 //                MGET, verification, copies into fresh blocks), then FlushSequence and, untimed,
 //                ResetPrefixCache
 //   raw_mget     one MGET of the same k keys
+//   tier_fetch_ahead   FetchRemotePrefix, its ticket waited for, then the Schedule that takes it
+//   tier_fetch_agreed  the same with AgreeRemotePrefix (a world of one) in place of the wait: what
+//                the tensor-parallel agreement adds (its offer verifies the values once more)
 //   cluster_tier_store, cluster_tier_fetch   as above, the tier given redis+cluster://
 //   cluster_raw_set   the k SETs routed to their slots' masters, one hiredis connection per node:
 //                     every node's pipeline written, then every reply read
@@ -231,6 +234,46 @@ void TierFetchOn(benchmark::State& state, bool cluster) {
   SetBytes(state, layers, k);
 }
 void TierFetch(benchmark::State& state) { TierFetchOn(state, false); }
+
+// A prompt fetched ahead (FetchRemotePrefix, waited for) and then scheduled; with `agree`, the
+// ranks' agreement (AgreeRemotePrefix over a world of one: the offer's wait and verification and
+// the cap, without a network's all-reduce) runs between. The pair prices the agreement.
+void FetchAheadOn(benchmark::State& state, bool agree) {
+  const int64_t layers = state.range(0);
+  const auto k = static_cast<int32_t>(state.range(1));
+  FlushAll(false);
+  const std::vector<TokenId> prompt = Prompt(-2, k);
+  {
+    std::unique_ptr<StateManager> writer = MakeManager(layers, k);
+    Run(*writer, 1, prompt);
+    writer->FlushRemoteTier();
+  }
+  std::unique_ptr<StateManager> mgr = MakeManager(layers, k);
+  LocalCommunicator world;
+  const SeqId uids[] = {1};
+  const int64_t lengths[] = {static_cast<int64_t>(prompt.size())};
+  for (auto _ : state) {
+    blockkv_bench::Check(mgr->AddSequence(1, prompt).status(), "AddSequence");
+    const Result<RemoteFetchTicket> ticket = mgr->FetchRemotePrefix(1);
+    blockkv_bench::Check(ticket.status(), "FetchRemotePrefix");
+    if (agree) {
+      blockkv_bench::Check(mgr->AgreeRemotePrefix(uids, world).status(), "AgreeRemotePrefix");
+    } else {
+      ticket->Wait();
+    }
+    blockkv_bench::Check(mgr->Schedule({.uids = uids, .lengths = lengths}), "Schedule");
+    if (mgr->GetSequence(1)->cached_prefix_tokens() != int64_t{k} * kBlockSize) {
+      state.SkipWithError("not a full hit");
+    }
+    blockkv_bench::Check(mgr->FlushSequence(1), "FlushSequence");
+    state.PauseTiming();
+    mgr->ResetPrefixCache();
+    state.ResumeTiming();
+  }
+  SetBytes(state, layers, k);
+}
+void TierFetchAhead(benchmark::State& state) { FetchAheadOn(state, false); }
+void TierFetchAgreed(benchmark::State& state) { FetchAheadOn(state, true); }
 void ClusterTierFetch(benchmark::State& state) { TierFetchOn(state, true); }
 
 void RawMget(benchmark::State& state) {
@@ -359,6 +402,8 @@ BENCHMARK(TierStore)->Apply(Args);
 BENCHMARK(RawSet)->Apply(Args);
 BENCHMARK(TierFetch)->Apply(Args);
 BENCHMARK(RawMget)->Apply(Args);
+BENCHMARK(TierFetchAhead)->Apply(Args);
+BENCHMARK(TierFetchAgreed)->Apply(Args);
 BENCHMARK(ClusterTierStore)->Apply(Args);
 BENCHMARK(ClusterRawSet)->Apply(Args);
 BENCHMARK(ClusterTierFetch)->Apply(Args);
