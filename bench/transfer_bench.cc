@@ -212,6 +212,7 @@ Parsed Parse(const std::vector<std::byte>& d) {
   uint64_t u64 = 0;
   str();  // layout
   get(&u64, 8);
+  at += 8;  // tp_rank, tp_size
   p.address = str();
   at += 8 + 8 + 8;  // transfer id, uid, seen
   get(&u64, 8);

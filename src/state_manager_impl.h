@@ -102,7 +102,7 @@ class StateManager::Impl {
   void FlushRemoteTier();
   Result<std::vector<std::byte>> ExportSequence(SeqId uid);
   Result<Sequence*> ImportSequence(std::span<const std::byte> descriptor);
-  Status CancelExport(SeqId uid);
+  Result<CancelledExport> CancelExport(SeqId uid);
   int32_t CompleteExports();
   int32_t pending_exports() const { return static_cast<int32_t>(exports_.size()); }
   Result<TensorView> GetCache(int64_t cache_id, int group) const;
@@ -347,14 +347,16 @@ class StateManager::Impl {
   Status EnableTransfer();  // from Create
   Status RequireTransfer(std::string_view who) const;
   std::string TransferLayout() const;  // what two engines' blocks must agree on
-  // Schedule's hook: flushes exports a receiver confirmed (an atomic load when there are none).
+  // Schedule's hook: flushes exports a receiver confirmed and cancels the expired ones (nothing
+  // when there are no exports).
   void MaybeCompleteExports() {
-    if (transfer_ != nullptr) [[unlikely]]
+    if (transfer_ != nullptr && !exports_.empty()) [[unlikely]]
       CompleteExports();
   }
   struct PendingExport {
     uint64_t id = 0;
     SeqId uid = 0;
+    int64_t expires_ns = 0;  // steady_clock; INT64_MAX: never (export_timeout_ms 0)
   };
   std::unique_ptr<internal::TransferEndpoint> transfer_;
   std::vector<PendingExport> exports_;

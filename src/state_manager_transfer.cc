@@ -4,7 +4,7 @@
 //
 // Descriptor (all little-endian; a u64 length before every string):
 //   magic "BKVXFER\0", u32 version
-//   string layout, u64 fingerprint (XXH3-64 of layout)
+//   string layout, u64 fingerprint (XXH3-64 of layout), i32 tp_rank, i32 tp_size
 //   string the sender worker's UCX address, u64 transfer id
 //   i64 uid, i64 seen_tokens, u64 token count, i32 tokens[count]
 //   u32 regions, per region: u64 base, u64 length, string packed rkey
@@ -12,7 +12,9 @@
 //                          i32 ids[blocks] (table entries [released, released + blocks))
 //   u64 XXH3-64 of every byte before it
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -36,7 +38,7 @@ using internal::TransferRegion;
 namespace {
 
 constexpr std::array<char, 8> kMagic = {'B', 'K', 'V', 'X', 'F', 'E', 'R', '\0'};
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: the tensor-parallel rank and world size
 
 std::string Hex(uint64_t v) {
   static constexpr char kDigits[] = "0123456789abcdef";
@@ -104,6 +106,8 @@ struct RemoteGroup {
 struct Descriptor {
   std::string layout;
   uint64_t fingerprint = 0;
+  int32_t tp_rank = 0;
+  int32_t tp_size = 0;
   std::string address;
   uint64_t transfer_id = 0;
   SeqId uid = 0;
@@ -139,6 +143,8 @@ Status Parse(std::span<const std::byte> bytes, Descriptor* d) {
   Reader r(body.subspan(kMagic.size() + sizeof(uint32_t)));
   BLOCKKV_RETURN_IF_ERROR(r.GetString(&d->layout, "layout"));
   BLOCKKV_RETURN_IF_ERROR(r.Get(&d->fingerprint, "fingerprint"));
+  BLOCKKV_RETURN_IF_ERROR(r.Get(&d->tp_rank, "tp_rank"));
+  BLOCKKV_RETURN_IF_ERROR(r.Get(&d->tp_size, "tp_size"));
   BLOCKKV_RETURN_IF_ERROR(r.GetString(&d->address, "sender address"));
   BLOCKKV_RETURN_IF_ERROR(r.Get(&d->transfer_id, "transfer id"));
   BLOCKKV_RETURN_IF_ERROR(r.Get(&d->uid, "uid"));
@@ -174,7 +180,30 @@ Status Parse(std::span<const std::byte> bytes, Descriptor* d) {
   return Status::Ok();
 }
 
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 }  // namespace
+
+Status internal::ValidateTransferConfig(const TransferConfig& config) {
+  if (config.timeout_ms <= 0) {
+    return InvalidArgumentError(
+        StrCat("TransferConfig.timeout_ms is ", config.timeout_ms, "; it must be > 0"));
+  }
+  if (config.export_timeout_ms < 0) {
+    return InvalidArgumentError(StrCat("TransferConfig.export_timeout_ms is ",
+                                       config.export_timeout_ms, "; it must be >= 0 (0: never)"));
+  }
+  if (config.tp_size < 1 || config.tp_rank < 0 || config.tp_rank >= config.tp_size) {
+    return InvalidArgumentError(StrCat("TransferConfig: tp_rank is ", config.tp_rank,
+                                       " and tp_size ", config.tp_size,
+                                       "; they must satisfy 0 <= tp_rank < tp_size"));
+  }
+  return Status::Ok();
+}
 
 // ---- setup --------------------------------------------------------------------------------------
 
@@ -194,6 +223,9 @@ std::string StateManager::Impl::TransferLayout() const {
 }
 
 Status StateManager::Impl::EnableTransfer() {
+  if (Status valid = internal::ValidateTransferConfig(*config_.transfer); !valid.ok()) {
+    return {valid.code(), StrCat("StateManagerConfig.transfer: ", valid.message())};
+  }
   for (int g = 0; g < num_groups(); ++g) {
     if (cache_->config(g).type == KVCacheType::kState) {
       return UnimplementedError(StrCat("StateManagerConfig.transfer: cache group ", g,
@@ -264,6 +296,8 @@ Result<std::vector<std::byte>> StateManager::Impl::ExportSequence(SeqId uid) {
   e.Put<uint32_t>(kVersion);
   e.PutString(transfer_layout_);
   e.Put<uint64_t>(transfer_fingerprint_);
+  e.Put<int32_t>(config_.transfer->tp_rank);
+  e.Put<int32_t>(config_.transfer->tp_size);
   e.PutString(transfer_->address());
   e.Put<uint64_t>(id);
   e.Put<int64_t>(uid);
@@ -297,14 +331,29 @@ Result<std::vector<std::byte>> StateManager::Impl::ExportSequence(SeqId uid) {
   const auto* c = reinterpret_cast<const std::byte*>(&checksum);
   out.insert(out.end(), c, c + sizeof(checksum));
   seq->exported_ = true;
-  exports_.push_back({.id = id, .uid = uid});
+  const int32_t after_ms = config_.transfer->export_timeout_ms;
+  exports_.push_back({.id = id,
+                      .uid = uid,
+                      .expires_ns = after_ms == 0 ? std::numeric_limits<int64_t>::max()
+                                                  : NowNs() + int64_t{after_ms} * 1'000'000});
   return out;
 }
 
 int32_t StateManager::Impl::CompleteExports() {
-  if (transfer_ == nullptr || !transfer_->has_claimed()) return 0;
+  if (transfer_ == nullptr || exports_.empty()) return 0;
+  // Expired: the ones no receiver was granted are un-pinned and stay here (a granted one waits for
+  // its receiver's DONE or ABORT, or CancelExport).
+  if (const int32_t after_ms = config_.transfer->export_timeout_ms; after_ms > 0) {
+    const int64_t now = NowNs();
+    std::erase_if(exports_, [&](const PendingExport& p) {
+      if (p.expires_ns > now || !transfer_->ExpireExport(p.id, after_ms)) return false;
+      if (Sequence* seq = Find(p.uid)) seq->exported_ = false;
+      return true;
+    });
+  }
+  if (!transfer_->has_done()) return 0;
   int32_t done = 0;
-  for (const uint64_t id : transfer_->TakeClaimed()) {
+  for (const uint64_t id : transfer_->TakeDone()) {
     const auto it = std::find_if(exports_.begin(), exports_.end(),
                                  [id](const PendingExport& p) { return p.id == id; });
     if (it == exports_.end()) continue;
@@ -320,7 +369,7 @@ int32_t StateManager::Impl::CompleteExports() {
   return done;
 }
 
-Status StateManager::Impl::CancelExport(SeqId uid) {
+Result<CancelledExport> StateManager::Impl::CancelExport(SeqId uid) {
   BLOCKKV_RETURN_IF_ERROR(RequireTransfer("CancelExport"));
   CompleteExports();
   const auto it = std::find_if(exports_.begin(), exports_.end(),
@@ -328,15 +377,23 @@ Status StateManager::Impl::CancelExport(SeqId uid) {
   if (it == exports_.end()) {
     return NotFoundError(StrCat("CancelExport: sequence ", uid, " has no pending export"));
   }
-  if (!transfer_->CancelExport(it->id)) {
-    // A receiver claimed it between CompleteExports and now: it is the receiver's.
-    CompleteExports();
-    return FailedPreconditionError(StrCat("CancelExport: sequence ", uid,
-                                          " was imported by its receiver already; it is flushed"));
+  CancelledExport taken = CancelledExport::kUnclaimed;
+  switch (transfer_->CancelExport(it->id)) {
+    case TransferEndpoint::Cancelled::kPending:
+    case TransferEndpoint::Cancelled::kUnknown:
+      break;
+    case TransferEndpoint::Cancelled::kGranted:
+      taken = CancelledExport::kGranted;
+      break;
+    case TransferEndpoint::Cancelled::kDone:
+      // The receiver's DONE arrived between CompleteExports and now: it is the receiver's.
+      CompleteExports();
+      return FailedPreconditionError(StrCat(
+          "CancelExport: sequence ", uid, " was imported by its receiver already; it is flushed"));
   }
   if (Sequence* seq = Find(uid)) seq->exported_ = false;
   exports_.erase(it);
-  return Status::Ok();
+  return taken;
 }
 
 // ---- receiver -----------------------------------------------------------------------------------
@@ -346,6 +403,13 @@ Result<Sequence*> StateManager::Impl::ImportSequence(std::span<const std::byte> 
   CompleteExports();
   Descriptor d;
   BLOCKKV_RETURN_IF_ERROR(Parse(bytes, &d));
+  if (const TransferConfig& mine = *config_.transfer;
+      d.tp_rank != mine.tp_rank || d.tp_size != mine.tp_size) {
+    return InvalidArgumentError(
+        StrCat("ImportSequence: sequence ", d.uid, " comes from tensor-parallel rank ", d.tp_rank,
+               " of ", d.tp_size, "; this engine is rank ", mine.tp_rank, " of ", mine.tp_size,
+               " (TransferConfig.tp_rank / tp_size): each rank imports its own rank's shard"));
+  }
   if (d.fingerprint != transfer_fingerprint_ || d.layout != transfer_layout_) {
     return InvalidArgumentError(StrCat("ImportSequence: the sender's KV layout (fingerprint ",
                                        Hex(d.fingerprint), ": ", d.layout,
@@ -555,7 +619,7 @@ Result<std::vector<std::byte>> StateManager::ExportSequence(SeqId uid) {
 Result<Sequence*> StateManager::ImportSequence(std::span<const std::byte> descriptor) {
   return impl_->ImportSequence(descriptor);
 }
-Status StateManager::CancelExport(SeqId uid) { return impl_->CancelExport(uid); }
+Result<CancelledExport> StateManager::CancelExport(SeqId uid) { return impl_->CancelExport(uid); }
 int32_t StateManager::CompleteExports() { return impl_->CompleteExports(); }
 int32_t StateManager::pending_exports() const { return impl_->pending_exports(); }
 

@@ -4,11 +4,14 @@
 // rkeys packed once) and the thread that progresses the worker. Only that thread touches the
 // worker: an import is handed to it and the caller waits for its result.
 //
-// The protocol, besides the one-sided gets: the receiver sends CLAIM(transfer id) to the
-// sender; the sender answers CLAIMED(id, accepted): accepted when the id is a pending export (it
-// becomes claimed: the StateManager flushes the sequence at its next call), refused when it was
-// cancelled or is unknown. The receiver commits the imported sequence only when accepted, so the
-// blocks are never held twice and never freed while they are still being read.
+// The protocol, besides the one-sided gets (docs/transfer.md, "Ownership"): after its gets the
+// receiver sends CLAIM(id, nonce, receiver); the sender answers GRANT (the export becomes granted:
+// still pinned, its blocks held, other receivers refused) or a refusal naming why. The receiver
+// commits on GRANT and sends DONE(id, nonce), which the sender acknowledges and only then lets
+// the StateManager flush the sequence. A receiver that gives up before the grant sends ABORT,
+// which makes a granted export pending again. Every message may be lost or its peer stop or die
+// at any point: the sequence stays with the sender until DONE arrives, so it is never lost (a
+// lost DONE leaves it on both engines until the sender's CancelExport).
 #pragma once
 
 #include <cstddef>
@@ -40,6 +43,10 @@ struct TransferGet {
   uint32_t region = 0;
 };
 
+// kInvalidArgument naming the field, its value and the limit: timeout_ms > 0,
+// export_timeout_ms >= 0, 0 <= tp_rank < tp_size. (state_manager_transfer.cc)
+Status ValidateTransferConfig(const TransferConfig& config);
+
 class TransferEndpoint {
  public:
   // A memory range to register: [data, data + length).
@@ -65,22 +72,32 @@ class TransferEndpoint {
   // ---- sender ----
   // A new, random transfer id, recorded as a pending export.
   uint64_t AddExport();
-  // Forgets a pending export: true when it was pending (no receiver will be accepted for it
-  // now), false when a receiver claimed it already (the caller completes it instead).
-  bool CancelExport(uint64_t id);
-  // The exports claimed since the last call (each is then forgotten).
-  std::vector<uint64_t> TakeClaimed();
-  // Cheap: whether TakeClaimed has anything (an atomic load).
-  bool has_claimed() const;
+  // What CancelExport found.
+  enum class Cancelled : uint8_t {
+    kPending,  // no receiver granted: forgotten, later claims are refused as cancelled
+    kGranted,  // granted, no DONE yet: forgotten likewise; the receiver may hold the sequence
+    kDone,     // its receiver's DONE arrived: the caller completes it (TakeDone has it)
+    kUnknown,  // not an export of this endpoint
+  };
+  Cancelled CancelExport(uint64_t id);
+  // Ends a pending export that no receiver was granted: true when it was pending (forgotten;
+  // later claims are refused as expired after `after_ms`), false when it is granted or done.
+  bool ExpireExport(uint64_t id, int32_t after_ms);
+  // The exports whose receiver's DONE arrived since the last call (each is then forgotten).
+  std::vector<uint64_t> TakeDone();
+  // Cheap: whether TakeDone has anything (an atomic load).
+  bool has_done() const;
 
   // ---- receiver ----
   // Connects to the worker at `peer_address`, unpacks `rkeys`, runs every get (all in flight at
-  // once), then claims `transfer_id`. OK only when every get completed and the sender accepted
-  // the claim. Otherwise every get has finished or been cancelled before it returns (nothing
-  // writes to the local memory afterwards): kUnavailable naming what failed (the peer's death
-  // included), kUnavailable "timed out" after timeout_ms, kFailedPrecondition when the sender
-  // refused the claim (cancelled, or imported by another receiver), kInvalidArgument for a
-  // get naming a region that `rkeys` lacks.
+  // once), then claims `transfer_id`. OK only when every get completed and the sender granted
+  // the claim: the caller must then commit the sequence (it cannot fail), because DONE has been
+  // sent (the sender frees its copy on it). Otherwise every get has finished or been cancelled
+  // before it returns (nothing writes to the local memory afterwards) and, when the claim was
+  // sent, ABORT too: kUnavailable naming what failed (the peer's death included), kUnavailable
+  // "timed out" after timeout_ms, kFailedPrecondition when the sender refused the claim
+  // (cancelled, expired, granted to another receiver, or imported already), kInvalidArgument
+  // for a get naming a region that `rkeys` lacks.
   Status Import(std::string_view peer_address, std::span<const std::string> rkeys,
                 std::span<const TransferGet> gets, uint64_t transfer_id, int32_t timeout_ms);
 

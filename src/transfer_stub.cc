@@ -23,9 +23,12 @@ const std::vector<TransferRegion>& TransferEndpoint::regions() const {
   return kNone;
 }
 uint64_t TransferEndpoint::AddExport() { return 0; }
-bool TransferEndpoint::CancelExport(uint64_t /*id*/) { return true; }
-std::vector<uint64_t> TransferEndpoint::TakeClaimed() { return {}; }
-bool TransferEndpoint::has_claimed() const { return false; }
+TransferEndpoint::Cancelled TransferEndpoint::CancelExport(uint64_t /*id*/) {
+  return Cancelled::kUnknown;
+}
+bool TransferEndpoint::ExpireExport(uint64_t /*id*/, int32_t /*after_ms*/) { return false; }
+std::vector<uint64_t> TransferEndpoint::TakeDone() { return {}; }
+bool TransferEndpoint::has_done() const { return false; }
 Status TransferEndpoint::Import(std::string_view /*peer_address*/,
                                 std::span<const std::string> /*rkeys*/,
                                 std::span<const TransferGet> /*gets*/, uint64_t /*transfer_id*/,

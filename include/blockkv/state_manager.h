@@ -421,36 +421,42 @@ class StateManager {
   // docs/transfer.md has the flow, the descriptor's format and what each failure leaves.
   //
   // A descriptor of `uid` (opaque bytes: its seen tokens, its known token ids with prefix
-  // caching, the KV layout's fingerprint, its blocks and the keys of the registered memory
-  // holding them) for ImportSequence on another engine. The sequence stays this manager's,
-  // pinned, until the receiver confirms: it cannot be scheduled, flushed, forked, rolled back,
-  // partially freed or preempted (kFailedPrecondition), and its blocks are not freed. Once a
-  // receiver has confirmed, the next Schedule, ScheduleBatch, CompleteExports or transfer call
-  // flushes it. kFailedPrecondition (transfer off, tokens in flight, preempted, exported
+  // caching, the KV layout's fingerprint, this engine's tensor-parallel rank and world size, its
+  // blocks and the keys of the registered memory holding them) for ImportSequence on another
+  // engine. The sequence stays this manager's, pinned, until the receiver confirms: it cannot be
+  // scheduled, flushed, forked, rolled back, partially freed or preempted (kFailedPrecondition),
+  // and its blocks are not freed. Once a receiver has confirmed (DONE), the next Schedule,
+  // ScheduleBatch, CompleteExports or transfer call flushes it. An export no receiver was granted
+  // within TransferConfig::export_timeout_ms is cancelled by those same calls (the sequence stays
+  // here, un-pinned). kFailedPrecondition (transfer off, tokens in flight, preempted, exported
   // already), kNotFound; nothing changes on failure.
   Result<std::vector<std::byte>> ExportSequence(SeqId uid);
   // Imports the sequence `descriptor` describes: takes a tracking slot and blocks, reads the
-  // sender's blocks into them (UCX gets, all in flight at once), has the sender confirm, and
+  // sender's blocks into them (UCX gets, all in flight at once), has the sender grant it, and
   // tracks it under its uid with its seen tokens (no tokens in flight; with prefix caching, its
   // known tokens, and its full blocks published to the prefix cache; the leading full blocks this
   // prefix cache holds already are shared, not read, when there is one cache group without a
   // window: cached_prefix_tokens() says how many tokens). All or nothing: on any
   // failure the slot and blocks are given back and the sender still holds the sequence.
   // kInvalidArgument (a truncated or corrupt descriptor, another KV layout: the message names
-  // both fingerprints and layouts, more tokens than this engine holds), kAlreadyExists (uid
-  // tracked), kResourceExhausted (no slot or too few blocks), kUnavailable (the sender is
-  // unreachable or died, a get failed, or TransferConfig::timeout_ms passed),
-  // kFailedPrecondition (transfer off, or the sender refused: the export was cancelled or
-  // imported elsewhere). Blocks whose contents only this call wrote may have evicted unreferenced
-  // cached blocks to make room, as a Schedule would.
+  // both fingerprints and layouts, another tensor-parallel rank or world size: it names both,
+  // more tokens than this engine holds), kAlreadyExists (uid tracked), kResourceExhausted (no
+  // slot or too few blocks), kUnavailable (the sender is unreachable or died, a get failed, or
+  // TransferConfig::timeout_ms passed), kFailedPrecondition (transfer off, or the sender refused:
+  // the export was cancelled or expired, or granted to or imported by another receiver). Blocks
+  // whose contents only this call wrote may have evicted unreferenced cached blocks to make
+  // room, as a Schedule would.
   Result<Sequence*> ImportSequence(std::span<const std::byte> descriptor);
-  // Takes back a pending export: the sequence is schedulable here again and no receiver will be
-  // accepted for it. kNotFound (no pending export of uid), kFailedPrecondition (transfer off, or
-  // a receiver confirmed already: the sequence is flushed).
-  Status CancelExport(SeqId uid);
-  // Flushes every exported sequence whose receiver has confirmed; returns how many.
+  // Takes back an export that no receiver has confirmed: the sequence is schedulable here again
+  // and no receiver will be granted it. kUnclaimed: no receiver had been granted it, it is only
+  // here. kGranted: a receiver had been granted it but never confirmed, so that receiver may hold
+  // it too (CancelledExport says when); this engine keeps its copy. kNotFound (no export of uid),
+  // kFailedPrecondition (transfer off, or a receiver confirmed already: the sequence is flushed).
+  Result<CancelledExport> CancelExport(SeqId uid);
+  // Flushes every exported sequence whose receiver has confirmed and cancels the pending exports
+  // that expired (TransferConfig::export_timeout_ms); returns how many it flushed.
   int32_t CompleteExports();
-  // Exports not yet confirmed nor cancelled.
+  // Exports neither confirmed, cancelled nor expired (granted ones included).
   int32_t pending_exports() const;
 
   // One layer's cache, as BlockedKVCache::GetCache.

@@ -10,7 +10,7 @@
 //   ... send *d to the decode engine by any means ...
 //   Result<Sequence*> seq = decode->ImportSequence(*d);                 // process B
 //   // uid 7 is now tracked by the decode engine with its seen tokens and its KV; the prefill
-//   // engine flushes it at its next Schedule (or CompleteExports) once B has confirmed.
+//   // engine flushes it at its next Schedule (or CompleteExports) once B has confirmed (DONE).
 //
 // Flow, descriptor format and failure semantics: docs/transfer.md.
 #pragma once
@@ -31,9 +31,34 @@ struct TransferConfig {
   // machine), "eth0", "mlx5_0:1". This is where the engine can be reached: the descriptor
   // carries the worker's address on these devices.
   std::string devices{};
-  // How long ImportSequence waits for the whole transfer (connect, gets, confirm), in ms; > 0.
+  // How long ImportSequence waits for the whole transfer (connect, gets, the sender's grant), in
+  // ms; > 0.
   int32_t timeout_ms = 10000;
+  // How long an export waits for a receiver, in ms; >= 0, 0 = forever. A pending export that no
+  // receiver was granted within it is cancelled by this engine at its next Schedule,
+  // ScheduleBatch, CompleteExports or transfer call: the sequence is un-pinned and stays here
+  // (nothing is freed), and an import of its descriptor is refused, naming the expiry. The
+  // default is vLLM's NIXL connector's (VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 120 s): a decode engine
+  // normally imports within milliseconds of the export, so two minutes means its router or the
+  // engine gave up, and the prefill engine gets its blocks back.
+  int32_t export_timeout_ms = 120000;
+  // This engine's tensor-parallel rank and world size: 0 <= tp_rank < tp_size. A descriptor
+  // carries the sender's; ImportSequence refuses one from another rank or world size (each rank's
+  // StateManager holds its own shard of the KV, so ranks transfer rank to rank).
+  int32_t tp_rank = 0;
+  int32_t tp_size = 1;
   friend bool operator==(const TransferConfig&, const TransferConfig&) = default;
+};
+
+// What StateManager::CancelExport took back (docs/transfer.md, "Ownership").
+enum class CancelledExport : uint8_t {
+  // No receiver had been granted the sequence: it is only here.
+  kUnclaimed,
+  // A receiver had been granted it and its confirmation (DONE) never came: that receiver may hold
+  // the sequence too (it committed and the DONE was lost, or it stopped or died after the grant)
+  // or not (the grant was lost, or it gave up and its ABORT was lost). This engine keeps its copy
+  // either way; the caller, who knows where the request went, decides which copy to keep.
+  kGranted,
 };
 
 }  // namespace blockkv

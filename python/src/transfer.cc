@@ -21,6 +21,16 @@ Status ValidateTransfer(const TransferConfig& c) {
     return InvalidArgumentError("TransferConfig.timeout_ms is " + std::to_string(c.timeout_ms) +
                                 "; it must be > 0");
   }
+  if (c.export_timeout_ms < 0) {
+    return InvalidArgumentError("TransferConfig.export_timeout_ms is " +
+                                std::to_string(c.export_timeout_ms) +
+                                "; it must be >= 0 (0: never)");
+  }
+  if (c.tp_size < 1 || c.tp_rank < 0 || c.tp_rank >= c.tp_size) {
+    return InvalidArgumentError("TransferConfig: tp_rank is " + std::to_string(c.tp_rank) +
+                                " and tp_size " + std::to_string(c.tp_size) +
+                                "; they must satisfy 0 <= tp_rank < tp_size");
+  }
   return Status::Ok();
 }
 
@@ -34,20 +44,30 @@ std::string TransferRepr(const std::optional<TransferConfig>& c) {
   if (!c) return "None";
   return "TransferConfig(transports=" + std::string(py::repr(py::str(c->transports))) +
          ", devices=" + std::string(py::repr(py::str(c->devices))) +
-         ", timeout_ms=" + std::to_string(c->timeout_ms) + ")";
+         ", timeout_ms=" + std::to_string(c->timeout_ms) +
+         ", export_timeout_ms=" + std::to_string(c->export_timeout_ms) +
+         ", tp_rank=" + std::to_string(c->tp_rank) + ", tp_size=" + std::to_string(c->tp_size) +
+         ")";
 }
 
 py::object TransferState(const std::optional<TransferConfig>& c) {
   if (!c) return py::none();
-  return py::make_tuple(c->transports, c->devices, c->timeout_ms);
+  return py::make_tuple(c->transports, c->devices, c->timeout_ms, c->export_timeout_ms, c->tp_rank,
+                        c->tp_size);
 }
 
 std::optional<TransferConfig> TransferFromState(py::handle state) {
   if (state.is_none()) return std::nullopt;
   const auto t = state.cast<py::tuple>();
-  return TransferConfig{.transports = t[0].cast<std::string>(),
-                        .devices = t[1].cast<std::string>(),
-                        .timeout_ms = t[2].cast<int32_t>()};
+  TransferConfig c{.transports = t[0].cast<std::string>(),
+                   .devices = t[1].cast<std::string>(),
+                   .timeout_ms = t[2].cast<int32_t>()};
+  if (t.size() >= 6) {  // older pickles have 3 fields: the defaults
+    c.export_timeout_ms = t[3].cast<int32_t>();
+    c.tp_rank = t[4].cast<int32_t>();
+    c.tp_size = t[5].cast<int32_t>();
+  }
+  return c;
 }
 
 void BindTransferConfig(py::module_& m) {
@@ -56,15 +76,21 @@ void BindTransferConfig(py::module_& m) {
                     "Where and how this engine moves sequences to and from other engines over "
                     "UCX (StateManagerConfig(transfer=...)); see docs/transfer.md.");
   cls.def(py::init([](std::string transports, std::string devices,
-                      Int<int32_t, "timeout_ms"> timeout_ms) {
+                      Int<int32_t, "timeout_ms"> timeout_ms,
+                      Int<int32_t, "export_timeout_ms"> export_timeout_ms,
+                      Int<int32_t, "tp_rank"> tp_rank, Int<int32_t, "tp_size"> tp_size) {
             T c{.transports = std::move(transports),
                 .devices = std::move(devices),
-                .timeout_ms = timeout_ms};
+                .timeout_ms = timeout_ms,
+                .export_timeout_ms = export_timeout_ms,
+                .tp_rank = tp_rank,
+                .tp_size = tp_size};
             ThrowIfError(ValidateTransfer(c));
             return c;
           }),
           py::kw_only(), py::arg("transports") = "", py::arg("devices") = "",
-          py::arg("timeout_ms") = 10000)
+          py::arg("timeout_ms") = 10000, py::arg("export_timeout_ms") = 120000,
+          py::arg("tp_rank") = 0, py::arg("tp_size") = 1)
       .def_readonly("transports", &T::transports,
                     "UCX transports, as UCX_TLS (\"\": UCX chooses; \"tcp\"; "
                     "\"posix,sysv,cma,self\")")
@@ -72,6 +98,12 @@ void BindTransferConfig(py::module_& m) {
                     "Network devices, as UCX_NET_DEVICES (\"\": all; \"lo\"): where this engine "
                     "can be reached")
       .def_readonly("timeout_ms", &T::timeout_ms, "How long import_sequence waits, in ms")
+      .def_readonly("export_timeout_ms", &T::export_timeout_ms,
+                    "How long an export waits for a receiver before this engine takes it back "
+                    "(the sequence stays here, un-pinned), in ms; 0: forever")
+      .def_readonly("tp_rank", &T::tp_rank,
+                    "This engine's tensor-parallel rank: it imports only its own rank's shard")
+      .def_readonly("tp_size", &T::tp_size, "The tensor-parallel world size")
       .def("__eq__", [](const T& a, const T& b) { return a == b; })
       .def("__repr__", [](const T& c) { return TransferRepr(c); })
       .def("__copy__", [](const T& c) { return c; })
@@ -93,7 +125,9 @@ void BindTransferMethods(py::class_<PyManager, Manager>& cls) {
          py::arg("uid"),
          "A descriptor of `uid` (bytes, opaque) for import_sequence on another engine. The "
          "sequence stays here, pinned, until the receiver confirms (then the next schedule "
-         "flushes it) or cancel_export. ValueError (unknown uid, tokens in flight, preempted, "
+         "flushes it), cancel_export, or TransferConfig.export_timeout_ms passes with no "
+         "receiver granted (the next schedule takes it back). ValueError (unknown uid, tokens in "
+         "flight, preempted, "
          "exported already, transfer not configured); nothing changes on failure.")
       .def(
           "import_sequence",
@@ -112,30 +146,38 @@ void BindTransferMethods(py::class_<PyManager, Manager>& cls) {
           "Imports the sequence another engine's export_sequence described: reads its blocks "
           "from the sender (UCX gets), has the sender confirm, and returns its Sequence (seen "
           "tokens restored, nothing in flight). All or nothing: ValueError (corrupt descriptor, "
-          "another KV layout, uid tracked, refused by the sender), ResourceExhaustedError (no "
+          "another KV layout, another tensor-parallel rank or world size, uid tracked, refused "
+          "by the sender: cancelled, expired, granted to or imported by another receiver), "
+          "ResourceExhaustedError (no "
           "slot or blocks), RuntimeError (the sender unreachable, dead, or timed out); the "
           "sender then still holds it.")
       .def(
           "cancel_export",
           [](const Manager& self, UidArg uid) {
-            ThrowIfError(Locked(self->lock, [&] { return self->manager->CancelExport(uid); }));
+            Result<CancelledExport> taken =
+                Locked(self->lock, [&] { return self->manager->CancelExport(uid); });
+            return ValueOrThrow(std::move(taken)) == CancelledExport::kGranted ? "granted"
+                                                                               : "unclaimed";
           },
           py::arg("uid"),
-          "Takes back a pending export: `uid` is schedulable here again and no receiver is "
-          "accepted for it. ValueError (no pending export; or a receiver confirmed first, and "
-          "the sequence is flushed).")
+          "Takes back an export no receiver confirmed: `uid` is schedulable here again and no "
+          "receiver is granted it. Returns \"unclaimed\" (no receiver had been granted it: it "
+          "is only here) or \"granted\" (a receiver had been granted it and never confirmed: "
+          "it may hold the sequence too; this engine keeps its copy). ValueError (no pending "
+          "export; or a receiver confirmed first, and the sequence is flushed).")
       .def(
           "complete_exports",
           [](const Manager& self) {
             return Locked(self->lock, [&] { return self->manager->CompleteExports(); });
           },
-          "Flushes every exported sequence whose receiver confirmed; returns how many.")
+          "Flushes every exported sequence whose receiver confirmed, and takes back the "
+          "expired exports; returns how many it flushed.")
       .def_property_readonly(
           "pending_exports",
           [](const Manager& self) {
             return Locked(self->lock, [&] { return self->manager->pending_exports(); });
           },
-          "Exports neither confirmed nor cancelled yet.");
+          "Exports neither confirmed, cancelled nor expired yet.");
 }
 
 }  // namespace blockkv::python

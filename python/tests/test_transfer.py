@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Sequence transfer from Python (docs/transfer.md): TransferConfig, StateManagerConfig(transfer=...),
 export_sequence / import_sequence / cancel_export between this process and a sender process it
-starts (over TCP and over shared memory), and the errors. UCX that cannot start fails these tests."""
+starts (over TCP and over shared memory), the export timeout, tensor-parallel ranks, and the
+errors. UCX that cannot start fails these tests."""
 
 import copy
 import os
@@ -9,6 +10,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import time
 
 import blockkv
 import pytest
@@ -23,11 +25,11 @@ TRANSPORTS = ["tcp", "posix,sysv,cma,self"]
 SENDER = textwrap.dedent("""
     import sys, torch, blockkv
     blockkv.set_log_level("warning")
-    transports, layers = sys.argv[1], int(sys.argv[2])
+    transports, layers, tp_rank, tp_size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     config = blockkv.StateManagerConfig(
         memory_config=blockkv.MemoryConfig(mode="allocate", size=32),
         prefix_cache=blockkv.PrefixCacheConfig(),
-        transfer=blockkv.TransferConfig(transports=transports))
+        transfer=blockkv.TransferConfig(transports=transports, tp_rank=tp_rank, tp_size=tp_size))
     kv = blockkv.KVCacheConfig(block_size=4, cache_shape=(layers, 2, 8), cache_dtype="fp16")
     m = blockkv.StateManager(config, (kv,), device="cpu")
     print("ready", flush=True)
@@ -48,17 +50,23 @@ SENDER = textwrap.dedent("""
             m.complete_exports()
             print(m.pending_exports, m.n_tracked_sequences, m.free_blocks[0], flush=True)
         elif cmd == "cancel":
-            m.cancel_export(int(args[0]))
-            print("ok", flush=True)
+            print(m.cancel_export(int(args[0])), flush=True)
+        elif cmd == "import":
+            try:
+                seq = m.import_sequence(bytes.fromhex(args[0]))
+                print("imported", seq.uid, seq.seen_tokens, flush=True)
+            except (ValueError, RuntimeError) as e:
+                print("error", type(e).__name__, " ".join(str(e).split()), flush=True)
         elif cmd == "quit":
             break
 """)
 
 
 class Sender:
-    def __init__(self, transports, layers=2):
+    def __init__(self, transports, layers=2, tp_rank=0, tp_size=1):
         env = dict(os.environ, UCX_LOG_FILE="/dev/stderr")
-        self.proc = subprocess.Popen([sys.executable, "-c", SENDER, transports, str(layers)],
+        self.proc = subprocess.Popen([sys.executable, "-c", SENDER, transports, str(layers),
+                                      str(tp_rank), str(tp_size)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=env)
         assert self.proc.stdout.readline().strip() == "ready"
@@ -93,27 +101,39 @@ def sender_factory():
         s.proc.wait()
 
 
-def receiver(transports, layers=2, timeout_ms=10000, prefix=True):
+def receiver(transports, layers=2, timeout_ms=10000, prefix=True, **transfer):
     config = blockkv.StateManagerConfig(
         memory_config=allocate(32),
         prefix_cache=blockkv.PrefixCacheConfig() if prefix else None,
-        transfer=blockkv.TransferConfig(transports=transports, timeout_ms=timeout_ms))
+        transfer=blockkv.TransferConfig(transports=transports, timeout_ms=timeout_ms, **transfer))
     return blockkv.StateManager(config, (kv_config(block_size=BLOCK, layers=layers),), device="cpu")
 
 
 def test_config_values_copy_pickle_and_errors():
-    t = blockkv.TransferConfig(transports="tcp", devices="lo", timeout_ms=500)
+    t = blockkv.TransferConfig(transports="tcp", devices="lo", timeout_ms=500,
+                               export_timeout_ms=0, tp_rank=1, tp_size=2)
     assert (t.transports, t.devices, t.timeout_ms) == ("tcp", "lo", 500)
+    assert (t.export_timeout_ms, t.tp_rank, t.tp_size) == (0, 1, 2)
     d = blockkv.TransferConfig()
     assert (d.transports, d.devices, d.timeout_ms) == ("", "", 10000)
+    assert (d.export_timeout_ms, d.tp_rank, d.tp_size) == (120000, 0, 1)
     c = blockkv.StateManagerConfig(transfer=t)
     assert c.transfer == t
-    assert "TransferConfig(transports='tcp', devices='lo', timeout_ms=500)" in repr(c)
+    assert t != blockkv.TransferConfig(transports="tcp", devices="lo", timeout_ms=500,
+                                       export_timeout_ms=0, tp_rank=0, tp_size=2)
+    assert ("TransferConfig(transports='tcp', devices='lo', timeout_ms=500, export_timeout_ms=0, "
+            "tp_rank=1, tp_size=2)") in repr(c)
     assert pickle.loads(pickle.dumps(c)) == c
     assert copy.deepcopy(t) == t and pickle.loads(pickle.dumps(t)) == t
     assert blockkv.StateManagerConfig().transfer is None
     with pytest.raises(ValueError, match="timeout_ms is 0"):
         blockkv.TransferConfig(timeout_ms=0)
+    with pytest.raises(ValueError, match="export_timeout_ms is -1; it must be >= 0"):
+        blockkv.TransferConfig(export_timeout_ms=-1)
+    with pytest.raises(ValueError, match="tp_rank is 2 and tp_size 2; they must satisfy"):
+        blockkv.TransferConfig(tp_rank=2, tp_size=2)
+    with pytest.raises(ValueError, match="tp_rank is 0 and tp_size 0"):
+        blockkv.TransferConfig(tp_size=0)
     with pytest.raises(TypeError, match="transfer must be None or a blockkv.TransferConfig"):
         blockkv.StateManagerConfig(transfer="tcp")
 
@@ -165,7 +185,7 @@ def test_layout_mismatch_cancel_and_bad_descriptors_are_value_errors(sender_fact
         m.import_sequence(b"x" * 64)
     with pytest.raises(ValueError, match="truncated|corrupt|fewer than"):
         m.import_sequence(descriptor[:-9])
-    assert sender.send("cancel 7") == "ok"
+    assert sender.send("cancel 7") == "unclaimed"
     assert sender.send("state") == "0 1 30"
     same = receiver("tcp", layers=3)
     with pytest.raises(ValueError, match="refused"):
@@ -185,7 +205,7 @@ def test_exported_sequence_is_pinned_until_cancelled():
         m.schedule([1], [1])
     with pytest.raises(ValueError, match="exported"):
         m.flush_sequence(1)
-    m.cancel_export(1)
+    assert m.cancel_export(1) == "unclaimed"
     assert m.pending_exports == 0
     m.flush_sequence(1)
     m.check_invariants()
@@ -199,3 +219,41 @@ def test_without_transfer_config_export_and_import_are_value_errors():
         m.export_sequence(1)
     with pytest.raises(ValueError, match="StateManagerConfig.transfer is not set"):
         m.import_sequence(b"")
+
+
+def test_expired_export_stays_here_and_its_descriptor_is_refused_naming_the_expiry(sender_factory):
+    m = receiver("tcp", export_timeout_ms=1)
+    m.add_sequence(1, [1, 2, 3, 4, 5])
+    m.schedule([1], [5])
+    m.post_forward([1])
+    descriptor = m.export_sequence(1)
+    time.sleep(0.02)  # past the 1 ms
+    m.schedule([1], [1])  # the next schedule took the export back: schedulable again
+    m.post_forward([1])
+    assert (m.pending_exports, m.get_sequence(1).seen_tokens, m.free_blocks[0]) == (0, 6, 30)
+    with pytest.raises(ValueError, match="no pending export"):
+        m.cancel_export(1)
+    other = sender_factory("tcp")
+    answer = other.send("import " + descriptor.hex())
+    assert answer.startswith("error ValueError"), answer
+    assert "expired, unclaimed for 1 ms" in answer and "export_timeout_ms" in answer, answer
+    assert other.send("state") == "0 0 32"
+    m.check_invariants()
+
+
+def test_tensor_parallel_ranks_import_only_their_own_rank(sender_factory):
+    ranks = [sender_factory("tcp", tp_rank=r, tp_size=2) for r in range(2)]
+    shards = [s.export(7, 10) for s in ranks]
+    m = receiver("tcp", tp_rank=1, tp_size=2)
+    with pytest.raises(ValueError, match="rank 0 of 2; this engine is rank 1 of 2"):
+        m.import_sequence(shards[0])
+    assert (m.free_blocks[0], m.n_tracked_sequences) == (32, 0)
+    assert ranks[0].send("state") == "1 1 29"
+    seq = m.import_sequence(shards[1])
+    assert (seq.uid, seq.seen_tokens) == (7, 10)
+    assert ranks[1].send("state") == "0 0 32"
+    single = receiver("tcp")
+    with pytest.raises(ValueError, match="rank 0 of 2; this engine is rank 0 of 1"):
+        single.import_sequence(shards[0])
+    for s in ranks:
+        s.close()

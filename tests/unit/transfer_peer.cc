@@ -1,12 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 // The other engine of transfer_test.cc: a process with its own StateManager (and UCX endpoint),
 // driven by one command per line on stdin, answering one line per command on stdout.
-//   transfer_peer <transports> <layers> <prefix 0|1>
+//   transfer_peer <transports> <layers> <prefix 0|1> [<tp_rank> <tp_size>]
 //   make <uid> <tokens> <seed>  a sequence of that many computed tokens, KV = the pattern
 //   export <uid>                -> descriptor <hex>
 //   import <hex>                -> imported <uid> <seen>
 //   state                       -> pending <exports> tracked <sequences> free <blocks>
-//   cancel <uid> | flush <uid> | check <uid> <seed> (-> mismatches <n>) | quit
+//   cancel <uid>                -> ok unclaimed | ok granted
+//   flush <uid> | check <uid> <seed> (-> mismatches <n>) | quit
 // Errors: "error <code> <message>".
 #include <iostream>
 #include <numeric>
@@ -33,13 +34,17 @@ void ReplyError(const Status& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 4) {
-    std::cerr << "usage: transfer_peer <transports> <layers> <prefix 0|1>\n";
+  if (argc != 4 && argc != 6) {
+    std::cerr << "usage: transfer_peer <transports> <layers> <prefix 0|1> [<tp_rank> <tp_size>]\n";
     return 2;
   }
   blockkv_test::TransferLayout layout;
   layout.layers = std::stoll(argv[2]);
   layout.prefix = std::string(argv[3]) == "1";
+  if (argc == 6) {
+    layout.tp_rank = std::stoi(argv[4]);
+    layout.tp_size = std::stoi(argv[5]);
+  }
   auto made = blockkv_test::MakeTransferManager(layout, argv[1]);
   if (!made.ok()) {
     ReplyError(made.status());
@@ -108,8 +113,12 @@ int main(int argc, char** argv) {
     } else if (cmd == "cancel") {
       SeqId uid = 0;
       in >> uid;
-      const Status s = m.CancelExport(uid);
-      s.ok() ? Reply("ok") : ReplyError(s);
+      auto taken = m.CancelExport(uid);
+      if (!taken.ok()) {
+        ReplyError(taken.status());
+      } else {
+        Reply(*taken == blockkv::CancelledExport::kGranted ? "ok granted" : "ok unclaimed");
+      }
     } else if (cmd == "check") {
       SeqId uid = 0;
       uint32_t seed = 0;

@@ -8,10 +8,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "blockkv/state_manager.h"
@@ -32,22 +34,27 @@ using blockkv_test::TransferLayout;
 // A transfer_peer process: one command line in, one answer line out.
 class Peer {
  public:
-  Peer(const std::string& transports, int64_t layers = 3, bool prefix = false) {
+  // `stop`: BLOCKKV_TRANSFER_TEST_STOP of the process (src/transfer.cc): where it stops itself.
+  Peer(const std::string& transports, int64_t layers = 3, bool prefix = false,
+       const std::string& stop = "", int tp_rank = 0, int tp_size = 1) {
     int to_child[2];
     int from_child[2];
     EXPECT_EQ(pipe(to_child), 0);
     EXPECT_EQ(pipe(from_child), 0);
     const std::string layers_arg = std::to_string(layers);
     const char* prefix_arg = prefix ? "1" : "0";
+    const std::string rank_arg = std::to_string(tp_rank);
+    const std::string size_arg = std::to_string(tp_size);
     pid_ = fork();
     if (pid_ == 0) {
       setenv("UCX_LOG_FILE", "/dev/stderr", 1);  // stdout is the answers' pipe
+      if (!stop.empty()) setenv("BLOCKKV_TRANSFER_TEST_STOP", stop.c_str(), 1);
       dup2(to_child[0], 0);
       dup2(from_child[1], 1);
       close(to_child[1]);
       close(from_child[0]);
       execl(BLOCKKV_TRANSFER_PEER, BLOCKKV_TRANSFER_PEER, transports.c_str(), layers_arg.c_str(),
-            prefix_arg, static_cast<char*>(nullptr));
+            prefix_arg, rank_arg.c_str(), size_arg.c_str(), static_cast<char*>(nullptr));
       _exit(127);
     }
     close(to_child[0]);
@@ -68,9 +75,23 @@ class Peer {
   }
   const std::string& ready() const { return ready_; }
   std::string Send(const std::string& line) {
+    Post(line);
+    return line == "quit" ? "" : ReadLine();
+  }
+  // A command whose answer Read() gets later (the peer may stop meanwhile).
+  void Post(const std::string& line) {
     fprintf(in_, "%s\n", line.c_str());
     fflush(in_);
-    return line == "quit" ? "" : ReadLine();
+  }
+  std::string Read() { return ReadLine(); }
+  // Waits until the peer has stopped itself (its BLOCKKV_TRANSFER_TEST_STOP point): true when it
+  // did, false when it exited instead.
+  bool WaitStopped() {
+    int status = 0;
+    if (waitpid(pid_, &status, WUNTRACED) != pid_) return false;
+    if (WIFSTOPPED(status)) return true;
+    dead_ = true;
+    return false;
   }
   // The descriptor of `uid` (a sequence of `tokens` computed tokens of pattern `seed`).
   std::vector<std::byte> MakeAndExport(SeqId uid, int64_t tokens, uint32_t seed) {
@@ -225,13 +246,14 @@ TEST_P(TransferTest, CancelledExportIsRefusedAndTheSenderKeepsTheSequence) {
   Peer sender(GetParam());
   ASSERT_EQ(sender.ready(), "ready");
   const std::vector<std::byte> d = sender.MakeAndExport(7, 20, 2);
-  EXPECT_EQ(sender.Send("cancel 7"), "ok");
+  EXPECT_EQ(sender.Send("cancel 7"), "ok unclaimed");
   auto receiver = Receiver(GetParam());
   ASSERT_NE(receiver, nullptr);
   const ReceiverState before(*receiver);
   auto seq = receiver->ImportSequence(d);
   EXPECT_CODE(seq, StatusCode::kFailedPrecondition);
   EXPECT_NE(seq.status().message().find("refused"), std::string::npos) << seq.status();
+  EXPECT_NE(seq.status().message().find("cancelled"), std::string::npos) << seq.status();
   EXPECT_EQ(ReceiverState(*receiver), before);
   EXPECT_EQ(sender.Send("state"), "pending 0 tracked 1 free 59");
   EXPECT_EQ(sender.Send("check 7 2"), "mismatches 0");
@@ -260,12 +282,215 @@ TEST_P(TransferTest, ThreeEnginesPassASequenceAlongAndASecondImportIsRefused) {
   EXPECT_EQ(b.Send("state"), "pending 0 tracked 0 free 64");
 }
 
-TEST(TransferTest, StoppedSenderTimesOutThenTheSameDescriptorImports) {
-  // Over TCP the sender's worker serves the gets: a stopped sender stalls them.
-  Peer sender("tcp");
+// ---- ownership (docs/transfer.md, "Ownership"): a stop or death at any step loses nothing ----
+
+TEST_P(TransferTest, SenderStoppedBeforeItsGrantArrivesKeepsTheSequence) {
+  // The sender grants the claim and stops before the grant is sent: the receiver times out and
+  // frees what it took, and the sender, resumed, must still hold the sequence (before the
+  // handshake had DONE, it freed it: the sequence was gone from both engines).
+  Peer sender(GetParam(), 3, false, "sender_before_grant");
   ASSERT_EQ(sender.ready(), "ready");
   const std::vector<std::byte> d = sender.MakeAndExport(7, 37, 4);
-  auto receiver = Receiver("tcp", {}, 1000);
+  auto receiver = Receiver(GetParam(), {}, 1000);
+  ASSERT_NE(receiver, nullptr);
+  const ReceiverState before(*receiver);
+  auto seq = receiver->ImportSequence(d);
+  ASSERT_TRUE(sender.WaitStopped());
+  EXPECT_CODE(seq, StatusCode::kUnavailable);
+  EXPECT_NE(seq.status().message().find("waiting for the sender to grant"), std::string::npos)
+      << seq.status();
+  EXPECT_EQ(ReceiverState(*receiver), before);
+  EXPECT_EQ(receiver->GetSequence(7), nullptr);
+  sender.Signal(SIGCONT);
+  EXPECT_EQ(sender.Send("state"), "pending 1 tracked 1 free 54");
+  EXPECT_EQ(sender.Send("check 7 4"), "mismatches 0");
+  // The same receiver claims again (its ABORT made the export pending, or, lost, its own grant
+  // is renewed) and imports it; then the sender frees.
+  ASSERT_OK(receiver->ImportSequence(d));
+  EXPECT_EQ(blockkv_test::PatternMismatches(*receiver, 7, 4), 0);
+  EXPECT_EQ(sender.Send("state"), "pending 0 tracked 0 free 64");
+}
+
+TEST_P(TransferTest, ReceiverKilledAfterTheGrantLeavesTheSequenceWithTheSender) {
+  Peer sender(GetParam());
+  Peer receiver(GetParam(), 3, false, "receiver_after_grant");
+  ASSERT_EQ(sender.ready(), "ready");
+  ASSERT_EQ(receiver.ready(), "ready");
+  const std::vector<std::byte> d = sender.MakeAndExport(7, 37, 4);
+  receiver.Post("import " + blockkv_test::ToHex(d));
+  ASSERT_TRUE(receiver.WaitStopped());  // granted; it stopped before committing and DONE
+  // Granted: still pinned, its blocks held, and another receiver is refused.
+  EXPECT_EQ(sender.Send("state"), "pending 1 tracked 1 free 54");
+  auto other = Receiver(GetParam());
+  ASSERT_NE(other, nullptr);
+  const ReceiverState before(*other);
+  auto seq = other->ImportSequence(d);
+  EXPECT_CODE(seq, StatusCode::kFailedPrecondition);
+  EXPECT_NE(seq.status().message().find("granted it to another receiver"), std::string::npos)
+      << seq.status();
+  EXPECT_EQ(ReceiverState(*other), before);
+  receiver.Signal(SIGKILL);
+  // No DONE will come: the sender keeps the sequence, and CancelExport says a receiver had it.
+  EXPECT_EQ(sender.Send("state"), "pending 1 tracked 1 free 54");
+  EXPECT_EQ(sender.Send("cancel 7"), "ok granted");
+  EXPECT_EQ(sender.Send("state"), "pending 0 tracked 1 free 54");
+  EXPECT_EQ(sender.Send("check 7 4"), "mismatches 0");
+  EXPECT_CODE(other->ImportSequence(d), StatusCode::kFailedPrecondition);  // cancelled
+  EXPECT_EQ(ReceiverState(*other), before);
+}
+
+TEST_P(TransferTest, ReceiverResumedAfterTheGrantCommitsAndTheSenderFreesOnItsDone) {
+  Peer sender(GetParam());
+  Peer receiver(GetParam(), 3, false, "receiver_after_grant");
+  ASSERT_EQ(sender.ready(), "ready");
+  ASSERT_EQ(receiver.ready(), "ready");
+  const std::vector<std::byte> d = sender.MakeAndExport(7, 37, 4);
+  receiver.Post("import " + blockkv_test::ToHex(d));
+  ASSERT_TRUE(receiver.WaitStopped());
+  EXPECT_EQ(sender.Send("state"), "pending 1 tracked 1 free 54");  // held until DONE
+  receiver.Signal(SIGCONT);
+  EXPECT_EQ(receiver.Read(), "imported 7 37");
+  EXPECT_EQ(receiver.Send("check 7 4"), "mismatches 0");
+  EXPECT_EQ(sender.Send("state"), "pending 0 tracked 0 free 64");
+  EXPECT_EQ(sender.Send("cancel 7").substr(0, 7), "error 5");  // kNotFound: nothing to cancel
+}
+
+// ---- export timeout ----
+
+// This process as the sender: one computed sequence of `tokens` tokens, exported.
+std::vector<std::byte> ExportHere(StateManager& m, SeqId uid, int64_t tokens, uint32_t seed) {
+  const std::vector<SeqId> uids = {uid};
+  const std::vector<int64_t> lengths = {tokens};
+  EXPECT_OK(m.Schedule({.uids = uids, .lengths = lengths}));
+  EXPECT_OK(m.PostForward(uids));
+  blockkv_test::WritePattern(m, uid, seed);
+  auto d = m.ExportSequence(uid);
+  EXPECT_OK(d);
+  return d.ok() ? *d : std::vector<std::byte>{};
+}
+
+TEST(TransferTest, ExpiredExportStaysWithTheSenderAndItsDescriptorIsRefusedNamingTheExpiry) {
+  auto m = Receiver("tcp", {.export_timeout_ms = 1});
+  ASSERT_NE(m, nullptr);
+  const std::vector<std::byte> d = ExportHere(*m, 7, 10, 3);
+  EXPECT_EQ(m->pending_exports(), 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // past the 1 ms
+  // The next Schedule cancels it: the sequence is schedulable again, nothing was freed.
+  const std::vector<SeqId> uids = {7};
+  const std::vector<int64_t> one = {1};
+  ASSERT_OK(m->Schedule({.uids = uids, .lengths = one}));
+  EXPECT_EQ(m->pending_exports(), 0);
+  ASSERT_OK(m->PostForward(uids));
+  EXPECT_EQ(m->GetSequence(7)->seen_tokens(), 11);
+  EXPECT_EQ(blockkv_test::PatternMismatches(*m, 7, 3, 0, 10), 0);
+  EXPECT_EQ(m->free_blocks()[0], 64 - 3);
+  EXPECT_CODE(m->CancelExport(7), StatusCode::kNotFound);
+  Peer receiver("tcp");
+  ASSERT_EQ(receiver.ready(), "ready");
+  const std::string answer = receiver.Send("import " + blockkv_test::ToHex(d));
+  EXPECT_EQ(answer.substr(0, 7), "error 4") << answer;  // kFailedPrecondition
+  EXPECT_NE(answer.find("expired, unclaimed for 1 ms"), std::string::npos) << answer;
+  EXPECT_NE(answer.find("export_timeout_ms"), std::string::npos) << answer;
+  EXPECT_EQ(receiver.Send("state"), "pending 0 tracked 0 free 64");
+  EXPECT_OK(m->CheckInvariants());
+}
+
+TEST(TransferTest, ExpiryRunsAtCompleteExportsAndZeroNeverExpires) {
+  auto expiring = Receiver("tcp", {.export_timeout_ms = 1});
+  auto never = Receiver("tcp", {.export_timeout_ms = 0});
+  ASSERT_NE(expiring, nullptr);
+  ASSERT_NE(never, nullptr);
+  ExportHere(*expiring, 1, 6, 1);
+  ExportHere(*never, 1, 6, 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(expiring->CompleteExports(), 0);  // nothing flushed: it stays here
+  EXPECT_EQ(expiring->pending_exports(), 0);
+  EXPECT_EQ(expiring->free_blocks()[0], 62);
+  ASSERT_OK(expiring->FlushSequence(1));
+  EXPECT_EQ(never->CompleteExports(), 0);
+  EXPECT_EQ(never->pending_exports(), 1);
+  EXPECT_CODE(never->FlushSequence(1), StatusCode::kFailedPrecondition);
+}
+
+TEST(TransferTest, GrantedExportDoesNotExpireAndIsFreedOnItsDone) {
+  auto m = Receiver("tcp", {.export_timeout_ms = 1});
+  ASSERT_NE(m, nullptr);
+  const std::vector<std::byte> d = ExportHere(*m, 7, 10, 3);
+  Peer receiver("tcp", 3, false, "receiver_after_grant");
+  ASSERT_EQ(receiver.ready(), "ready");
+  receiver.Post("import " + blockkv_test::ToHex(d));
+  ASSERT_TRUE(receiver.WaitStopped());
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(m->CompleteExports(), 0);
+  EXPECT_EQ(m->pending_exports(), 1);  // granted: waits for the receiver's DONE
+  receiver.Signal(SIGCONT);
+  EXPECT_EQ(receiver.Read(), "imported 7 10");
+  EXPECT_EQ(m->CompleteExports(), 1);
+  EXPECT_EQ(m->free_blocks()[0], 64);
+  EXPECT_EQ(receiver.Send("check 7 3"), "mismatches 0");
+}
+
+// ---- tensor parallelism ----
+
+TEST(TransferTest, TensorParallelRanksTransferRankToRankAndACrossedPairingIsRefused) {
+  // Two prefill ranks and two decode ranks, each rank with its own shard (another pattern).
+  Peer p0("tcp", 3, false, "", 0, 2);
+  Peer p1("tcp", 3, false, "", 1, 2);
+  Peer d0("tcp", 3, false, "", 0, 2);
+  Peer d1("tcp", 3, false, "", 1, 2);
+  for (Peer* p : {&p0, &p1, &d0, &d1}) ASSERT_EQ(p->ready(), "ready");
+  const std::string shard0 = blockkv_test::ToHex(p0.MakeAndExport(7, 37, 10));
+  const std::string shard1 = blockkv_test::ToHex(p1.MakeAndExport(7, 37, 11));
+  // Crossed: refused, naming both sides, and nothing changes on either.
+  const std::string crossed = d1.Send("import " + shard0);
+  EXPECT_EQ(crossed.substr(0, 7), "error 1") << crossed;  // kInvalidArgument
+  EXPECT_NE(crossed.find("rank 0 of 2; this engine is rank 1 of 2"), std::string::npos) << crossed;
+  EXPECT_EQ(d1.Send("state"), "pending 0 tracked 0 free 64");
+  EXPECT_EQ(p0.Send("state"), "pending 1 tracked 1 free 54");
+  // Rank to rank: each shard arrives on its own rank.
+  EXPECT_EQ(d0.Send("import " + shard0), "imported 7 37");
+  EXPECT_EQ(d1.Send("import " + shard1), "imported 7 37");
+  EXPECT_EQ(d0.Send("check 7 10"), "mismatches 0");
+  EXPECT_EQ(d1.Send("check 7 11"), "mismatches 0");
+  EXPECT_EQ(p0.Send("state"), "pending 0 tracked 0 free 64");
+  EXPECT_EQ(p1.Send("state"), "pending 0 tracked 0 free 64");
+  // Another world size: this process is rank 0 of 1.
+  const std::vector<std::byte> other = p0.MakeAndExport(8, 5, 12);
+  auto receiver = Receiver("tcp");
+  ASSERT_NE(receiver, nullptr);
+  const ReceiverState before(*receiver);
+  auto seq = receiver->ImportSequence(other);
+  EXPECT_CODE(seq, StatusCode::kInvalidArgument);
+  EXPECT_NE(seq.status().message().find("rank 0 of 2; this engine is rank 0 of 1"),
+            std::string::npos)
+      << seq.status();
+  EXPECT_EQ(ReceiverState(*receiver), before);
+  EXPECT_EQ(p0.Send("state"), "pending 1 tracked 1 free 62");
+}
+
+TEST(TransferTest, BadTransferConfigIsAnErrorAtCreateNamingTheValues) {
+  const std::vector<std::pair<blockkv_test::TransferLayout, std::string>> cases = {
+      {{.tp_rank = 2, .tp_size = 2}, "tp_rank is 2 and tp_size 2"},
+      {{.tp_rank = -1, .tp_size = 2}, "tp_rank is -1 and tp_size 2"},
+      {{.tp_rank = 0, .tp_size = 0}, "tp_rank is 0 and tp_size 0"},
+      {{.export_timeout_ms = -5}, "export_timeout_ms is -5"},
+  };
+  for (const auto& [layout, what] : cases) {
+    auto m = blockkv_test::MakeTransferManager(layout, "tcp");
+    EXPECT_CODE(m, StatusCode::kInvalidArgument) << what;
+    EXPECT_NE(m.status().message().find(what), std::string::npos) << m.status();
+  }
+  EXPECT_CODE(blockkv_test::MakeTransferManager({}, "tcp", 0), StatusCode::kInvalidArgument);
+}
+
+TEST_P(TransferTest, StoppedSenderTimesOutThenTheSameDescriptorImports) {
+  // Over TCP the sender's worker serves the gets: a stopped sender stalls them. Over shared
+  // memory the gets (cma: process_vm_readv) complete without it, and the wait for its grant
+  // times out (no peer failure detection there: the receiver bounds its own wait and close).
+  Peer sender(GetParam());
+  ASSERT_EQ(sender.ready(), "ready");
+  const std::vector<std::byte> d = sender.MakeAndExport(7, 37, 4);
+  auto receiver = Receiver(GetParam(), {}, 1000);
   ASSERT_NE(receiver, nullptr);
   const ReceiverState before(*receiver);
   sender.Signal(SIGSTOP);
@@ -418,7 +643,9 @@ TEST(TransferTest, ExportedSequenceIsPinnedUntilCancelled) {
   EXPECT_CODE(m->ExportSequence(1), StatusCode::kFailedPrecondition);
   EXPECT_EQ(m->GetSequence(1)->seen_tokens(), 6);
   EXPECT_EQ(m->free_blocks()[0], 62);
-  ASSERT_OK(m->CancelExport(1));
+  auto cancelled = m->CancelExport(1);
+  ASSERT_OK(cancelled);
+  EXPECT_EQ(*cancelled, blockkv::CancelledExport::kUnclaimed);
   EXPECT_EQ(m->pending_exports(), 0);
   EXPECT_CODE(m->CancelExport(1), StatusCode::kNotFound);
   ASSERT_OK(m->Schedule({.uids = uids, .lengths = one}));

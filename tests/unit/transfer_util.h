@@ -21,6 +21,10 @@ struct TransferLayout {
   int32_t block_size = 4;
   int32_t num_blocks = 64;
   bool prefix = false;
+  // TransferConfig's
+  int32_t tp_rank = 0;
+  int32_t tp_size = 1;
+  int32_t export_timeout_ms = 120000;
 };
 
 inline blockkv::Result<std::unique_ptr<blockkv::StateManager>> MakeTransferManager(
@@ -32,7 +36,11 @@ inline blockkv::Result<std::unique_ptr<blockkv::StateManager>> MakeTransferManag
   config.max_context = 4096;
   config.memory_config = {.mode = blockkv::AllocationMode::kAllocate, .size = l.num_blocks};
   config.prefix_cache.enabled = l.prefix;
-  config.transfer = blockkv::TransferConfig{.transports = transports, .timeout_ms = timeout_ms};
+  config.transfer = blockkv::TransferConfig{.transports = transports,
+                                            .timeout_ms = timeout_ms,
+                                            .export_timeout_ms = l.export_timeout_ms,
+                                            .tp_rank = l.tp_rank,
+                                            .tp_size = l.tp_size};
   blockkv::KVCacheConfig kv{.block_size = l.block_size,
                             .cache_shape = {l.layers, l.heads, l.head_size}};
   return blockkv::StateManager::Create(config, {kv}, blockkv::CpuDevice());
