@@ -218,6 +218,9 @@ class StateManager::Impl {
     // The last `remote` of those come from the remote tier: remote_values_[remote_first, ...).
     int32_t remote = 0;
     size_t remote_first = 0;
+    // What stopped the remote tier's run: counted once, when a Schedule takes the hit (not by
+    // CanSchedule, nor by a Schedule that does not fit).
+    internal::RemoteTier::Miss remote_miss = internal::RemoteTier::Miss::kNone;
     // A STATE group's checkpoint of `tokens` tokens, copied into the sequence's fresh slot by
     // ResumeFromCheckpoints (referenced from ShareHitBlocks until then); kNoBlock without one.
     BlockId checkpoint = kNoBlock;
@@ -281,11 +284,16 @@ class StateManager::Impl {
   // From Create, after EnableOffload: opens the remote tier (state_manager_remote.cc). An
   // unreachable server leaves it off with one log line; other failures are returned.
   Status EnableRemoteTier();
+  struct Verified {
+    int32_t blocks = 0;                                                   // leading ones verified
+    internal::RemoteTier::Miss miss = internal::RemoteTier::Miss::kNone;  // what stopped them
+  };
   // Continues a run of `run` matched blocks of group 0 from the remote tier, at most `max`
   // blocks: fetches (or takes what FetchRemotePrefix fetched ahead, without waiting), verifies
-  // and appends the values to remote_values_; returns how many. With tp_size > 1 only a fetch
-  // ahead is taken (the ranks agreed on it: AgreeRemotePrefix), never a fetch of its own.
-  int32_t MatchRemote(const SequenceKeys& keys, int32_t run, int32_t max);
+  // and appends the values to remote_values_; returns how many, and the miss that stopped them
+  // (TakePrefix counts it). With tp_size > 1 only a fetch ahead is taken (the ranks agreed on
+  // it: AgreeRemotePrefix), never a fetch of its own.
+  Verified MatchRemote(const SequenceKeys& keys, int32_t run, int32_t max);
   // Blocks [first, first + count) of a sequence.
   struct BlockRange {
     int32_t first = 0;
@@ -295,10 +303,6 @@ class StateManager::Impl {
     std::shared_ptr<const void> reply;  // owns `value` (hiredis's reply)
     std::string_view value;             // as fetched and verified
     size_t payload = 0;                 // offset of the block's bytes in it
-  };
-  struct Verified {
-    int32_t blocks = 0;                                                   // leading ones verified
-    internal::RemoteTier::Miss miss = internal::RemoteTier::Miss::kNone;  // what stopped them
   };
   // Verifies values[offset, offset + blocks.count) of `fetched` as the sequence's `blocks`
   // (remote_keys_ holds their keys), appending each verified one to `out` when given.

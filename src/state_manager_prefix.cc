@@ -182,6 +182,7 @@ const StateManager::Impl::PrefixHit* StateManager::Impl::LookupPrefix(size_t i, 
   size_t promote_first = 0;
   int32_t remote = 0;  // blocks of the run found on the remote tier, after those
   size_t remote_first = 0;
+  auto remote_miss = internal::RemoteTier::Miss::kNone;
   for (int g = 0; g < num_groups(); ++g) {
     std::vector<BlockId>& blocks = match_blocks_[static_cast<size_t>(g)];
     auto limit = static_cast<int32_t>(cap / prefix_->block_size(g));
@@ -232,9 +233,11 @@ const StateManager::Impl::PrefixHit* StateManager::Impl::LookupPrefix(size_t i, 
       if (remote_ != nullptr && run < limit) {
         // The remote tier continues past the local levels (synchronously: docs/remote_tier.md).
         remote_first = remote_values_.size();
-        remote = MatchRemote(keys, run,
-                             static_cast<int32_t>(std::max<int64_t>(
-                                 0, std::min<int64_t>(limit - run, free - promoted))));
+        const Verified got = MatchRemote(keys, run,
+                                         static_cast<int32_t>(std::max<int64_t>(
+                                             0, std::min<int64_t>(limit - run, free - promoted))));
+        remote = got.blocks;
+        remote_miss = got.miss;
         run += remote;
       }
       most = std::min(most, int64_t{run} * kv_block_size(g));
@@ -266,7 +269,8 @@ const StateManager::Impl::PrefixHit* StateManager::Impl::LookupPrefix(size_t i, 
                    .promoted = promoted + remote,
                    .promote_first = promote_first,
                    .remote = remote,
-                   .remote_first = remote_first});
+                   .remote_first = remote_first,
+                   .remote_miss = remote_miss});
   if (promoted + remote > 0) {
     free_scratch_[0] -= promoted + remote;
     promoted_ += promoted + remote;
@@ -323,6 +327,9 @@ void StateManager::Impl::TakePrefix(size_t i, Sequence& seq) {
   }
   if (hit.checkpoint != kNoBlock) {
     keys.checkpointed = static_cast<int32_t>(hit.tokens / checkpoint_tokens_);
+  }
+  if (hit.remote_miss != internal::RemoteTier::Miss::kNone) {
+    remote_->CountLookup(0, hit.remote_miss);
   }
   seq.seen_tokens_ = hit.tokens;
   seq.cached_prefix_tokens_ = hit.tokens;

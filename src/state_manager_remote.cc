@@ -161,40 +161,32 @@ int32_t StateManager::Impl::DeviceRun(const SequenceKeys& keys) {
   return prefix_->Match(0, keys.tokens, keys.ns_id, keys.extras, limit, scratch, &last);
 }
 
-int32_t StateManager::Impl::MatchRemote(const SequenceKeys& keys, int32_t run, int32_t max) {
-  if (max <= 0) return 0;
+StateManager::Impl::Verified StateManager::Impl::MatchRemote(const SequenceKeys& keys, int32_t run,
+                                                             int32_t max) {
+  if (max <= 0) return {};
   // Tensor-parallel ranks take only what they agreed on (AgreeRemotePrefix capped `max`).
-  if (config_.remote_tier->tp_size > 1 && (keys.prefetch == nullptr || keys.agreed < 0)) return 0;
+  if (config_.remote_tier->tp_size > 1 && (keys.prefetch == nullptr || keys.agreed < 0)) return {};
   using Miss = internal::RemoteTier::Miss;
   RemoteKeys(keys, static_cast<size_t>(run) + static_cast<size_t>(max));
-  Verified got;
   if (keys.prefetch != nullptr) {  // fetched ahead: what has arrived, never a wait
     internal::RemoteFetchJob& job = *keys.prefetch;
-    if (!job.Done()) {
-      remote_->CountLookup(0, Miss::kLate);
-      return 0;
-    }
-    if (run < keys.prefetch_first) {  // blocks before it were evicted since: the chain breaks
-      remote_->CountLookup(0, Miss::kNotFound);
-      return 0;
-    }
+    if (!job.Done()) return {.miss = Miss::kLate};
+    // Blocks before it were evicted since: the chain breaks.
+    if (run < keys.prefetch_first) return {.miss = Miss::kNotFound};
     const auto skip = static_cast<size_t>(run - keys.prefetch_first);
     const auto have = static_cast<int64_t>(job.keys.size()) - static_cast<int64_t>(skip);
-    if (have <= 0) return 0;
-    got = VerifyRemote(keys,
-                       {.first = run, .count = static_cast<int32_t>(std::min<int64_t>(max, have))},
-                       job.fetched, skip, &remote_values_);
-  } else {
-    std::vector<std::string> names;
-    names.reserve(static_cast<size_t>(max));
-    for (auto i = static_cast<size_t>(run); i < remote_keys_.size(); ++i) {
-      names.push_back(internal::RemoteKey(remote_fingerprint_, keys.extras.ns, remote_keys_[i]));
-    }
-    const internal::RemoteTier::Fetched fetched = remote_->Fetch(std::move(names));
-    got = VerifyRemote(keys, {.first = run, .count = max}, fetched, 0, &remote_values_);
+    if (have <= 0) return {};
+    return VerifyRemote(keys,
+                        {.first = run, .count = static_cast<int32_t>(std::min<int64_t>(max, have))},
+                        job.fetched, skip, &remote_values_);
   }
-  remote_->CountLookup(0, got.miss);
-  return got.blocks;
+  std::vector<std::string> names;
+  names.reserve(static_cast<size_t>(max));
+  for (auto i = static_cast<size_t>(run); i < remote_keys_.size(); ++i) {
+    names.push_back(internal::RemoteKey(remote_fingerprint_, keys.extras.ns, remote_keys_[i]));
+  }
+  const internal::RemoteTier::Fetched fetched = remote_->Fetch(std::move(names));
+  return VerifyRemote(keys, {.first = run, .count = max}, fetched, 0, &remote_values_);
 }
 
 StateManager::Impl::Verified StateManager::Impl::VerifyRemote(

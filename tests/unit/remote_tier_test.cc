@@ -684,6 +684,13 @@ TEST(RemoteTierTest, AFetchAheadStillInFlightIsALateMissAndRecomputed) {
   ASSERT_TRUE(ticket.ok()) << ticket.status();
   EXPECT_EQ(ticket->blocks(), 4);
   EXPECT_FALSE(ticket->Poll());
+  // An engine polling CanSchedule meanwhile counts nothing: a miss is a lookup taken.
+  const SeqId uids[] = {7};
+  const int64_t lengths[] = {static_cast<int64_t>(prompt.size())};
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(b->mgr->CanSchedule({.uids = uids, .lengths = lengths}).ok());
+  }
+  EXPECT_EQ(b->mgr->remote_tier_stats().misses, 0);
   // Schedule does not wait for it: a late miss, every block computed here.
   EXPECT_EQ(b->Prefill(7, prompt, "", /*add=*/false), 0);
   b->ExpectPrefixData(7, prompt, 4);
