@@ -444,7 +444,11 @@ StateManager::Impl::Impl(StateManagerConfig config, std::unique_ptr<BlockedKVCac
   if (config_.prefix_cache.enabled) EnablePrefixCache();
 }
 
-StateManager::Impl::~Impl() = default;
+StateManager::Impl::~Impl() {
+  // The transfer endpoint first: its thread serves peers' gets from the KV cache's registered
+  // memory until it is joined, and members go in reverse order (cache_ is declared after it).
+  transfer_.reset();
+}
 
 // ---- lookups ----------------------------------------------------------------------------------
 

@@ -456,16 +456,31 @@ ucs_status_t TransferEndpoint::Impl::OnAbort(void* arg, const void* header, size
   return UCS_OK;
 }
 
-ucs_status_t TransferEndpoint::Impl::OnPing(void* /*arg*/, const void* header, size_t header_length,
+ucs_status_t TransferEndpoint::Impl::OnPing(void* arg, const void* header, size_t header_length,
                                             void* /*data*/, size_t /*length*/,
                                             const ucp_am_recv_param_t* param) {
   if (header_length != sizeof(Ticket) ||
       (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) == 0) {
     return UCS_OK;
   }
+  auto* self = static_cast<Impl*>(arg);
   Ticket ping;
   std::memcpy(&ping, header, sizeof(ping));
-  const AnswerHeader pong{.id = ping.id, .nonce = ping.nonce, .verdict = kPong, .detail = 0};
+  AnswerHeader pong{.id = ping.id, .nonce = ping.nonce, .verdict = kPong, .detail = 0};
+  {
+    // Under mu_, which ExportSequence's AddExport released after the KV was written: the gets this
+    // thread serves next read that KV after it (a happens-before ThreadSanitizer sees too). An
+    // export that ended is refused now, before the receiver reads anything.
+    std::lock_guard lock(self->mu_);
+    if (!self->exports_.contains(ping.id)) {
+      pong.verdict = kRefusedUnknown;
+      const auto ended = self->ended_.find(ping.id);
+      if (ended != self->ended_.end()) {
+        pong.verdict = ended->second.first;
+        pong.detail = ended->second.second;
+      }
+    }
+  }
   SendAm(param->reply_ep, kAnswerId, &pong, sizeof(pong), /*reply=*/false);
   return UCS_OK;
 }
@@ -515,6 +530,32 @@ namespace {
 void OnGetDone(void* request, ucs_status_t status, void* user_data) {
   static_cast<ImportState*>(user_data)->Done(status);
   ucp_request_free(request);
+}
+
+// kFailedPrecondition: the sender refused `answer` (a refusal verdict), naming why.
+Status Refusal(uint64_t transfer_id, const AnswerHeader& answer) {
+  const std::string refused = StrCat("the sender refused the transfer ", Hex64(transfer_id));
+  switch (answer.verdict) {
+    case kRefusedGranted:
+      return FailedPreconditionError(
+          StrCat(refused,
+                 ": it granted it to another receiver, which has not confirmed yet (the sender "
+                 "keeps it until that receiver confirms or aborts, or its CancelExport)"));
+    case kRefusedExpired:
+      return FailedPreconditionError(StrCat(
+          refused, ": its export expired, unclaimed for ", answer.detail,
+          " ms (the sender's TransferConfig.export_timeout_ms); the sender kept the sequence"));
+    case kRefusedCancelled:
+      return FailedPreconditionError(
+          StrCat(refused, ": its export was cancelled (CancelExport); the sender kept it"));
+    case kRefusedImported:
+      return FailedPreconditionError(StrCat(refused, ": another receiver imported it already"));
+    default:
+      return FailedPreconditionError(
+          StrCat(refused,
+                 ": it has no such export (cancelled or imported long ago, or the sender "
+                 "restarted)"));
+  }
 }
 
 }  // namespace
@@ -592,13 +633,14 @@ Status TransferEndpoint::Impl::RunImport(std::string_view peer_address,
   if (status.ok()) {
     st = SendAm(ep, kPingId, &ticket, sizeof(ticket), /*reply=*/true);
     if (st != UCS_OK) status = UcxError("ucp_am_send_nbx (the ping)", st);
-    while (status.ok() && !pong_) {
+    while (status.ok() && !pong_ && !verdict_) {
       ucp_worker_progress(worker_);
-      if (pong_) break;
+      if (pong_ || verdict_) break;
       if (state.peer_error != UCS_OK || timed_out()) {
         status = failed("waiting for the sender to answer");
       }
     }
+    if (status.ok() && verdict_) status = Refusal(transfer_id, *verdict_);  // ended: no get
   }
   // Every get in flight at once.
   for (size_t i = 0; i < gets.size() && status.ok(); ++i) {
@@ -651,36 +693,10 @@ Status TransferEndpoint::Impl::RunImport(std::string_view peer_address,
       }
     }
     if (status.ok()) {
-      const std::string refused = StrCat("the sender refused the transfer ", Hex64(transfer_id));
-      switch (verdict_->verdict) {
-        case kGranted:
-          granted = true;
-          break;
-        case kRefusedGranted:
-          status = FailedPreconditionError(StrCat(
-              refused,
-              ": it granted it to another receiver, which has not confirmed yet (the "
-              "sender keeps it until that receiver confirms or aborts, or its CancelExport)"));
-          break;
-        case kRefusedExpired:
-          status = FailedPreconditionError(StrCat(
-              refused, ": its export expired, unclaimed for ", verdict_->detail,
-              " ms (the sender's TransferConfig.export_timeout_ms); the sender kept the sequence"));
-          break;
-        case kRefusedCancelled:
-          status = FailedPreconditionError(
-              StrCat(refused, ": its export was cancelled (CancelExport); the sender kept it"));
-          break;
-        case kRefusedImported:
-          status =
-              FailedPreconditionError(StrCat(refused, ": another receiver imported it already"));
-          break;
-        default:
-          status = FailedPreconditionError(
-              StrCat(refused,
-                     ": it has no such export (cancelled or imported long ago, or the sender "
-                     "restarted)"));
-          break;
+      if (verdict_->verdict == kGranted) {
+        granted = true;
+      } else {
+        status = Refusal(transfer_id, *verdict_);
       }
     }
   }
