@@ -63,18 +63,27 @@ SENDER = textwrap.dedent("""
 
 
 class Sender:
-    def __init__(self, transports, layers=2, tp_rank=0, tp_size=1):
+    def __init__(self, transports, layers=2, tp_rank=0, tp_size=1, stop=None):
         env = dict(os.environ, UCX_LOG_FILE="/dev/stderr")
+        if stop is not None:  # where the process stops itself (src/transfer.cc, a test hook)
+            env["BLOCKKV_TRANSFER_TEST_STOP"] = stop
         self.proc = subprocess.Popen([sys.executable, "-c", SENDER, transports, str(layers),
                                       str(tp_rank), str(tp_size)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=env)
         assert self.proc.stdout.readline().strip() == "ready"
 
-    def send(self, line):
+    def post(self, line):
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
+
+    def send(self, line):
+        self.post(line)
         return self.proc.stdout.readline().strip()
+
+    def wait_stopped(self):
+        _, status = os.waitpid(self.proc.pid, os.WUNTRACED)
+        return os.WIFSTOPPED(status)
 
     def export(self, uid, tokens):
         return bytes.fromhex(self.send(f"make {uid} {tokens}"))
@@ -257,3 +266,25 @@ def test_tensor_parallel_ranks_import_only_their_own_rank(sender_factory):
         single.import_sequence(shards[0])
     for s in ranks:
         s.close()
+
+
+def test_cancel_export_says_granted_when_a_receiver_died_after_the_grant(sender_factory):
+    # The receiver stops itself once the grant arrived (before it commits and sends DONE), and is
+    # killed there: this engine keeps the sequence, and cancel_export says a receiver had it.
+    m = receiver("tcp")
+    m.add_sequence(7, [1, 2, 3, 4, 5, 6])
+    m.schedule([7], [6])
+    m.post_forward([7])
+    descriptor = m.export_sequence(7)
+    other = sender_factory("tcp", stop="receiver_after_grant")
+    other.post("import " + descriptor.hex())
+    assert other.wait_stopped()
+    m.complete_exports()
+    assert (m.pending_exports, m.free_blocks[0]) == (1, 30)  # granted: still pinned, held
+    other.proc.kill()
+    other.proc.wait()
+    assert m.cancel_export(7) == "granted"
+    assert (m.pending_exports, m.get_sequence(7).seen_tokens, m.free_blocks[0]) == (0, 6, 30)
+    m.schedule([7], [1])
+    m.post_forward([7])
+    m.check_invariants()
