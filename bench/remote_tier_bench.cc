@@ -17,6 +17,8 @@
 //                ResetPrefixCache
 //   raw_mget     one MGET of the same k keys
 //   tier_fetch_ahead   FetchRemotePrefix, its ticket waited for, then the Schedule that takes it
+//   tier_fetch_ahead_many  8 requests of k / 8 blocks fetched ahead at once, waited for and
+//                scheduled together (the queued fetches pipelined: one round trip, not 8)
 //   tier_fetch_agreed  the same with AgreeRemotePrefix (a world of one) in place of the wait: what
 //                the tensor-parallel agreement adds (its offer verifies the values once more)
 //   cluster_tier_store, cluster_tier_fetch   as above, the tier given redis+cluster://
@@ -118,9 +120,9 @@ std::string ClusterUrl() {
 // layers = 32: 2 MiB blocks; 1: 64 KiB.
 std::unique_ptr<StateManager> MakeManager(int64_t layers, int32_t k, bool cluster = false) {
   StateManagerConfig config;
-  config.max_tracked_sequences = 4;
+  config.max_tracked_sequences = 16;
   config.max_ragged_batch_size = 4096;
-  config.max_ragged_sequence_count = 4;
+  config.max_ragged_sequence_count = 16;
   config.memory_config = {.mode = AllocationMode::kAllocate, .size = 2 * k + 4};
   config.prefix_cache.enabled = true;
   config.remote_tier = RemoteTierConfig{
@@ -273,6 +275,47 @@ void FetchAheadOn(benchmark::State& state, bool agree) {
   SetBytes(state, layers, k);
 }
 void TierFetchAhead(benchmark::State& state) { FetchAheadOn(state, false); }
+
+// 8 requests of k / 8 blocks each, fetched ahead at once (an engine admitting 8 requests), waited
+// for and scheduled together: the fetches queued behind the first go in one pipeline, so against
+// raw_mget of all k keys this is the price of 8 requests over one.
+void TierFetchAheadMany(benchmark::State& state) {
+  const int64_t layers = state.range(0);
+  const auto k = static_cast<int32_t>(state.range(1));
+  constexpr int kRequests = 8;
+  FlushAll(false);
+  std::vector<std::vector<TokenId>> prompts;
+  std::vector<SeqId> uids;
+  std::vector<int64_t> lengths;
+  for (int r = 0; r < kRequests; ++r) {
+    prompts.push_back(Prompt(100 + r, k / kRequests));
+    uids.push_back(r + 1);
+    lengths.push_back(std::ssize(prompts.back()));
+  }
+  {
+    std::unique_ptr<StateManager> writer = MakeManager(layers, k);
+    for (int r = 0; r < kRequests; ++r) Run(*writer, uids[r], prompts[r]);
+    writer->FlushRemoteTier();
+  }
+  std::unique_ptr<StateManager> mgr = MakeManager(layers, k);
+  std::vector<RemoteFetchTicket> tickets(kRequests);
+  for (auto _ : state) {
+    for (int r = 0; r < kRequests; ++r) {
+      blockkv_bench::Check(mgr->AddSequence(uids[r], prompts[r]).status(), "AddSequence");
+      Result<RemoteFetchTicket> t = mgr->FetchRemotePrefix(uids[r]);
+      blockkv_bench::Check(t.status(), "FetchRemotePrefix");
+      tickets[static_cast<size_t>(r)] = *t;
+    }
+    for (const RemoteFetchTicket& t : tickets) t.Wait();
+    blockkv_bench::Check(mgr->Schedule({.uids = uids, .lengths = lengths}), "Schedule");
+    if (mgr->remote_tier_stats().hits % k != 0) state.SkipWithError("not a full hit");
+    for (const SeqId uid : uids) blockkv_bench::Check(mgr->FlushSequence(uid), "FlushSequence");
+    state.PauseTiming();
+    mgr->ResetPrefixCache();
+    state.ResumeTiming();
+  }
+  SetBytes(state, layers, k);
+}
 void TierFetchAgreed(benchmark::State& state) { FetchAheadOn(state, true); }
 void ClusterTierFetch(benchmark::State& state) { TierFetchOn(state, true); }
 
@@ -404,6 +447,11 @@ BENCHMARK(TierFetch)->Apply(Args);
 BENCHMARK(RawMget)->Apply(Args);
 BENCHMARK(TierFetchAhead)->Apply(Args);
 BENCHMARK(TierFetchAgreed)->Apply(Args);
+BENCHMARK(TierFetchAheadMany)
+    ->ArgNames({"layers", "k"})
+    ->Args({1, 32})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK(ClusterTierStore)->Apply(Args);
 BENCHMARK(ClusterRawSet)->Apply(Args);
 BENCHMARK(ClusterTierFetch)->Apply(Args);

@@ -702,11 +702,40 @@ void RemoteTier::RunFetches() {
       fetches_.clear();
       break;
     }
-    const std::shared_ptr<FetchJob> job = fetches_.front();
-    fetches_.pop_front();
+    // Every fetch queued meanwhile (engines fetching ahead for several admitted requests) goes
+    // in one pipeline: one MGET per node for all their keys, one round trip, not one each.
+    std::vector<std::shared_ptr<FetchJob>> jobs;
+    size_t keys = 0;
+    while (!fetches_.empty() &&
+           (jobs.empty() || keys + fetches_.front()->keys.size() <= kFetchBatchKeys)) {
+      keys += fetches_.front()->keys.size();
+      jobs.push_back(std::move(fetches_.front()));
+      fetches_.pop_front();
+    }
     lock.unlock();
-    DoFetch(fetch_lane_, *job);  // its keys are fixed once queued; only this writes `fetched`
-    job->Finish();
+    // Their keys are fixed once queued; only this thread writes their `fetched`.
+    if (jobs.size() == 1) {
+      DoFetch(fetch_lane_, *jobs[0]);
+    } else {
+      FetchJob all;
+      all.keys.reserve(keys);
+      for (const std::shared_ptr<FetchJob>& job : jobs) {
+        all.keys.insert(all.keys.end(), job->keys.begin(), job->keys.end());
+      }
+      DoFetch(fetch_lane_, all);
+      size_t at = 0;
+      for (const std::shared_ptr<FetchJob>& job : jobs) {
+        const auto first = static_cast<std::ptrdiff_t>(at);
+        const auto last = static_cast<std::ptrdiff_t>(at + job->keys.size());
+        job->fetched.reply = all.fetched.reply;  // the replies, shared
+        job->fetched.values.assign(all.fetched.values.begin() + first,
+                                   all.fetched.values.begin() + last);
+        job->fetched.failed.assign(all.fetched.failed.begin() + first,
+                                   all.fetched.failed.begin() + last);
+        at += job->keys.size();
+      }
+    }
+    for (const std::shared_ptr<FetchJob>& job : jobs) job->Finish();
     lock.lock();
   }
 }

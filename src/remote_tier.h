@@ -9,10 +9,11 @@
 // drops and counts) and sent pipelined, up to kStoreBatch SETs per batch, grouped per node; a
 // fetch (waited for at most timeout_ms) is one MGET on a standalone server and pipelined GETs
 // per node on a cluster, every node's commands written before any reply is read, so k blocks cost
-// one round trip per node. MOVED / ASK are followed (ASK with ASKING). A failed command closes
-// that node's connection; the next command to it reconnects, and a failed reconnect waits a
-// backoff (50 ms doubling to 2 s) during which that node's commands fail at once (stores
-// dropped, fetched keys missing) while the other nodes keep serving.
+// one round trip per node; the fetches queued while one runs go together in the next pipeline.
+// MOVED / ASK are followed (ASK with ASKING). A failed command closes that node's connection; the
+// next command to it reconnects, and a failed reconnect waits a backoff (50 ms doubling to 2 s)
+// during which that node's commands fail at once (stores dropped, fetched keys missing) while the
+// other nodes keep serving.
 #pragma once
 
 #include <atomic>
@@ -105,6 +106,8 @@ struct RemoteFetchJob {
 class RemoteTier {
  public:
   static constexpr size_t kStoreBatch = 64;
+  // Keys of the queued fetches pipelined together (a single fetch larger than this goes alone).
+  static constexpr size_t kFetchBatchKeys = 1024;
 
   // Connects (AUTH, SELECT) on the calling thread, then starts the worker. kUnavailable: the
   // server cannot be reached; kPermissionDenied: AUTH refused; kInvalidArgument: the URL or a

@@ -711,6 +711,61 @@ TEST(RemoteTierTest, AFetchAheadStillInFlightIsALateMissAndRecomputed) {
   EXPECT_TRUE(dropped->Poll());
 }
 
+// Calls of `command` the server counted since CONFIG RESETSTAT.
+int64_t CommandCalls(redisContext* c, const std::string& command) {
+  auto* r = static_cast<redisReply*>(redisCommand(c, "INFO commandstats"));
+  const std::string info(r->str, r->len);
+  freeReplyObject(r);
+  const std::string tag = "cmdstat_" + command + ":calls=";
+  const size_t at = info.find(tag);
+  return at == std::string::npos ? 0 : std::stoll(info.substr(at + tag.size()));
+}
+
+// An engine fetching ahead for several admitted requests: the fetches queued while one runs go
+// in one pipeline (one MGET), and each ticket gets its own blocks.
+TEST(RemoteTierTest, FetchesQueuedTogetherShareOneRoundTrip) {
+  RedisServer server;
+  std::vector<std::vector<TokenId>> prompts;
+  prompts.reserve(4);
+  for (TokenId i = 0; i < 4; ++i) prompts.push_back(Prompt(1000 * (i + 1), 9));  // 2 blocks
+  auto a = Engine::Make({.url = server.url(), .model_id = "m"});
+  ASSERT_NE(a, nullptr);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(a->Prefill(static_cast<SeqId>(i), prompts[i]), 0);
+  }
+  a->mgr->FlushRemoteTier();
+  auto b = Engine::Make({.url = server.url(), .model_id = "m", .timeout_ms = 60000});
+  ASSERT_NE(b, nullptr);
+  redisContext* c = server.Connect();
+  freeReplyObject(redisCommand(c, "CONFIG RESETSTAT"));
+  server.Stop();  // the first fetch waits in the socket; the others queue behind it
+  std::vector<RemoteFetchTicket> tickets;
+  tickets.reserve(prompts.size());
+  {
+    const Resume resume{server};
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const auto uid = static_cast<SeqId>(10 + i);
+      ASSERT_TRUE(b->mgr->AddSequence(uid, prompts[i]).ok());
+      Result<RemoteFetchTicket> t = b->mgr->FetchRemotePrefix(uid);
+      ASSERT_TRUE(t.ok()) << t.status();
+      tickets.push_back(*t);
+    }
+  }
+  for (const RemoteFetchTicket& t : tickets) t.Wait();
+  // The first alone (or with the others, had they queued before the worker took it), the rest
+  // together: one MGET each would be 4.
+  const int64_t mgets = CommandCalls(c, "mget");
+  EXPECT_GE(mgets, 1);
+  EXPECT_LE(mgets, 2);
+  redisFree(c);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const auto uid = static_cast<SeqId>(10 + i);
+    EXPECT_EQ(b->Prefill(uid, prompts[i], "", /*add=*/false), 8) << "request " << i;
+    b->ExpectPrefixData(uid, prompts[i], 2);
+  }
+  EXPECT_EQ(b->mgr->remote_tier_stats().hits, 8);
+}
+
 TEST(RemoteTierTest, FetchingAheadIsRefusedWhereItCannotServeAndChangesNothing) {
   RedisServer server;
   auto b = Engine::Make({.url = server.url(), .model_id = "m"});
