@@ -32,7 +32,7 @@ struct TransferConfig {
   // carries the worker's address on these devices.
   std::string devices{};
   // How long ImportSequence waits for the whole transfer (connect, gets, the sender's grant), in
-  // ms; > 0.
+  // ms; > 0. Then at most 1 s more for DONE's acknowledgement and 1 s for closing the endpoint.
   int32_t timeout_ms = 10000;
   // How long an export waits for a receiver, in ms; >= 0, 0 = forever. A pending export that no
   // receiver was granted within it is cancelled by this engine at its next Schedule,
