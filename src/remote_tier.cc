@@ -7,6 +7,8 @@
 #include <cerrno>
 #include <charconv>
 #include <cstring>
+#include <limits>
+#include <memory>
 
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -60,8 +62,9 @@ std::string Hex64(uint64_t v) {
   return s;
 }
 
-bool ParseInt(std::string_view s, int lo, int hi, int* out) {
-  int v = 0;
+template <typename T>
+bool ParseInt(std::string_view s, T lo, T hi, T* out) {
+  T v = 0;
   const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
   if (ec != std::errc() || end != s.data() + s.size() || v < lo || v > hi) return false;
   *out = v;
@@ -155,6 +158,105 @@ bool WriteSets(redisContext* ctx,
     while (at < iov.size() && iov[at].iov_len == 0) ++at;
   }
   return true;
+}
+
+// What a fetch's values point into: hiredis replies, and the buffers ReadMget read values into.
+struct FetchedBuffers {
+  std::vector<Reply> replies;
+  std::vector<std::unique_ptr<char[]>> values;
+};
+
+// Reads a RESP reply from a socket through a staging buffer for its framing; a bulk string's
+// bytes go from the socket straight to where they are kept (hiredis reads everything into its
+// buffer and copies each value out of it again: one copy of every fetched byte saved). recv's
+// timeout is the connection's (redisSetTimeout's SO_RCVTIMEO).
+class SocketReader {
+ public:
+  explicit SocketReader(int fd) : fd_(fd) {}
+  // The next line, without its CRLF; false when the socket fails, closes or times out, or the
+  // line runs past the staging buffer.
+  bool Line(std::string_view* line) {
+    while (true) {
+      const std::string_view have(buf_.data() + begin_, end_ - begin_);
+      const size_t crlf = have.find("\r\n");
+      if (crlf != std::string_view::npos) {
+        *line = have.substr(0, crlf);
+        begin_ += crlf + 2;
+        return true;
+      }
+      if (!Fill()) return false;
+    }
+  }
+  // Exactly n bytes into dst, then the CRLF that ends a bulk string.
+  bool Bulk(char* dst, size_t n) {
+    const size_t staged = std::min(n, end_ - begin_);
+    std::memcpy(dst, buf_.data() + begin_, staged);
+    begin_ += staged;
+    for (size_t at = staged; at < n;) {
+      const ssize_t got = recv(fd_, dst + at, n - at, 0);
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) return false;
+      at += static_cast<size_t>(got);
+    }
+    std::string_view crlf;
+    return Line(&crlf) && crlf.empty();
+  }
+  bool Drained() const { return begin_ == end_; }
+
+ private:
+  bool Fill() {
+    if (begin_ > 0) {  // keep the unread part at the front
+      std::memmove(buf_.data(), buf_.data() + begin_, end_ - begin_);
+      end_ -= begin_;
+      begin_ = 0;
+    }
+    while (end_ < buf_.size()) {
+      const ssize_t got = recv(fd_, buf_.data() + end_, buf_.size() - end_, 0);
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) return false;
+      end_ += static_cast<size_t>(got);
+      return true;
+    }
+    return false;  // a line longer than the buffer: not a reply of ours
+  }
+  int fd_;
+  std::vector<char> buf_ = std::vector<char>(size_t{64} << 10);
+  size_t begin_ = 0;
+  size_t end_ = 0;
+};
+
+enum class MgetRead { kValues, kErrorReply, kBroken };
+
+// The reply to an MGET of `items.size()` keys, read from the socket (SocketReader): each value
+// into a buffer of its own in `owned`, values[items[j]] viewing it; failed[items[j]] = 1 for an
+// element that is neither a value nor nil. kErrorReply: the server refused the command (the reply
+// consumed); kBroken: the connection failed or the reply was malformed (disconnect).
+MgetRead ReadMget(int fd, std::span<const size_t> items, std::vector<std::string_view>& values,
+                  std::vector<uint8_t>& failed, FetchedBuffers& owned, int64_t* bytes) {
+  SocketReader in(fd);
+  std::string_view line;
+  if (!in.Line(&line) || line.empty()) return MgetRead::kBroken;
+  if (line[0] == '-') return in.Drained() ? MgetRead::kErrorReply : MgetRead::kBroken;
+  int count = 0;
+  if (line[0] != '*' || !ParseInt(line.substr(1), 0, std::numeric_limits<int>::max(), &count) ||
+      static_cast<size_t>(count) != items.size()) {
+    return MgetRead::kBroken;
+  }
+  for (const size_t item : items) {
+    if (!in.Line(&line) || line.empty()) return MgetRead::kBroken;
+    if (line == "$-1") continue;  // nil: not found
+    int64_t len = 0;
+    if (line[0] != '$' || !ParseInt(line.substr(1), int64_t{0}, int64_t{1} << 40, &len)) {
+      failed[item] = 1;  // not a value (RESP2 MGET gives only bulk strings and nils)
+      return MgetRead::kBroken;
+    }
+    auto value = std::make_unique_for_overwrite<char[]>(static_cast<size_t>(len));
+    if (!in.Bulk(value.get(), static_cast<size_t>(len))) return MgetRead::kBroken;
+    values[item] = std::string_view(value.get(), static_cast<size_t>(len));
+    *bytes += len;
+    owned.values.push_back(std::move(value));
+  }
+  return in.Drained() ? MgetRead::kValues : MgetRead::kBroken;
 }
 
 // "MOVED <slot> <host>:<port>" or "ASK <slot> <host>:<port>".
@@ -828,7 +930,7 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
   values.assign(n, std::string_view());
   failed.assign(n, 0);
   MaybeRefresh(lane);
-  auto replies = std::make_shared<std::vector<Reply>>();
+  auto owned = std::make_shared<FetchedBuffers>();
   // A reply to GET: a value, none, a redirect to follow, or an error.
   std::vector<Redirect> redirects;
   const auto take = [&](size_t item, Reply reply) {
@@ -836,7 +938,7 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
     if (reply->type == REDIS_REPLY_STRING) {
       values[item] = std::string_view(reply->str, reply->len);
       fetched_bytes_ += static_cast<int64_t>(reply->len);
-      replies->push_back(std::move(reply));
+      owned->replies.push_back(std::move(reply));
     } else if (reply->type == REDIS_REPLY_NIL) {
       // not found
     } else if (url_.cluster && ParseRedirect(*reply, &r.ask, &r.host, &r.port)) {
@@ -892,6 +994,21 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
   for (const size_t g : sent) {
     const std::vector<size_t>& items = groups[g];
     Node& node = *lane.nodes[g];
+    if (!url_.cluster && node.ctx->reader->pos == node.ctx->reader->len) {
+      // hiredis holds nothing unread: the MGET's reply is read from the socket by us.
+      int64_t bytes = 0;
+      const MgetRead read = ReadMget(node.ctx->fd, items, values, failed, *owned, &bytes);
+      fetched_bytes_ += bytes;
+      if (read == MgetRead::kBroken) {
+        Disconnect(lane, node);
+        for (const size_t i : items) values[i] = {};
+        fail(items, 0);
+      } else if (read == MgetRead::kErrorReply) {
+        ++errors_;
+        fail(items, 0);
+      }
+      continue;
+    }
     const size_t expected = url_.cluster ? items.size() : 1;
     for (size_t r = 0; r < expected; ++r) {
       void* raw = nullptr;
@@ -924,7 +1041,7 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
           failed[items[j]] = 1;
         }
       }
-      replies->push_back(std::move(reply));
+      owned->replies.push_back(std::move(reply));
     }
   }
   std::vector<Redirect> pending;
@@ -937,7 +1054,7 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
       take(r.item, Reply(reply));  // never a redirect: FollowRedirect followed those
     }
   }
-  job.fetched.reply = std::move(replies);
+  job.fetched.reply = std::move(owned);
 }
 
 void RemoteTier::DoStores(Lane& lane, std::vector<std::pair<std::string, std::string>>& batch) {

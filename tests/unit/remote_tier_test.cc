@@ -766,6 +766,32 @@ TEST(RemoteTierTest, FetchesQueuedTogetherShareOneRoundTrip) {
   EXPECT_EQ(b->mgr->remote_tier_stats().hits, 8);
 }
 
+// A refused MGET (here an ACL user without it) is a counted error and a miss; the connection
+// stays usable (the error reply was read whole): stores go on.
+TEST(RemoteTierTest, ARefusedFetchIsAnErrorMissAndTheConnectionStaysUsable) {
+  RedisServer server;
+  redisContext* c = server.Connect();
+  freeReplyObject(redisCommand(c, "ACL SETUSER limited on >pw ~* +@all -mget"));
+  redisFree(c);
+  const std::string url = "redis://limited:pw@127.0.0.1:" + std::to_string(server.port());
+  auto a = Engine::Make({.url = url, .model_id = "m"});
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->Prefill(1, Prompt(100, 17)), 0);
+  a->mgr->FlushRemoteTier();
+  EXPECT_EQ(a->mgr->remote_tier_stats().stored, 4);
+  auto b = Engine::Make({.url = url, .model_id = "m"});
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(b->Prefill(7, Prompt(100, 17)), 0);
+  b->ExpectPrefixData(7, Prompt(100, 17), 4);
+  RemoteTierStats s = b->mgr->remote_tier_stats();
+  EXPECT_EQ(s.misses_error, 1);
+  EXPECT_EQ(s.reconnects, 0);
+  EXPECT_TRUE(s.connected);
+  EXPECT_EQ(b->Prefill(8, Prompt(500, 17)), 0);
+  b->mgr->FlushRemoteTier();
+  EXPECT_EQ(b->mgr->remote_tier_stats().stored, 8);  // both prompts' blocks, computed here
+}
+
 TEST(RemoteTierTest, FetchingAheadIsRefusedWhereItCannotServeAndChangesNothing) {
   RedisServer server;
   auto b = Engine::Make({.url = server.url(), .model_id = "m"});
