@@ -217,6 +217,11 @@ Parsed Parse(const std::vector<std::byte>& d) {
   at += 8 + 8 + 8;  // transfer id, uid, seen
   get(&u64, 8);
   at += u64 * 4;  // tokens
+  str();          // namespace
+  at += 8 + 4;    // adapter id, priority
+  uint32_t extras = 0;
+  get(&extras, 4);
+  for (uint32_t i = 0; i < extras; ++i) str();  // block bytes
   uint32_t regions = 0;
   get(&regions, 4);
   at += 16;

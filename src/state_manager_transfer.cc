@@ -7,6 +7,7 @@
 //   string layout, u64 fingerprint (XXH3-64 of layout), i32 tp_rank, i32 tp_size
 //   string the sender worker's UCX address, u64 transfer id
 //   i64 uid, i64 seen_tokens, u64 token count, i32 tokens[count]
+//   string namespace, i64 adapter_id, i32 retention priority, u32 count, string block_bytes[count]
 //   u32 regions, per region: u64 base, u64 length, string packed rkey
 //   u32 groups, per group: u32 region, u64 base, i32 num_blocks, i32 released, u32 blocks,
 //                          i32 ids[blocks] (table entries [released, released + blocks))
@@ -38,7 +39,8 @@ using internal::TransferRegion;
 namespace {
 
 constexpr std::array<char, 8> kMagic = {'B', 'K', 'V', 'X', 'F', 'E', 'R', '\0'};
-constexpr uint32_t kVersion = 2;  // 2: the tensor-parallel rank and world size
+// 2: the tensor-parallel rank and world size; 3: the sequence's key extras and priority.
+constexpr uint32_t kVersion = 3;
 
 std::string Hex(uint64_t v) {
   static constexpr char kDigits[] = "0123456789abcdef";
@@ -113,6 +115,7 @@ struct Descriptor {
   SeqId uid = 0;
   int64_t seen_tokens = 0;
   std::vector<TokenId> tokens;
+  SequenceOptions options;  // its key extras (namespace, adapter, per-block bytes) and priority
   std::vector<TransferRegion> regions;
   std::vector<RemoteGroup> groups;
 };
@@ -152,6 +155,15 @@ Status Parse(std::span<const std::byte> bytes, Descriptor* d) {
   uint64_t n_tokens = 0;
   BLOCKKV_RETURN_IF_ERROR(r.GetCount(&n_tokens, sizeof(TokenId), "token count"));
   BLOCKKV_RETURN_IF_ERROR(r.GetArray(static_cast<size_t>(n_tokens), &d->tokens, "tokens"));
+  BLOCKKV_RETURN_IF_ERROR(r.GetString(&d->options.keys.ns, "namespace"));
+  BLOCKKV_RETURN_IF_ERROR(r.Get(&d->options.keys.adapter_id, "adapter id"));
+  BLOCKKV_RETURN_IF_ERROR(r.Get(&d->options.priority, "priority"));
+  uint32_t n_extra = 0;
+  BLOCKKV_RETURN_IF_ERROR(r.GetCount(&n_extra, sizeof(uint64_t), "block bytes count"));
+  d->options.keys.block_bytes.resize(n_extra);
+  for (std::string& extra : d->options.keys.block_bytes) {
+    BLOCKKV_RETURN_IF_ERROR(r.GetString(&extra, "block bytes"));
+  }
   uint32_t n_regions = 0;
   BLOCKKV_RETURN_IF_ERROR(r.GetCount(&n_regions, 24, "region count"));
   d->regions.resize(n_regions);
@@ -306,6 +318,16 @@ Result<std::vector<std::byte>> StateManager::Impl::ExportSequence(SeqId uid) {
   if (prefix_ != nullptr && keys_[seq->slot_].registered) tokens = &keys_[seq->slot_].tokens;
   e.Put<uint64_t>(tokens != nullptr ? tokens->size() : 0);
   if (tokens != nullptr) e.Append(std::as_bytes(std::span(*tokens)));
+  // The keys its blocks are cached under here, so the receiver caches them under the same: a
+  // tenant's blocks stay its own, an adapter's KV is never taken for the base model's.
+  const SequenceKeys* keys = tokens != nullptr ? &keys_[seq->slot_] : nullptr;
+  const BlockKeyExtras none;
+  const BlockKeyExtras& extras = keys != nullptr ? keys->extras : none;
+  e.PutString(extras.ns);
+  e.Put<int64_t>(extras.adapter_id);
+  e.Put<int32_t>(keys != nullptr ? keys->priority : kDefaultRetentionPriority);
+  e.Put<uint32_t>(static_cast<uint32_t>(extras.block_bytes.size()));
+  for (const std::string& extra : extras.block_bytes) e.PutString(extra);
   const std::vector<TransferRegion>& regions = transfer_->regions();
   e.Put<uint32_t>(static_cast<uint32_t>(regions.size()));
   for (const TransferRegion& region : regions) {
@@ -477,9 +499,14 @@ Result<Sequence*> StateManager::Impl::ImportSequence(std::span<const std::byte> 
     return ResourceExhaustedError(StrCat("ImportSequence: no tracking slot for sequence ", uid,
                                          ": all ", config_.max_tracked_sequences, " are in use"));
   }
+  if (d.options.priority < kMinRetentionPriority || d.options.priority > kMaxRetentionPriority) {
+    return InvalidArgumentError(StrCat("ImportSequence: sequence ", uid, " has priority ",
+                                       d.options.priority, ", outside [", kMinRetentionPriority,
+                                       ", ", kMaxRetentionPriority, "]"));
+  }
   // The leading full blocks this engine caches already are not copied: their entries share the
   // cached blocks (prefix caching on, one cache group without a window, the tokens known and
-  // nothing released; the keys are the default extras' — a sequence's own are not carried).
+  // nothing released), matched under the sequence's own key extras.
   int32_t hit = 0;
   std::vector<BlockId> hit_blocks;
   if (prefix_ != nullptr && num_groups() == 1 && SlidingWindow(0) == 0 &&
@@ -488,7 +515,8 @@ Result<Sequence*> StateManager::Impl::ImportSequence(std::span<const std::byte> 
     hit_blocks.resize(static_cast<size_t>(full));
     BlockHash last;
     hit = prefix_->Match(0, std::span(d.tokens).first(static_cast<size_t>(d.seen_tokens)),
-                         prefix_->InternNamespace(""), BlockKeyExtras{}, full, hit_blocks, &last);
+                         prefix_->InternNamespace(d.options.keys.ns), d.options.keys, full,
+                         hit_blocks, &last);
     hit_blocks.resize(static_cast<size_t>(hit));
   }
   // All or nothing: every pool's need against its free blocks before any is taken (a cached
@@ -590,7 +618,7 @@ Result<Sequence*> StateManager::Impl::ImportSequence(std::span<const std::byte> 
   Sequence* seq = nullptr;
   if (prefix_ != nullptr && !d.tokens.empty() &&
       static_cast<int64_t>(d.tokens.size()) >= d.seen_tokens) {
-    Result<Sequence*> added = AddSequence(uid, d.tokens, SequenceOptions{});
+    Result<Sequence*> added = AddSequence(uid, d.tokens, d.options);
     BLOCKKV_CHECK(added.ok(), "ImportSequence: AddSequence failed after its checks");
     seq = *added;
     keys_[seq->slot_].looked_up = true;  // its KV is here: no prefix lookup at its first Schedule

@@ -2,7 +2,8 @@
 // The other engine of transfer_test.cc: a process with its own StateManager (and UCX endpoint),
 // driven by one command per line on stdin, answering one line per command on stdout.
 //   transfer_peer <transports> <layers> <prefix 0|1> [<tp_rank> <tp_size>]
-//   make <uid> <tokens> <seed>  a sequence of that many computed tokens, KV = the pattern
+//   make <uid> <tokens> <seed> [<namespace> <adapter> <priority>]
+//                               a sequence of that many computed tokens, KV = the pattern
 //   export <uid>                -> descriptor <hex>
 //   import <hex>                -> imported <uid> <seen>
 //   state                       -> pending <exports> tracked <sequences> free <blocks>
@@ -62,9 +63,11 @@ int main(int argc, char** argv) {
       int64_t tokens = 0;
       uint32_t seed = 0;
       in >> uid >> tokens >> seed;
+      blockkv::SequenceOptions options;
+      in >> options.keys.ns >> options.keys.adapter_id >> options.priority;
       std::vector<blockkv::TokenId> ids(static_cast<size_t>(tokens));
       std::iota(ids.begin(), ids.end(), 100);
-      auto added = m.AddSequence(uid, ids);
+      auto added = m.AddSequence(uid, ids, options);
       if (!added.ok()) {
         ReplyError(added.status());
         continue;

@@ -94,9 +94,11 @@ class Peer {
     return false;
   }
   // The descriptor of `uid` (a sequence of `tokens` computed tokens of pattern `seed`).
-  std::vector<std::byte> MakeAndExport(SeqId uid, int64_t tokens, uint32_t seed) {
+  // `options`: " <namespace> <adapter> <priority>" for AddSequence, or "" for the defaults.
+  std::vector<std::byte> MakeAndExport(SeqId uid, int64_t tokens, uint32_t seed,
+                                       const std::string& options = "") {
     EXPECT_EQ(Send("make " + std::to_string(uid) + " " + std::to_string(tokens) + " " +
-                   std::to_string(seed)),
+                   std::to_string(seed) + options),
               "ok");
     return Export(uid);
   }
@@ -559,6 +561,44 @@ TEST(TransferTest, PrefixBlocksTheReceiverCachesAreSharedNotCopied) {
   EXPECT_EQ(receiver->free_blocks()[0], 64 - 10);
   EXPECT_OK(receiver->CheckInvariants());
   EXPECT_EQ(sender.Send("state"), "pending 0 tracked 0 free 64");
+}
+
+// A tenant's sequence, computed with a LoRA adapter, keeps its keys on the receiver: it does not
+// share the receiver's base-model blocks of the same tokens, and only a request of that tenant
+// and adapter hits its blocks afterwards.
+TEST(TransferTest, ImportedBlocksKeepTheSequencesNamespaceAndAdapter) {
+  Peer sender("tcp", 3, /*prefix=*/true);
+  ASSERT_EQ(sender.ready(), "ready");
+  const std::vector<std::byte> d = sender.MakeAndExport(7, 17, 6, " tenant-a 5 80");
+  auto receiver = Receiver("tcp", {.prefix = true});
+  ASSERT_NE(receiver, nullptr);
+  std::vector<blockkv::TokenId> prompt(17);
+  for (int i = 0; i < 17; ++i) prompt[static_cast<size_t>(i)] = 100 + i;
+  const auto prefill = [&](SeqId uid, const blockkv::SequenceOptions& options) {
+    EXPECT_OK(receiver->AddSequence(uid, prompt, options));
+    const std::vector<SeqId> uids = {uid};
+    const std::vector<int64_t> lengths = {17};
+    EXPECT_OK(receiver->Schedule({.uids = uids, .lengths = lengths}));
+    EXPECT_OK(receiver->PostForward(uids));
+    return receiver->GetSequence(uid)->cached_prefix_tokens();
+  };
+  // The base model's KV of the same tokens, cached here (pattern 99).
+  EXPECT_EQ(prefill(1, {}), 0);
+  blockkv_test::WritePattern(*receiver, 1, 99);
+  ASSERT_OK(receiver->FlushSequence(1));
+
+  auto seq = receiver->ImportSequence(d);
+  ASSERT_OK(seq);
+  EXPECT_EQ((*seq)->cached_prefix_tokens(), 0);  // nothing shared: other keys
+  EXPECT_EQ(blockkv_test::PatternMismatches(*receiver, 7, 6, 0, 17), 0);
+  // The base model's request hits the base model's blocks; the tenant's adapter request the
+  // imported ones.
+  EXPECT_EQ(prefill(8, {}), 16);
+  EXPECT_EQ(blockkv_test::PatternMismatches(*receiver, 8, 99, 0, 16), 0);
+  EXPECT_EQ(prefill(9, {.keys = {.ns = "tenant-a", .adapter_id = 5}}), 16);
+  EXPECT_EQ(receiver->GetSequence(9)->block_table()[0], receiver->GetSequence(7)->block_table()[0]);
+  EXPECT_EQ(receiver->prefix_cache()->stats("tenant-a").hit_tokens, 16);
+  EXPECT_OK(receiver->CheckInvariants());
 }
 
 TEST(TransferTest, FailedImportGivesBackTheCachedBlocksItShared) {
