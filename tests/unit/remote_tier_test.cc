@@ -7,6 +7,7 @@
 #include <hiredis/hiredis.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -915,29 +916,38 @@ RemoteTierConfig RankConfig(const RedisServer& server, int32_t rank) {
   return {.url = server.url(), .model_id = "llama", .tp_rank = rank, .tp_size = 2};
 }
 
+// Two ranks' engines: each rank's writer stores the first stored[rank] tokens of `prompt` (its
+// full blocks) in its shard; then each rank's reader, returned, adds `prompt` as sequence 7 and
+// fetches it ahead.
+std::array<std::unique_ptr<Engine>, 2> TwoRanksFetching(const RedisServer& server,
+                                                        const std::vector<TokenId>& prompt,
+                                                        std::array<size_t, 2> stored) {
+  std::array<std::unique_ptr<Engine>, 2> readers;
+  for (int32_t rank = 0; rank < 2; ++rank) {
+    auto writer = Engine::Make(RankConfig(server, rank));
+    EXPECT_NE(writer, nullptr);
+    if (writer == nullptr) return {};
+    const auto n = static_cast<std::ptrdiff_t>(stored[static_cast<size_t>(rank)]);
+    EXPECT_EQ(writer->Prefill(1, {prompt.begin(), prompt.begin() + n}), 0);
+    writer->mgr->FlushRemoteTier();
+    auto reader = Engine::Make(RankConfig(server, rank));
+    EXPECT_NE(reader, nullptr);
+    if (reader == nullptr) return {};
+    EXPECT_TRUE(reader->mgr->AddSequence(7, prompt).ok());
+    EXPECT_TRUE(reader->mgr->FetchRemotePrefix(7).ok());
+    readers[static_cast<size_t>(rank)] = std::move(reader);
+  }
+  return readers;
+}
+
 // Rank 0's tier holds the prompt's 8 blocks, rank 1's only its first 3: each rank's reader gets
 // a hit of 3, the blocks every rank holds, byte for byte.
 TEST(RemoteTierTest, TensorParallelRanksAgreeOnTheBlocksEveryRankHolds) {
   RedisServer server;
   const std::vector<TokenId> prompt = Prompt(100, 33);  // 8 full blocks and a last token
-  auto w0 = Engine::Make(RankConfig(server, 0));
-  auto w1 = Engine::Make(RankConfig(server, 1));
-  ASSERT_NE(w0, nullptr);
-  ASSERT_NE(w1, nullptr);
-  EXPECT_EQ(w0->Prefill(1, prompt), 0);
-  EXPECT_EQ(w1->Prefill(1, {prompt.begin(), prompt.begin() + 13}), 0);
-  w0->mgr->FlushRemoteTier();
-  w1->mgr->FlushRemoteTier();
-
-  auto r0 = Engine::Make(RankConfig(server, 0));
-  auto r1 = Engine::Make(RankConfig(server, 1));
-  ASSERT_NE(r0, nullptr);
+  auto [r0, r1] = TwoRanksFetching(server, prompt, {33, 13});
   ASSERT_NE(r1, nullptr);
   const SeqId uids[] = {7};
-  for (Engine* r : {r0.get(), r1.get()}) {
-    ASSERT_TRUE(r->mgr->AddSequence(7, prompt).ok());
-    ASSERT_TRUE(r->mgr->FetchRemotePrefix(7).ok());
-  }
   RemotePrefixVote v0 = r0->mgr->RemotePrefixOffer(uids);
   RemotePrefixVote v1 = r1->mgr->RemotePrefixOffer(uids);
   EXPECT_EQ(v0.values.back(), 8);
@@ -977,22 +987,8 @@ TEST(RemoteTierTest, ATensorParallelRankTakesNoBlockFromTheTierWithoutAnAgreemen
 TEST(RemoteTierTest, AnAgreementRefusedOnOneRankIsRefusedOnEveryRankAndChangesNothing) {
   RedisServer server;
   const std::vector<TokenId> prompt = Prompt(100, 17);
-  auto w0 = Engine::Make(RankConfig(server, 0));
-  auto w1 = Engine::Make(RankConfig(server, 1));
-  ASSERT_NE(w0, nullptr);
-  ASSERT_NE(w1, nullptr);
-  EXPECT_EQ(w0->Prefill(1, prompt), 0);
-  EXPECT_EQ(w1->Prefill(1, prompt), 0);
-  w0->mgr->FlushRemoteTier();
-  w1->mgr->FlushRemoteTier();
-  auto r0 = Engine::Make(RankConfig(server, 0));
-  auto r1 = Engine::Make(RankConfig(server, 1));
-  ASSERT_NE(r0, nullptr);
+  auto [r0, r1] = TwoRanksFetching(server, prompt, {17, 17});
   ASSERT_NE(r1, nullptr);
-  for (Engine* r : {r0.get(), r1.get()}) {
-    ASSERT_TRUE(r->mgr->AddSequence(7, prompt).ok());
-    ASSERT_TRUE(r->mgr->FetchRemotePrefix(7).ok());
-  }
   // Rank 1 names a sequence it does not track: it says which, rank 0 that another rank refused.
   {
     const SeqId good[] = {7};
@@ -1074,17 +1070,7 @@ class ThreadPairCommunicator final : public Communicator {
 TEST(RemoteTierTest, AgreeRemotePrefixRunsOverTheEnginesCommunicator) {
   RedisServer server;
   const std::vector<TokenId> prompt = Prompt(100, 33);
-  auto w0 = Engine::Make(RankConfig(server, 0));
-  auto w1 = Engine::Make(RankConfig(server, 1));
-  ASSERT_NE(w0, nullptr);
-  ASSERT_NE(w1, nullptr);
-  EXPECT_EQ(w0->Prefill(1, {prompt.begin(), prompt.begin() + 21}), 0);  // 5 blocks
-  EXPECT_EQ(w1->Prefill(1, prompt), 0);                                 // 8 blocks
-  w0->mgr->FlushRemoteTier();
-  w1->mgr->FlushRemoteTier();
-  auto r0 = Engine::Make(RankConfig(server, 0));
-  auto r1 = Engine::Make(RankConfig(server, 1));
-  ASSERT_NE(r0, nullptr);
+  auto [r0, r1] = TwoRanksFetching(server, prompt, {21, 33});  // 5 and 8 blocks
   ASSERT_NE(r1, nullptr);
   ThreadPairCommunicator::Shared shared;
   Result<std::vector<int32_t>> agreed[2] = {InternalError("not run"), InternalError("not run")};
@@ -1096,7 +1082,6 @@ TEST(RemoteTierTest, AgreeRemotePrefixRunsOverTheEnginesCommunicator) {
       ranks.emplace_back([&, rank] {
         Engine& r = rank == 0 ? *r0 : *r1;
         ThreadPairCommunicator comm(&shared, rank);
-        if (!r.mgr->AddSequence(7, prompt).ok() || !r.mgr->FetchRemotePrefix(7).ok()) return;
         const SeqId uids[] = {7};
         agreed[rank] = r.mgr->AgreeRemotePrefix(uids, comm);
         // A communicator whose rank is not the config's: that rank says so, the other refuses.
