@@ -160,7 +160,8 @@ bool WriteSets(redisContext* ctx,
   return true;
 }
 
-// What a fetch's values point into: hiredis replies, and the buffers ReadMget read values into.
+// What a fetch's values point into: hiredis replies (redirects followed), and the buffers that
+// ReadValue read values into.
 struct FetchedBuffers {
   std::vector<Reply> replies;
   std::vector<std::unique_ptr<char[]>> values;
@@ -225,44 +226,33 @@ class SocketReader {
   size_t end_ = 0;
 };
 
-enum class MgetRead { kValues, kErrorReply, kBroken };
+enum class ReplyRead { kValue, kNil, kError, kBroken };
 
-// The reply to an MGET of `items.size()` keys, read from the socket (SocketReader): each value
-// into a buffer of its own in `owned`, values[items[j]] viewing it; failed[items[j]] = 1 for an
-// element that is neither a value nor nil. kErrorReply: the server refused the command (the reply
-// consumed); kBroken: the connection failed or the reply was malformed (disconnect).
-MgetRead ReadMget(int fd, std::span<const size_t> items, std::vector<std::string_view>& values,
-                  std::vector<uint8_t>& failed, FetchedBuffers& owned, int64_t* bytes) {
-  SocketReader in(fd);
+// One reply to GET (or one element of MGET's): a bulk string, read into a buffer of its own in
+// `owned` (*value viewing it), nil, or an error (*error viewing its text until the next read).
+// kBroken: the connection failed or the reply is not one of those.
+ReplyRead ReadValue(SocketReader& in, FetchedBuffers& owned, std::string_view* value,
+                    std::string_view* error) {
   std::string_view line;
-  if (!in.Line(&line) || line.empty()) return MgetRead::kBroken;
-  if (line[0] == '-') return in.Drained() ? MgetRead::kErrorReply : MgetRead::kBroken;
-  int count = 0;
-  if (line[0] != '*' || !ParseInt(line.substr(1), 0, std::numeric_limits<int>::max(), &count) ||
-      static_cast<size_t>(count) != items.size()) {
-    return MgetRead::kBroken;
+  if (!in.Line(&line) || line.empty()) return ReplyRead::kBroken;
+  if (line[0] == '-') {
+    *error = line.substr(1);
+    return ReplyRead::kError;
   }
-  for (const size_t item : items) {
-    if (!in.Line(&line) || line.empty()) return MgetRead::kBroken;
-    if (line == "$-1") continue;  // nil: not found
-    int64_t len = 0;
-    if (line[0] != '$' || !ParseInt(line.substr(1), int64_t{0}, int64_t{1} << 40, &len)) {
-      failed[item] = 1;  // not a value (RESP2 MGET gives only bulk strings and nils)
-      return MgetRead::kBroken;
-    }
-    auto value = std::make_unique_for_overwrite<char[]>(static_cast<size_t>(len));
-    if (!in.Bulk(value.get(), static_cast<size_t>(len))) return MgetRead::kBroken;
-    values[item] = std::string_view(value.get(), static_cast<size_t>(len));
-    *bytes += len;
-    owned.values.push_back(std::move(value));
+  if (line == "$-1") return ReplyRead::kNil;
+  int64_t len = 0;
+  if (line[0] != '$' || !ParseInt(line.substr(1), int64_t{0}, int64_t{1} << 40, &len)) {
+    return ReplyRead::kBroken;
   }
-  return in.Drained() ? MgetRead::kValues : MgetRead::kBroken;
+  auto buffer = std::make_unique_for_overwrite<char[]>(static_cast<size_t>(len));
+  if (!in.Bulk(buffer.get(), static_cast<size_t>(len))) return ReplyRead::kBroken;
+  *value = std::string_view(buffer.get(), static_cast<size_t>(len));
+  owned.values.push_back(std::move(buffer));
+  return ReplyRead::kValue;
 }
 
-// "MOVED <slot> <host>:<port>" or "ASK <slot> <host>:<port>".
-bool ParseRedirect(const redisReply& reply, bool* ask, std::string* host, int* port) {
-  if (reply.type != REDIS_REPLY_ERROR) return false;
-  const std::string_view err(reply.str, reply.len);
+// An error reply's text "MOVED <slot> <host>:<port>" or "ASK <slot> <host>:<port>".
+bool ParseRedirect(std::string_view err, bool* ask, std::string* host, int* port) {
   if (err.starts_with("MOVED ")) {
     *ask = false;
   } else if (err.starts_with("ASK ")) {
@@ -278,6 +268,10 @@ bool ParseRedirect(const redisReply& reply, bool* ask, std::string* host, int* p
   }
   *host = std::string(where.substr(0, colon));
   return true;
+}
+bool ParseRedirect(const redisReply& reply, bool* ask, std::string* host, int* port) {
+  return reply.type == REDIS_REPLY_ERROR &&
+         ParseRedirect(std::string_view(reply.str, reply.len), ask, host, port);
 }
 
 }  // namespace
@@ -991,58 +985,69 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
     }
     sent.push_back(g);
   }
+  // The replies are read from the socket by us, each value straight into a buffer of its own
+  // (hiredis would read them into its buffer and copy each out again). hiredis holds nothing
+  // unread here: every reply before was read whole.
   for (const size_t g : sent) {
     const std::vector<size_t>& items = groups[g];
     Node& node = *lane.nodes[g];
-    if (!url_.cluster && node.ctx->reader->pos == node.ctx->reader->len) {
-      // hiredis holds nothing unread: the MGET's reply is read from the socket by us.
-      int64_t bytes = 0;
-      const MgetRead read = ReadMget(node.ctx->fd, items, values, failed, *owned, &bytes);
-      fetched_bytes_ += bytes;
-      if (read == MgetRead::kBroken) {
-        Disconnect(lane, node);
-        for (const size_t i : items) values[i] = {};
+    SocketReader in(node.ctx->fd);
+    const auto broken = [&](size_t from) {
+      Disconnect(lane, node);
+      for (size_t j = from; j < items.size(); ++j) values[items[j]] = {};
+      fail(items, from);
+    };
+    if (node.ctx->reader->pos != node.ctx->reader->len) {
+      broken(0);
+      continue;
+    }
+    std::string_view value;
+    std::string_view error;
+    if (!url_.cluster) {  // one MGET: "*<n>" then n values or nils, or an error
+      std::string_view line;
+      int count = 0;
+      const bool got = in.Line(&line) && !line.empty();
+      if (got && line[0] == '-' && in.Drained()) {
+        ++errors_;  // refused (an ACL, say): the reply was read whole, the connection is fine
         fail(items, 0);
-      } else if (read == MgetRead::kErrorReply) {
-        ++errors_;
-        fail(items, 0);
+      } else if (!got || line[0] != '*' ||
+                 !ParseInt(line.substr(1), 0, std::numeric_limits<int>::max(), &count) ||
+                 static_cast<size_t>(count) != items.size()) {
+        broken(0);
+      } else {
+        bool whole = true;
+        for (size_t r = 0; r < items.size() && whole; ++r) {
+          const ReplyRead read = ReadValue(in, *owned, &value, &error);
+          if (read == ReplyRead::kValue) {
+            values[items[r]] = value;
+            fetched_bytes_ += std::ssize(value);
+          }
+          whole = read == ReplyRead::kValue || read == ReplyRead::kNil;  // never an error here
+        }
+        if (!whole || !in.Drained()) broken(0);
       }
       continue;
     }
-    const size_t expected = url_.cluster ? items.size() : 1;
-    for (size_t r = 0; r < expected; ++r) {
-      void* raw = nullptr;
-      if (redisGetReply(node.ctx, &raw) != REDIS_OK) {
-        Disconnect(lane, node);
-        fail(items, url_.cluster ? r : 0);
+    for (size_t r = 0; r < items.size(); ++r) {  // GETs: a value, nil, a redirect or an error
+      const ReplyRead read = ReadValue(in, *owned, &value, &error);
+      if (read == ReplyRead::kBroken) {
+        broken(r);
         break;
       }
-      Reply reply(static_cast<redisReply*>(raw));
-      if (url_.cluster) {
-        take(items[r], std::move(reply));
-        continue;
-      }
-      if (reply->type == REDIS_REPLY_ERROR) {
-        ++errors_;
-        fail(items, 0);
-        break;
-      }
-      if (reply->type != REDIS_REPLY_ARRAY || reply->elements != items.size()) {
-        Disconnect(lane, node);
-        fail(items, 0);
-        break;
-      }
-      for (size_t j = 0; j < items.size(); ++j) {
-        const redisReply* e = reply->element[j];
-        if (e->type == REDIS_REPLY_STRING) {
-          values[items[j]] = std::string_view(e->str, e->len);
-          fetched_bytes_ += static_cast<int64_t>(e->len);
-        } else if (e->type != REDIS_REPLY_NIL) {
-          failed[items[j]] = 1;
+      if (read == ReplyRead::kValue) {
+        values[items[r]] = value;
+        fetched_bytes_ += std::ssize(value);
+      } else if (read == ReplyRead::kError) {
+        Redirect redirect{.item = items[r]};
+        if (ParseRedirect(error, &redirect.ask, &redirect.host, &redirect.port)) {
+          redirects.push_back(std::move(redirect));
+        } else {
+          ++errors_;
+          failed[items[r]] = 1;
         }
       }
-      owned->replies.push_back(std::move(reply));
     }
+    if (node.ctx != nullptr && !in.Drained()) broken(items.size());  // more than was asked for
   }
   std::vector<Redirect> pending;
   pending.swap(redirects);
