@@ -252,8 +252,9 @@ Status StateManager::Impl::CheckAgreeable(std::span<const SeqId> uids, std::stri
   }
   for (size_t i = 0; i < uids.size(); ++i) {
     const Sequence* seq = Find(uids[i]);
-    if (seq == nullptr)
+    if (seq == nullptr) {
       return NotFoundError(StrCat(who, ": sequence ", uids[i], " is not tracked"));
+    }
     const SequenceKeys& keys = keys_[seq->slot_];
     if (!keys.registered) {
       return FailedPreconditionError(StrCat(who, ": sequence ", uids[i],
