@@ -238,12 +238,6 @@ Status StateManager::Impl::EnableTransfer() {
   if (Status valid = internal::ValidateTransferConfig(*config_.transfer); !valid.ok()) {
     return {valid.code(), StrCat("StateManagerConfig.transfer: ", valid.message())};
   }
-  for (int g = 0; g < num_groups(); ++g) {
-    if (cache_->config(g).type == KVCacheType::kState) {
-      return UnimplementedError(StrCat("StateManagerConfig.transfer: cache group ", g,
-                                       " is a STATE group, which sequence transfer does not move"));
-    }
-  }
   // One registration per memory pool (groups sharing a pool share it).
   std::vector<TransferEndpoint::Memory> memory;
   transfer_region_.assign(static_cast<size_t>(num_groups()), 0);

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The other engine of transfer_test.cc: a process with its own StateManager (and UCX endpoint),
 // driven by one command per line on stdin, answering one line per command on stdout.
-//   transfer_peer <transports> <layers> <prefix 0|1> [<tp_rank> <tp_size>]
+//   transfer_peer <transports> <layers> <prefix 0|1>[s] [<tp_rank> <tp_size>]
+//     (an "s" after the prefix flag: a STATE group too, its slot written and checked with the KV)
 //   make <uid> <tokens> <seed> [<namespace> <adapter> <priority>]
 //                               a sequence of that many computed tokens, KV = the pattern
 //   export <uid>                -> descriptor <hex>
@@ -14,6 +15,7 @@
 #include <numeric>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "blockkv/state_manager.h"
@@ -41,7 +43,8 @@ int main(int argc, char** argv) {
   }
   blockkv_test::TransferLayout layout;
   layout.layers = std::stoll(argv[2]);
-  layout.prefix = std::string(argv[3]) == "1";
+  layout.prefix = argv[3][0] == '1';
+  layout.state = std::string_view(argv[3]).ends_with('s');
   if (argc == 6) {
     layout.tp_rank = std::stoi(argv[4]);
     layout.tp_size = std::stoi(argv[5]);
@@ -83,6 +86,7 @@ int main(int argc, char** argv) {
         continue;
       }
       blockkv_test::WritePattern(m, uid, seed);
+      if (layout.state) blockkv_test::WriteStatePattern(m, uid, seed);
       Reply("ok");
     } else if (cmd == "export") {
       SeqId uid = 0;
@@ -129,7 +133,9 @@ int main(int argc, char** argv) {
       if (m.GetSequence(uid) == nullptr) {
         Reply("error 5 not tracked");
       } else {
-        Reply("mismatches " + std::to_string(blockkv_test::PatternMismatches(m, uid, seed)));
+        int64_t bad = blockkv_test::PatternMismatches(m, uid, seed);
+        if (layout.state) bad += blockkv_test::StateMismatches(m, uid, seed);
+        Reply("mismatches " + std::to_string(bad));
       }
     } else if (cmd == "quit") {
       return 0;

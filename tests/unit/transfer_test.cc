@@ -35,14 +35,15 @@ using blockkv_test::TransferLayout;
 class Peer {
  public:
   // `stop`: BLOCKKV_TRANSFER_TEST_STOP of the process (src/transfer.cc): where it stops itself.
+  // `state`: the engines have a STATE group too (TransferLayout::state).
   Peer(const std::string& transports, int64_t layers = 3, bool prefix = false,
-       const std::string& stop = "", int tp_rank = 0, int tp_size = 1) {
+       const std::string& stop = "", int tp_rank = 0, int tp_size = 1, bool state = false) {
     int to_child[2];
     int from_child[2];
     EXPECT_EQ(pipe(to_child), 0);
     EXPECT_EQ(pipe(from_child), 0);
     const std::string layers_arg = std::to_string(layers);
-    const char* prefix_arg = prefix ? "1" : "0";
+    const std::string prefix_arg = std::string(prefix ? "1" : "0") + (state ? "s" : "");
     const std::string rank_arg = std::to_string(tp_rank);
     const std::string size_arg = std::to_string(tp_size);
     pid_ = fork();
@@ -54,7 +55,7 @@ class Peer {
       close(to_child[1]);
       close(from_child[0]);
       execl(BLOCKKV_TRANSFER_PEER, BLOCKKV_TRANSFER_PEER, transports.c_str(), layers_arg.c_str(),
-            prefix_arg, rank_arg.c_str(), size_arg.c_str(), static_cast<char*>(nullptr));
+            prefix_arg.c_str(), rank_arg.c_str(), size_arg.c_str(), static_cast<char*>(nullptr));
       _exit(127);
     }
     close(to_child[0]);
@@ -599,6 +600,41 @@ TEST(TransferTest, ImportedBlocksKeepTheSequencesNamespaceAndAdapter) {
   EXPECT_EQ(receiver->GetSequence(9)->block_table()[0], receiver->GetSequence(7)->block_table()[0]);
   EXPECT_EQ(receiver->prefix_cache()->stats("tenant-a").hit_tokens, 16);
   EXPECT_OK(receiver->CheckInvariants());
+}
+
+// A hybrid model (attention blocks and a Mamba-like state per sequence): the state slot moves with
+// the blocks, byte for byte, the sequence decodes on from it, and the sender frees both; an engine
+// without the STATE group refuses the descriptor by its layout.
+TEST_P(TransferTest, AStateGroupsSlotMovesWithTheBlocks) {
+  for (const bool prefix : {false, true}) {
+    SCOPED_TRACE(prefix ? "prefix caching" : "no prefix caching");
+    Peer sender(GetParam(), 3, prefix, "", 0, 1, /*state=*/true);
+    ASSERT_EQ(sender.ready(), "ready");
+    const std::vector<std::byte> d = sender.MakeAndExport(7, 37, 13);
+    auto plain = Receiver(GetParam(), {.prefix = prefix});
+    ASSERT_NE(plain, nullptr);
+    EXPECT_CODE(plain->ImportSequence(d), StatusCode::kInvalidArgument);
+    auto receiver = Receiver(GetParam(), {.prefix = prefix, .state = true});
+    ASSERT_NE(receiver, nullptr);
+    const int32_t slots = receiver->free_blocks()[1];
+    ASSERT_OK(receiver->ImportSequence(d));
+    EXPECT_EQ(receiver->free_blocks()[1], slots - 1);
+    EXPECT_EQ(receiver->GetSequence(7)->block_table(1).size(), 1u);
+    EXPECT_EQ(blockkv_test::PatternMismatches(*receiver, 7, 13), 0);
+    EXPECT_EQ(blockkv_test::StateMismatches(*receiver, 7, 13), 0);
+    EXPECT_EQ(sender.Send("state"), "pending 0 tracked 0 free 64");
+    // It decodes on here: one more token, the same slot.
+    const std::vector<SeqId> uids = {7};
+    const std::vector<int64_t> lengths = {1};
+    const blockkv::BlockId slot = receiver->GetSequence(7)->block_table(1)[0];
+    ASSERT_OK(receiver->Schedule({.uids = uids, .lengths = lengths}));
+    ASSERT_OK(receiver->PostForward(uids));
+    EXPECT_EQ(receiver->GetSequence(7)->seen_tokens(), 38);
+    EXPECT_EQ(receiver->GetSequence(7)->block_table(1)[0], slot);
+    EXPECT_OK(receiver->CheckInvariants());
+    ASSERT_OK(receiver->FlushSequence(7));
+    EXPECT_EQ(receiver->free_blocks()[1], slots);
+  }
 }
 
 TEST(TransferTest, FailedImportGivesBackTheCachedBlocksItShared) {

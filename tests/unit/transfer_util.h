@@ -21,6 +21,7 @@ struct TransferLayout {
   int32_t block_size = 4;
   int32_t num_blocks = 64;
   bool prefix = false;
+  bool state = false;  // a STATE group (group 1, Mamba-like: one slot per sequence) after it
   // TransferConfig's
   int32_t tp_rank = 0;
   int32_t tp_size = 1;
@@ -41,9 +42,15 @@ inline blockkv::Result<std::unique_ptr<blockkv::StateManager>> MakeTransferManag
                                             .export_timeout_ms = l.export_timeout_ms,
                                             .tp_rank = l.tp_rank,
                                             .tp_size = l.tp_size};
-  blockkv::KVCacheConfig kv{.block_size = l.block_size,
-                            .cache_shape = {l.layers, l.heads, l.head_size}};
-  return blockkv::StateManager::Create(config, {kv}, blockkv::CpuDevice());
+  std::vector<blockkv::KVCacheConfig> kv = {
+      {.block_size = l.block_size, .cache_shape = {l.layers, l.heads, l.head_size}}};
+  if (l.state) {
+    kv.push_back({.cache_shape = {l.layers, 1, 6},
+                  .cache_dtype = blockkv::DType::kFloat32,
+                  .type = blockkv::KVCacheType::kState,
+                  .state_bytes = 24});
+  }
+  return blockkv::StateManager::Create(config, std::move(kv), blockkv::CpuDevice());
 }
 
 // The byte `j` of token `t`'s row (K and V of every head) in layer `layer`, for `seed`.
@@ -95,6 +102,39 @@ inline int64_t PatternMismatches(const blockkv::StateManager& m, blockkv::SeqId 
       for (int64_t j = 0; j < RowBytes(m); ++j) {
         bad += row[j] != std::byte{PatternByte(seed, l, t, j)} ? 1 : 0;
       }
+    }
+  }
+  return bad;
+}
+
+// `uid`'s state slot in `layer` of the STATE group (group 1), as bytes.
+inline std::span<std::byte> StateSlot(const blockkv::StateManager& m, blockkv::SeqId uid,
+                                      int64_t layer) {
+  const blockkv::TensorView view = *m.GetCache(layer, 1);
+  const auto bytes = static_cast<size_t>(view.stride(0)) * blockkv::ElementSize(view.dtype);
+  const blockkv::BlockId slot = m.GetSequence(uid)->block_table(1)[0];
+  return {static_cast<std::byte*>(view.data) + static_cast<size_t>(slot) * bytes, bytes};
+}
+
+// Writes the pattern into `uid`'s state slot (every layer), as if its layers had run.
+inline void WriteStatePattern(const blockkv::StateManager& m, blockkv::SeqId uid, uint32_t seed) {
+  const int64_t layers = m.kv_cache().config(1).cache_shape[0];
+  for (int64_t l = 0; l < layers; ++l) {
+    const std::span<std::byte> slot = StateSlot(m, uid, l);
+    for (size_t j = 0; j < slot.size(); ++j) {
+      slot[j] = std::byte{PatternByte(seed ^ 0x5eedu, l, -1, static_cast<int64_t>(j))};
+    }
+  }
+}
+
+// The bytes of `uid`'s state slot that differ from WriteStatePattern's.
+inline int64_t StateMismatches(const blockkv::StateManager& m, blockkv::SeqId uid, uint32_t seed) {
+  int64_t bad = 0;
+  const int64_t layers = m.kv_cache().config(1).cache_shape[0];
+  for (int64_t l = 0; l < layers; ++l) {
+    const std::span<std::byte> slot = StateSlot(m, uid, l);
+    for (size_t j = 0; j < slot.size(); ++j) {
+      bad += slot[j] != std::byte{PatternByte(seed ^ 0x5eedu, l, -1, static_cast<int64_t>(j))};
     }
   }
   return bad;
