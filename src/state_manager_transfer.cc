@@ -499,28 +499,50 @@ Result<Sequence*> StateManager::Impl::ImportSequence(std::span<const std::byte> 
                                        ", ", kMaxRetentionPriority, "]"));
   }
   // The leading full blocks this engine caches already are not copied: their entries share the
-  // cached blocks (prefix caching on, one cache group without a window, the tokens known and
-  // nothing released), matched under the sequence's own key extras.
-  int32_t hit = 0;
-  std::vector<BlockId> hit_blocks;
-  if (prefix_ != nullptr && num_groups() == 1 && SlidingWindow(0) == 0 &&
-      static_cast<int64_t>(d.tokens.size()) >= d.seen_tokens && d.groups[0].released == 0) {
-    const auto full = static_cast<int32_t>(d.seen_tokens / kv_block_size(0));
-    hit_blocks.resize(static_cast<size_t>(full));
-    BlockHash last;
-    hit = prefix_->Match(0, std::span(d.tokens).first(static_cast<size_t>(d.seen_tokens)),
-                         prefix_->InternNamespace(d.options.keys.ns), d.options.keys, full,
-                         hit_blocks, &last);
-    hit_blocks.resize(static_cast<size_t>(hit));
+  // cached blocks, matched under the sequence's own key extras (prefix caching on, the tokens
+  // known). The hit is the longest prefix, in whole blocks of every attention group, that every
+  // one of them caches (as the scheduler's lookup); a STATE group's slot is the sequence's state
+  // after all its tokens and is always read. A sliding-window group, or a table with released
+  // blocks, copies everything.
+  std::vector<std::vector<BlockId>> hits(static_cast<size_t>(num_groups()));
+  int64_t hit_tokens = 0;
+  const auto attention = [&](int g) { return cache_->config(g).type != KVCacheType::kState; };
+  bool skip_cached = prefix_ != nullptr && static_cast<int64_t>(d.tokens.size()) >= d.seen_tokens;
+  int64_t step = 1;
+  for (int g = 0; g < num_groups() && skip_cached; ++g) {
+    if (!attention(g)) continue;
+    skip_cached = SlidingWindow(g) == 0 && d.groups[static_cast<size_t>(g)].released == 0;
+    step = std::lcm(step, int64_t{kv_block_size(g)});
+  }
+  if (skip_cached) {
+    const std::span<const TokenId> tokens =
+        std::span(d.tokens).first(static_cast<size_t>(d.seen_tokens));
+    const int32_t ns = prefix_->InternNamespace(d.options.keys.ns);
+    hit_tokens = d.seen_tokens;
+    for (int g = 0; g < num_groups(); ++g) {
+      if (!attention(g)) continue;
+      std::vector<BlockId>& blocks = hits[static_cast<size_t>(g)];
+      const auto full = static_cast<int32_t>(d.seen_tokens / kv_block_size(g));
+      blocks.resize(static_cast<size_t>(full));
+      BlockHash last;
+      const int32_t run = prefix_->Match(g, tokens, ns, d.options.keys, full, blocks, &last);
+      hit_tokens = std::min(hit_tokens, int64_t{run} * kv_block_size(g));
+    }
+    hit_tokens -= hit_tokens % step;
+  }
+  for (int g = 0; g < num_groups(); ++g) {
+    hits[static_cast<size_t>(g)].resize(
+        attention(g) ? static_cast<size_t>(hit_tokens / kv_block_size(g)) : 0);
   }
   // All or nothing: every pool's need against its free blocks before any is taken (a cached
   // block the hit revives is no longer free).
   std::vector<int64_t> pool_need(static_cast<size_t>(num_groups()), 0);
   for (int g = 0; g < num_groups(); ++g) {
-    pool_need[static_cast<size_t>(pool_lead_[g])] += needed[static_cast<size_t>(g)];
+    const std::vector<BlockId>& shared = hits[static_cast<size_t>(g)];
+    int64_t& need = pool_need[static_cast<size_t>(pool_lead_[g])];
+    need += needed[static_cast<size_t>(g)] - std::ssize(shared);
+    for (const BlockId b : shared) need += pools_[g].is_evictable(b) ? 1 : 0;
   }
-  pool_need[0] -= hit;
-  for (const BlockId b : hit_blocks) pool_need[0] += pools_[0].is_evictable(b) ? 1 : 0;
   for (int g = 0; g < num_groups(); ++g) {
     if (pool_need[static_cast<size_t>(g)] > pools_[g].free_blocks()) {
       return ResourceExhaustedError(
@@ -536,14 +558,16 @@ Result<Sequence*> StateManager::Impl::ImportSequence(std::span<const std::byte> 
       BLOCKKV_CHECK(released.ok(), "ImportSequence: a block it took had no reference");
     }
   };
-  if (hit > 0) {
-    const Status shared = pools_[0].AddRef(hit_blocks);
-    BLOCKKV_CHECK(shared.ok(), "ImportSequence: a matched block was neither held nor cached");
+  for (int g = 0; g < num_groups(); ++g) {
+    const std::vector<BlockId>& shared = hits[static_cast<size_t>(g)];
+    if (shared.empty()) continue;
+    const Status referenced = pools_[g].AddRef(shared);
+    BLOCKKV_CHECK(referenced.ok(), "ImportSequence: a matched block was neither held nor cached");
   }
   for (int g = 0; g < num_groups(); ++g) {
     std::vector<BlockId>& blocks = local[static_cast<size_t>(g)];
-    const size_t skip = g == 0 ? hit_blocks.size() : 0;  // entries [0, skip) are cached blocks
-    blocks = g == 0 ? hit_blocks : std::vector<BlockId>{};
+    blocks = hits[static_cast<size_t>(g)];  // entries [0, skip) are cached blocks
+    const size_t skip = blocks.size();
     blocks.resize(static_cast<size_t>(needed[static_cast<size_t>(g)]));
     const auto fresh = static_cast<int32_t>(blocks.size() - skip);
     const Status taken = pools_[g].Take(fresh, std::span(blocks).subspan(skip));
@@ -620,7 +644,7 @@ Result<Sequence*> StateManager::Impl::ImportSequence(std::span<const std::byte> 
     seq = CreateInSlot(uid);
   }
   seq->seen_tokens_ = d.seen_tokens;
-  seq->cached_prefix_tokens_ = int64_t{hit} * kv_block_size(0);
+  seq->cached_prefix_tokens_ = hit_tokens;
   for (int g = 0; g < num_groups(); ++g) {
     const RemoteGroup& rg = d.groups[static_cast<size_t>(g)];
     Sequence::GroupState& state = seq->groups_[g];

@@ -35,15 +35,16 @@ using blockkv_test::TransferLayout;
 class Peer {
  public:
   // `stop`: BLOCKKV_TRANSFER_TEST_STOP of the process (src/transfer.cc): where it stops itself.
-  // `state`: the engines have a STATE group too (TransferLayout::state).
+  // `groups`: the cache groups after group 0 (transfer_peer.cc: "d", "s" or "ds").
   Peer(const std::string& transports, int64_t layers = 3, bool prefix = false,
-       const std::string& stop = "", int tp_rank = 0, int tp_size = 1, bool state = false) {
+       const std::string& stop = "", int tp_rank = 0, int tp_size = 1,
+       const std::string& groups = "") {
     int to_child[2];
     int from_child[2];
     EXPECT_EQ(pipe(to_child), 0);
     EXPECT_EQ(pipe(from_child), 0);
     const std::string layers_arg = std::to_string(layers);
-    const std::string prefix_arg = std::string(prefix ? "1" : "0") + (state ? "s" : "");
+    const std::string prefix_arg = (prefix ? "1" : "0") + groups;
     const std::string rank_arg = std::to_string(tp_rank);
     const std::string size_arg = std::to_string(tp_size);
     pid_ = fork();
@@ -530,38 +531,60 @@ TEST(TransferTest, PrefixCachingReceiverKnowsTheTokensAndCachesTheBlocks) {
   EXPECT_OK(receiver->CheckInvariants());
 }
 
+// Also with more cache groups: a second attention group of another block size (the hit is what
+// both cache, in whole blocks of each), and a STATE group, whose slot is always read (it is the
+// state after every token).
 TEST(TransferTest, PrefixBlocksTheReceiverCachesAreSharedNotCopied) {
-  Peer sender("tcp", 3, /*prefix=*/true);
-  ASSERT_EQ(sender.ready(), "ready");
-  const std::vector<std::byte> d = sender.MakeAndExport(7, 37, 6);  // tokens 100, 101, ...
-  auto receiver = Receiver("tcp", {.prefix = true});
-  ASSERT_NE(receiver, nullptr);
-  // The receiver computed the first 18 of those tokens itself (4 full blocks, cached), with KV of
-  // its own (another pattern), and finished that sequence: its blocks are cached, unreferenced.
-  std::vector<blockkv::TokenId> prompt(18);
-  for (int i = 0; i < 18; ++i) prompt[static_cast<size_t>(i)] = 100 + i;
-  ASSERT_OK(receiver->AddSequence(1, prompt));
-  const std::vector<SeqId> uids = {1};
-  const std::vector<int64_t> lengths = {18};
-  ASSERT_OK(receiver->Schedule({.uids = uids, .lengths = lengths}));
-  ASSERT_OK(receiver->PostForward(uids));
-  blockkv_test::WritePattern(*receiver, 1, 99);
-  const std::vector<blockkv::BlockId> cached(receiver->GetSequence(1)->block_table().begin(),
-                                             receiver->GetSequence(1)->block_table().begin() + 4);
-  ASSERT_OK(receiver->FlushSequence(1));
-  ASSERT_EQ(receiver->free_blocks()[0], 64);  // 4 of them cached and evictable
+  for (const std::string groups : {"", "d", "s", "ds"}) {
+    SCOPED_TRACE("groups after the first: \"" + groups + "\"");
+    Peer sender("tcp", 3, /*prefix=*/true, "", 0, 1, groups);
+    ASSERT_EQ(sender.ready(), "ready");
+    const std::vector<std::byte> d = sender.MakeAndExport(7, 37, 6);  // tokens 100, 101, ...
+    const TransferLayout layout{.prefix = true,
+                                .second_block_size = groups.find('d') != std::string::npos ? 8 : 0,
+                                .state = groups.find('s') != std::string::npos};
+    auto receiver = Receiver("tcp", layout);
+    ASSERT_NE(receiver, nullptr);
+    // The receiver computed the first 18 of those tokens itself (4 full blocks of 4 tokens, 2 of
+    // 8, cached), with KV of its own (another pattern), and finished that sequence: its blocks
+    // are cached, unreferenced.
+    std::vector<blockkv::TokenId> prompt(18);
+    for (int i = 0; i < 18; ++i) prompt[static_cast<size_t>(i)] = 100 + i;
+    ASSERT_OK(receiver->AddSequence(1, prompt));
+    const std::vector<SeqId> uids = {1};
+    const std::vector<int64_t> lengths = {18};
+    ASSERT_OK(receiver->Schedule({.uids = uids, .lengths = lengths}));
+    ASSERT_OK(receiver->PostForward(uids));
+    blockkv_test::WritePattern(*receiver, 1, 99);
+    if (layout.state) blockkv_test::WriteStatePattern(*receiver, 1, 99);
+    const std::vector<blockkv::BlockId> cached(receiver->GetSequence(1)->block_table().begin(),
+                                               receiver->GetSequence(1)->block_table().begin() + 4);
+    ASSERT_OK(receiver->FlushSequence(1));
+    ASSERT_EQ(receiver->free_blocks()[0], 64);  // 4 of them cached and evictable
+    const std::vector<int32_t> free = receiver->free_blocks();
 
-  auto seq = receiver->ImportSequence(d);
-  ASSERT_OK(seq);
-  const std::span<const blockkv::BlockId> table = (*seq)->block_table();
-  EXPECT_TRUE(std::equal(cached.begin(), cached.end(), table.begin()));
-  EXPECT_EQ((*seq)->cached_prefix_tokens(), 16);
-  // Tokens 0-15 are the receiver's own KV (not copied), 16-36 the sender's.
-  EXPECT_EQ(blockkv_test::PatternMismatches(*receiver, 7, 99, 0, 16), 0);
-  EXPECT_EQ(blockkv_test::PatternMismatches(*receiver, 7, 6, 16, 37), 0);
-  EXPECT_EQ(receiver->free_blocks()[0], 64 - 10);
-  EXPECT_OK(receiver->CheckInvariants());
-  EXPECT_EQ(sender.Send("state"), "pending 0 tracked 0 free 64");
+    auto seq = receiver->ImportSequence(d);
+    ASSERT_OK(seq);
+    const std::span<const blockkv::BlockId> table = (*seq)->block_table();
+    EXPECT_TRUE(std::equal(cached.begin(), cached.end(), table.begin()));
+    EXPECT_EQ((*seq)->cached_prefix_tokens(), 16);
+    // Tokens 0-15 are the receiver's own KV (not copied), 16-36 the sender's, in every attention
+    // group; the state slot is the sender's.
+    EXPECT_EQ(blockkv_test::PatternMismatches(*receiver, 7, 99, 0, 16), 0);
+    EXPECT_EQ(blockkv_test::PatternMismatches(*receiver, 7, 6, 16, 37), 0);
+    if (layout.state) {
+      EXPECT_EQ(blockkv_test::StateMismatches(*receiver, 7, 6), 0);
+    }
+    EXPECT_EQ(receiver->free_blocks()[0], 64 - 10);
+    if (layout.second_block_size > 0) {
+      EXPECT_EQ(receiver->free_blocks()[1], free[1] - 5);
+    }
+    if (layout.state) {
+      EXPECT_EQ(receiver->free_blocks().back(), free.back() - 1);
+    }
+    EXPECT_OK(receiver->CheckInvariants());
+    EXPECT_EQ(sender.Send("state"), "pending 0 tracked 0 free 64");
+  }
 }
 
 // A tenant's sequence, computed with a LoRA adapter, keeps its keys on the receiver: it does not
@@ -608,7 +631,7 @@ TEST(TransferTest, ImportedBlocksKeepTheSequencesNamespaceAndAdapter) {
 TEST_P(TransferTest, AStateGroupsSlotMovesWithTheBlocks) {
   for (const bool prefix : {false, true}) {
     SCOPED_TRACE(prefix ? "prefix caching" : "no prefix caching");
-    Peer sender(GetParam(), 3, prefix, "", 0, 1, /*state=*/true);
+    Peer sender(GetParam(), 3, prefix, "", 0, 1, "s");
     ASSERT_EQ(sender.ready(), "ready");
     const std::vector<std::byte> d = sender.MakeAndExport(7, 37, 13);
     auto plain = Receiver(GetParam(), {.prefix = prefix});

@@ -21,7 +21,10 @@ struct TransferLayout {
   int32_t block_size = 4;
   int32_t num_blocks = 64;
   bool prefix = false;
-  bool state = false;  // a STATE group (group 1, Mamba-like: one slot per sequence) after it
+  // More cache groups after group 0: a second attention group (the same rows, blocks of this
+  // many tokens; 0: none), then a STATE group (Mamba-like: one slot per sequence).
+  int32_t second_block_size = 0;
+  bool state = false;
   // TransferConfig's
   int32_t tp_rank = 0;
   int32_t tp_size = 1;
@@ -44,6 +47,10 @@ inline blockkv::Result<std::unique_ptr<blockkv::StateManager>> MakeTransferManag
                                             .tp_size = l.tp_size};
   std::vector<blockkv::KVCacheConfig> kv = {
       {.block_size = l.block_size, .cache_shape = {l.layers, l.heads, l.head_size}}};
+  if (l.second_block_size > 0) {
+    kv.push_back(
+        {.block_size = l.second_block_size, .cache_shape = {l.layers, l.heads, l.head_size}});
+  }
   if (l.state) {
     kv.push_back({.cache_shape = {l.layers, 1, 6},
                   .cache_dtype = blockkv::DType::kFloat32,
@@ -62,63 +69,88 @@ inline uint8_t PatternByte(uint32_t seed, int64_t layer, int64_t t, int64_t j) {
   return static_cast<uint8_t>(x >> 24);
 }
 
-// Bytes of one token's row in one layer.
-inline int64_t RowBytes(const blockkv::StateManager& m) {
-  const blockkv::KVCacheConfig& c = m.kv_cache().config(0);
+// The attention groups (every group but a STATE one): the groups the pattern is written into.
+inline std::vector<int> AttentionGroups(const blockkv::StateManager& m) {
+  std::vector<int> groups;
+  for (int g = 0; g < m.kv_cache().num_groups(); ++g) {
+    if (m.kv_cache().config(g).type != blockkv::KVCacheType::kState) groups.push_back(g);
+  }
+  return groups;
+}
+
+// Group g's seed: group 0 has `seed` itself.
+inline uint32_t GroupSeed(uint32_t seed, int g) { return seed ^ (static_cast<uint32_t>(g) << 20); }
+
+// Bytes of one token's row in one layer of `group`.
+inline int64_t RowBytes(const blockkv::StateManager& m, int group = 0) {
+  const blockkv::KVCacheConfig& c = m.kv_cache().config(group);
   return 2 * c.cache_shape[1] * c.cache_shape[2] * 2;  // K and V, fp16
 }
 
-// Token t's row of `uid` in `layer`.
-inline std::byte* Row(const blockkv::StateManager& m, blockkv::SeqId uid, int64_t layer,
-                      int64_t t) {
+// Token t's row of `uid` in `layer` of `group`.
+inline std::byte* Row(const blockkv::StateManager& m, blockkv::SeqId uid, int64_t layer, int64_t t,
+                      int group = 0) {
   const blockkv::Sequence* seq = m.GetSequence(uid);
-  const int32_t bs = m.kv_block_size(0);
-  const blockkv::TensorView view = *m.GetCache(layer);
-  const blockkv::BlockId block = seq->block_table()[static_cast<size_t>(t / bs)];
-  return static_cast<std::byte*>(view.data) + ((int64_t{block} * bs + t % bs) * RowBytes(m));
+  const int32_t bs = m.kv_block_size(group);
+  const blockkv::TensorView view = *m.GetCache(layer, group);
+  const blockkv::BlockId block = seq->block_table(group)[static_cast<size_t>(t / bs)];
+  return static_cast<std::byte*>(view.data) + ((int64_t{block} * bs + t % bs) * RowBytes(m, group));
 }
 
-// Writes the pattern into every layer of every seen token of `uid`.
+// Writes the pattern into every layer of every seen token of `uid`, in every attention group.
 inline void WritePattern(const blockkv::StateManager& m, blockkv::SeqId uid, uint32_t seed) {
-  const int64_t layers = m.kv_cache().config(0).cache_shape[0];
-  for (int64_t l = 0; l < layers; ++l) {
-    for (int64_t t = 0; t < m.GetSequence(uid)->seen_tokens(); ++t) {
-      std::byte* row = Row(m, uid, l, t);
-      for (int64_t j = 0; j < RowBytes(m); ++j) row[j] = std::byte{PatternByte(seed, l, t, j)};
+  for (const int g : AttentionGroups(m)) {
+    const int64_t layers = m.kv_cache().config(g).cache_shape[0];
+    for (int64_t l = 0; l < layers; ++l) {
+      for (int64_t t = 0; t < m.GetSequence(uid)->seen_tokens(); ++t) {
+        std::byte* row = Row(m, uid, l, t, g);
+        for (int64_t j = 0; j < RowBytes(m, g); ++j) {
+          row[j] = std::byte{PatternByte(GroupSeed(seed, g), l, t, j)};
+        }
+      }
     }
   }
 }
 
-// The number of bytes of `uid`'s seen tokens [begin, end) (end < 0: all) that differ from the
-// pattern (0: all arrived).
+// The number of bytes of `uid`'s seen tokens [begin, end) (end < 0: all), in every attention
+// group, that differ from the pattern (0: all arrived).
 inline int64_t PatternMismatches(const blockkv::StateManager& m, blockkv::SeqId uid, uint32_t seed,
                                  int64_t begin = 0, int64_t end = -1) {
   int64_t bad = 0;
-  const int64_t layers = m.kv_cache().config(0).cache_shape[0];
   if (end < 0) end = m.GetSequence(uid)->seen_tokens();
-  for (int64_t l = 0; l < layers; ++l) {
-    for (int64_t t = begin; t < end; ++t) {
-      const std::byte* row = Row(m, uid, l, t);
-      for (int64_t j = 0; j < RowBytes(m); ++j) {
-        bad += row[j] != std::byte{PatternByte(seed, l, t, j)} ? 1 : 0;
+  for (const int g : AttentionGroups(m)) {
+    const int64_t layers = m.kv_cache().config(g).cache_shape[0];
+    for (int64_t l = 0; l < layers; ++l) {
+      for (int64_t t = begin; t < end; ++t) {
+        const std::byte* row = Row(m, uid, l, t, g);
+        for (int64_t j = 0; j < RowBytes(m, g); ++j) {
+          bad += row[j] != std::byte{PatternByte(GroupSeed(seed, g), l, t, j)} ? 1 : 0;
+        }
       }
     }
   }
   return bad;
 }
 
-// `uid`'s state slot in `layer` of the STATE group (group 1), as bytes.
+// The STATE group (the last one), or -1.
+inline int StateGroup(const blockkv::StateManager& m) {
+  const int last = m.kv_cache().num_groups() - 1;
+  return m.kv_cache().config(last).type == blockkv::KVCacheType::kState ? last : -1;
+}
+
+// `uid`'s state slot in `layer` of the STATE group, as bytes.
 inline std::span<std::byte> StateSlot(const blockkv::StateManager& m, blockkv::SeqId uid,
                                       int64_t layer) {
-  const blockkv::TensorView view = *m.GetCache(layer, 1);
+  const int group = StateGroup(m);
+  const blockkv::TensorView view = *m.GetCache(layer, group);
   const auto bytes = static_cast<size_t>(view.stride(0)) * blockkv::ElementSize(view.dtype);
-  const blockkv::BlockId slot = m.GetSequence(uid)->block_table(1)[0];
+  const blockkv::BlockId slot = m.GetSequence(uid)->block_table(group)[0];
   return {static_cast<std::byte*>(view.data) + static_cast<size_t>(slot) * bytes, bytes};
 }
 
 // Writes the pattern into `uid`'s state slot (every layer), as if its layers had run.
 inline void WriteStatePattern(const blockkv::StateManager& m, blockkv::SeqId uid, uint32_t seed) {
-  const int64_t layers = m.kv_cache().config(1).cache_shape[0];
+  const int64_t layers = m.kv_cache().config(StateGroup(m)).cache_shape[0];
   for (int64_t l = 0; l < layers; ++l) {
     const std::span<std::byte> slot = StateSlot(m, uid, l);
     for (size_t j = 0; j < slot.size(); ++j) {
@@ -130,7 +162,7 @@ inline void WriteStatePattern(const blockkv::StateManager& m, blockkv::SeqId uid
 // The bytes of `uid`'s state slot that differ from WriteStatePattern's.
 inline int64_t StateMismatches(const blockkv::StateManager& m, blockkv::SeqId uid, uint32_t seed) {
   int64_t bad = 0;
-  const int64_t layers = m.kv_cache().config(1).cache_shape[0];
+  const int64_t layers = m.kv_cache().config(StateGroup(m)).cache_shape[0];
   for (int64_t l = 0; l < layers; ++l) {
     const std::span<std::byte> slot = StateSlot(m, uid, l);
     for (size_t j = 0; j < slot.size(); ++j) {
