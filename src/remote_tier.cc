@@ -4,6 +4,7 @@
 #include <hiredis/hiredis.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <charconv>
 #include <cstring>
@@ -161,10 +162,17 @@ bool WriteSets(redisContext* ctx,
 }
 
 // What a fetch's values point into: hiredis replies (redirects followed), and the buffers that
-// ReadValue read values into.
+// ReadValue read values into, given back to the tier's ValueBuffers when the last view goes.
 struct FetchedBuffers {
   std::vector<Reply> replies;
-  std::vector<std::unique_ptr<char[]>> values;
+  std::vector<ValueBuffers::Buffer> values;
+  std::shared_ptr<ValueBuffers> pool;
+  explicit FetchedBuffers(std::shared_ptr<ValueBuffers> p) : pool(std::move(p)) {}
+  FetchedBuffers(const FetchedBuffers&) = delete;
+  FetchedBuffers& operator=(const FetchedBuffers&) = delete;
+  ~FetchedBuffers() {
+    for (ValueBuffers::Buffer& b : values) pool->Give(std::move(b));
+  }
 };
 
 // Reads a RESP reply from a socket through a staging buffer for its framing; a bulk string's
@@ -188,15 +196,23 @@ class SocketReader {
       if (!Fill()) return false;
     }
   }
-  // Exactly n bytes into dst, then the CRLF that ends a bulk string.
-  bool Bulk(char* dst, size_t n) {
+  // Exactly n bytes into dst, then the CRLF that ends a bulk string. With `hash`, the first
+  // `hashed` bytes are fed to it as they arrive, a piece at a time while it is still in cache.
+  bool Bulk(char* dst, size_t n, XXH3_state_t* hash = nullptr, size_t hashed = 0) {
+    const auto feed = [&](size_t from, size_t to) {
+      if (hash != nullptr && from < hashed) {
+        XXH3_64bits_update(hash, dst + from, std::min(to, hashed) - from);
+      }
+    };
     const size_t staged = std::min(n, end_ - begin_);
     std::memcpy(dst, buf_.data() + begin_, staged);
     begin_ += staged;
+    feed(0, staged);
     for (size_t at = staged; at < n;) {
-      const ssize_t got = recv(fd_, dst + at, n - at, 0);
+      const ssize_t got = recv(fd_, dst + at, std::min(n - at, kPiece), 0);
       if (got < 0 && errno == EINTR) continue;
       if (got <= 0) return false;
+      feed(at, at + static_cast<size_t>(got));
       at += static_cast<size_t>(got);
     }
     std::string_view crlf;
@@ -220,6 +236,7 @@ class SocketReader {
     }
     return false;  // a line longer than the buffer: not a reply of ours
   }
+  static constexpr size_t kPiece = size_t{256} << 10;  // the most one recv reads into a value
   int fd_;
   std::vector<char> buf_ = std::vector<char>(size_t{64} << 10);
   size_t begin_ = 0;
@@ -229,10 +246,11 @@ class SocketReader {
 enum class ReplyRead { kValue, kNil, kError, kBroken };
 
 // One reply to GET (or one element of MGET's): a bulk string, read into a buffer of its own in
-// `owned` (*value viewing it), nil, or an error (*error viewing its text until the next read).
-// kBroken: the connection failed or the reply is not one of those.
+// `owned` (*value viewing it, *checksum_ok saying whether its trailing XXH3-64 matches the bytes
+// before it, hashed as they arrived), nil, or an error (*error viewing its text until the next
+// read). kBroken: the connection failed or the reply is not one of those.
 ReplyRead ReadValue(SocketReader& in, FetchedBuffers& owned, std::string_view* value,
-                    std::string_view* error) {
+                    bool* checksum_ok, std::string_view* error) {
   std::string_view line;
   if (!in.Line(&line) || line.empty()) return ReplyRead::kBroken;
   if (line[0] == '-') {
@@ -244,10 +262,20 @@ ReplyRead ReadValue(SocketReader& in, FetchedBuffers& owned, std::string_view* v
   if (line[0] != '$' || !ParseInt(line.substr(1), int64_t{0}, int64_t{1} << 40, &len)) {
     return ReplyRead::kBroken;
   }
-  auto buffer = std::make_unique_for_overwrite<char[]>(static_cast<size_t>(len));
-  if (!in.Bulk(buffer.get(), static_cast<size_t>(len))) return ReplyRead::kBroken;
-  *value = std::string_view(buffer.get(), static_cast<size_t>(len));
-  owned.values.push_back(std::move(buffer));
+  const auto n = static_cast<size_t>(len);
+  ValueBuffers::Buffer buffer = owned.pool->Take(n);
+  XXH3_state_t hash;
+  XXH3_64bits_reset(&hash);
+  const bool summed = n >= sizeof(uint64_t);
+  char* const data = buffer.data.get();
+  owned.values.push_back(std::move(buffer));  // given back to the pool even when broken
+  if (!in.Bulk(data, n, summed ? &hash : nullptr, summed ? n - sizeof(uint64_t) : 0)) {
+    return ReplyRead::kBroken;
+  }
+  uint64_t sum = 0;
+  if (summed) std::memcpy(&sum, data + n - sizeof(uint64_t), sizeof(sum));
+  *checksum_ok = summed && sum == XXH3_64bits_digest(&hash);
+  *value = std::string_view(data, n);
   return ReplyRead::kValue;
 }
 
@@ -361,13 +389,22 @@ int KeySlot(std::string_view key) {
       key = key.substr(open + 1, close - open - 1);
     }
   }
-  uint16_t crc = 0;  // CRC16-CCITT (XMODEM): polynomial 0x1021, initial 0, as Redis Cluster has
-  for (const char c : key) {
-    crc ^= static_cast<uint16_t>(static_cast<uint8_t>(c) << 8);
-    for (int bit = 0; bit < 8; ++bit) {
-      crc = (crc & 0x8000) != 0 ? static_cast<uint16_t>((crc << 1) ^ 0x1021)
-                                : static_cast<uint16_t>(crc << 1);
+  // CRC16-CCITT (XMODEM): polynomial 0x1021, initial 0, as Redis Cluster has; a byte at a time.
+  static constexpr std::array<uint16_t, 256> kTable = [] {
+    std::array<uint16_t, 256> table{};
+    for (size_t byte = 0; byte < table.size(); ++byte) {
+      auto crc = static_cast<uint16_t>(byte << 8);
+      for (int bit = 0; bit < 8; ++bit) {
+        crc = (crc & 0x8000) != 0 ? static_cast<uint16_t>((crc << 1) ^ 0x1021)
+                                  : static_cast<uint16_t>(crc << 1);
+      }
+      table[byte] = crc;
     }
+    return table;
+  }();
+  uint16_t crc = 0;
+  for (const char c : key) {
+    crc = static_cast<uint16_t>((crc << 8) ^ kTable[((crc >> 8) ^ static_cast<uint8_t>(c)) & 0xff]);
   }
   return crc & (kClusterSlots - 1);
 }
@@ -401,12 +438,18 @@ void SealRemoteValue(std::string& value) {
   Put<uint64_t>(value, XXH3_64bits(value.data(), value.size()));
 }
 
-int64_t VerifyRemoteValue(std::string_view value, const RemoteBlockMeta& want) {
-  if (value.size() < sizeof(kMagic) + sizeof(uint64_t)) return -1;
+bool RemoteValueChecksumOk(std::string_view value) {
+  if (value.size() < sizeof(uint64_t)) return false;
   const std::string_view body = value.substr(0, value.size() - sizeof(uint64_t));
   uint64_t sum = 0;
   std::memcpy(&sum, value.data() + body.size(), sizeof(sum));
-  if (sum != XXH3_64bits(body.data(), body.size())) return -1;
+  return sum == XXH3_64bits(body.data(), body.size());
+}
+
+int64_t VerifyRemoteValue(std::string_view value, const RemoteBlockMeta& want, bool checksum_ok) {
+  if (value.size() < sizeof(kMagic) + sizeof(uint64_t)) return -1;
+  if (!checksum_ok && !RemoteValueChecksumOk(value)) return -1;
+  const std::string_view body = value.substr(0, value.size() - sizeof(uint64_t));
   Reader r(body);
   std::string_view magic;
   uint32_t version = 0;
@@ -441,6 +484,34 @@ std::string RemoteKey(uint64_t fingerprint, std::string_view ns, const BlockHash
 }
 
 // ---- the client ----------------------------------------------------------------------------
+
+ValueBuffers::Buffer ValueBuffers::Take(size_t n) {
+  {
+    const std::lock_guard lock(mu_);
+    // The smallest kept buffer that holds n bytes, if it is not more than twice as large.
+    auto best = free_.end();
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->capacity >= n && it->capacity / 2 <= n &&
+          (best == free_.end() || it->capacity < best->capacity)) {
+        best = it;
+      }
+    }
+    if (best != free_.end()) {
+      Buffer b = std::move(*best);
+      free_.erase(best);
+      bytes_ -= b.capacity;
+      return b;
+    }
+  }
+  return {.data = std::make_unique_for_overwrite<char[]>(n), .capacity = n};
+}
+
+void ValueBuffers::Give(Buffer b) {
+  const std::lock_guard lock(mu_);
+  if (b.data == nullptr || bytes_ + b.capacity > max_bytes_) return;  // freed
+  bytes_ += b.capacity;
+  free_.push_back(std::move(b));
+}
 
 Result<redisContext*> RemoteTier::Connect(const RedisUrl& url, const std::string& host, int port,
                                           int32_t timeout_ms) {
@@ -730,6 +801,7 @@ RemoteTier::Fetched RemoteTier::Fetch(std::vector<std::string> keys) {
     return {.reply = nullptr,
             .values = std::vector<std::string_view>(n),
             .failed = std::vector<uint8_t>(n, 1),
+            .checksum_ok = {},
             .late = true};
   }
   return std::move(job->fetched);
@@ -828,6 +900,8 @@ void RemoteTier::RunFetches() {
                                    all.fetched.values.begin() + last);
         job->fetched.failed.assign(all.fetched.failed.begin() + first,
                                    all.fetched.failed.begin() + last);
+        job->fetched.checksum_ok.assign(all.fetched.checksum_ok.begin() + first,
+                                        all.fetched.checksum_ok.begin() + last);
         at += job->keys.size();
       }
     }
@@ -921,10 +995,19 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
   const size_t n = job.keys.size();
   std::vector<std::string_view>& values = job.fetched.values;
   std::vector<uint8_t>& failed = job.fetched.failed;
+  std::vector<uint8_t>& checksum_ok = job.fetched.checksum_ok;
   values.assign(n, std::string_view());
   failed.assign(n, 0);
+  checksum_ok.assign(n, 0);
+  // A value read from the socket, its checksum checked as it arrived (the state manager's thread
+  // then checks only its fields).
+  const auto keep = [&](size_t item, std::string_view value, bool sum_ok) {
+    values[item] = value;
+    checksum_ok[item] = sum_ok ? 1 : 0;
+    fetched_bytes_ += std::ssize(value);
+  };
   MaybeRefresh(lane);
-  auto owned = std::make_shared<FetchedBuffers>();
+  auto owned = std::make_shared<FetchedBuffers>(value_buffers_);
   // A reply to GET: a value, none, a redirect to follow, or an error.
   std::vector<Redirect> redirects;
   const auto take = [&](size_t item, Reply reply) {
@@ -1002,6 +1085,7 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
       continue;
     }
     std::string_view value;
+    bool sum_ok = false;
     std::string_view error;
     if (!url_.cluster) {  // one MGET: "*<n>" then n values or nils, or an error
       std::string_view line;
@@ -1017,11 +1101,8 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
       } else {
         bool whole = true;
         for (size_t r = 0; r < items.size() && whole; ++r) {
-          const ReplyRead read = ReadValue(in, *owned, &value, &error);
-          if (read == ReplyRead::kValue) {
-            values[items[r]] = value;
-            fetched_bytes_ += std::ssize(value);
-          }
+          const ReplyRead read = ReadValue(in, *owned, &value, &sum_ok, &error);
+          if (read == ReplyRead::kValue) keep(items[r], value, sum_ok);
           whole = read == ReplyRead::kValue || read == ReplyRead::kNil;  // never an error here
         }
         if (!whole || !in.Drained()) broken(0);
@@ -1029,14 +1110,13 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
       continue;
     }
     for (size_t r = 0; r < items.size(); ++r) {  // GETs: a value, nil, a redirect or an error
-      const ReplyRead read = ReadValue(in, *owned, &value, &error);
+      const ReplyRead read = ReadValue(in, *owned, &value, &sum_ok, &error);
       if (read == ReplyRead::kBroken) {
         broken(r);
         break;
       }
       if (read == ReplyRead::kValue) {
-        values[items[r]] = value;
-        fetched_bytes_ += std::ssize(value);
+        keep(items[r], value, sum_ok);
       } else if (read == ReplyRead::kError) {
         Redirect redirect{.item = items[r]};
         if (ParseRedirect(error, &redirect.ask, &redirect.host, &redirect.port)) {
@@ -1079,6 +1159,7 @@ void RemoteTier::DoStores(Lane& lane, std::vector<std::pair<std::string, std::st
   };
   std::vector<std::vector<size_t>> groups(lane.nodes.size());
   for (size_t i = 0; i < batch.size(); ++i) {
+    SealRemoteValue(batch[i].second);  // here, not on the scheduling thread
     const int node = NodeFor(lane, batch[i].first);
     if (node < 0) {
       ++dropped_;

@@ -71,16 +71,41 @@ struct RemoteBlockMeta {
 };
 inline constexpr uint32_t kRemoteValueVersion = 1;
 // The value: header, tokens, payload (to be filled at payload_offset), then the checksum, which
-// SealRemoteValue writes once the payload is in.
+// SealRemoteValue writes once the payload is in (RemoteTier::Store's worker).
 std::string EncodeRemoteValue(const RemoteBlockMeta& meta, size_t* payload_offset);
 void SealRemoteValue(std::string& value);
+// Whether `value`'s trailing checksum matches its bytes (the fetch worker hashes a value read
+// from the socket as its bytes arrive, while the server still sends the next ones).
+bool RemoteValueChecksumOk(std::string_view value);
 // The offset of the payload when `value` verifies against `want` (every field equal, checksum
-// right); -1 otherwise.
-int64_t VerifyRemoteValue(std::string_view value, const RemoteBlockMeta& want);
+// right: `checksum_ok` says RemoteValueChecksumOk(value) was found true already); -1 otherwise.
+int64_t VerifyRemoteValue(std::string_view value, const RemoteBlockMeta& want,
+                          bool checksum_ok = false);
 // "blockkv:{<fingerprint>:<namespace hash>:<block key>}": hex, one hash tag (one cluster slot).
 std::string RemoteKey(uint64_t fingerprint, std::string_view ns, const BlockHash& key);
 
 class RemoteTier;
+
+// The buffers fetched values are read into, kept for the next fetches (up to max_bytes): freed,
+// the fetch worker's malloc arena would give their pages back to the kernel and the next fetch
+// would fault every page in again (2 MiB blocks: a third of the fetch's time). Thread-safe: the
+// worker takes, whoever drops the last view of a fetch gives back.
+class ValueBuffers {
+ public:
+  struct Buffer {
+    std::unique_ptr<char[]> data;
+    size_t capacity = 0;
+  };
+  explicit ValueBuffers(size_t max_bytes) : max_bytes_(max_bytes) {}
+  Buffer Take(size_t n);  // at least n bytes, contents unspecified
+  void Give(Buffer b);
+
+ private:
+  const size_t max_bytes_;
+  std::mutex mu_;
+  std::vector<Buffer> free_;
+  size_t bytes_ = 0;
+};
 
 // One fetch: its keys, and once `done`, what it got. Shared by the tier's queue, the state
 // manager and RemoteFetchTicket; signals its own completion so that a ticket needs no tier.
@@ -88,8 +113,9 @@ struct RemoteFetchJob {
   struct Fetched {
     std::shared_ptr<const void> reply;
     std::vector<std::string_view> values;
-    std::vector<uint8_t> failed;  // per key: 1 = the command failed (an error, not "none")
-    bool late = false;            // the wait gave up after timeout_ms: every value ""
+    std::vector<uint8_t> failed;       // per key: 1 = the command failed (an error, not "none")
+    std::vector<uint8_t> checksum_ok;  // per key: 1 = RemoteValueChecksumOk (empty: none checked)
+    bool late = false;                 // the wait gave up after timeout_ms: every value ""
   };
   std::vector<std::string> keys;
   std::mutex mu;
@@ -117,7 +143,8 @@ class RemoteTier {
   RemoteTier(const RemoteTier&) = delete;
   RemoteTier& operator=(const RemoteTier&) = delete;
 
-  // Queues a SET; false (and counted) when the queue is full.
+  // Queues a SET of `value` (EncodeRemoteValue's, payload in, not sealed: the store worker seals
+  // it, off the scheduling thread); false (and counted) when the queue is full.
   bool Store(std::string key, std::string value);
   // What a fetch got: the values of its keys ("" for a key with none), views into `reply`
   // (hiredis's own buffers: no copy), which the caller keeps as long as it reads them.
@@ -194,6 +221,9 @@ class RemoteTier {
   const RedisUrl url_;
   Lane fetch_lane_;
   Lane store_lane_;
+  // Kept value buffers: enough for a fetch of 64 blocks of 2 MiB (Llama-3-8B's).
+  const std::shared_ptr<ValueBuffers> value_buffers_ =
+      std::make_shared<ValueBuffers>(size_t{128} << 20);
 
   std::mutex mu_;
   std::condition_variable fetch_cv_;

@@ -216,7 +216,8 @@ StateManager::Impl::Verified StateManager::Impl::VerifyRemote(
         .extra = ExtraBytes(keys.extras, i),
         .tokens = std::span(keys.tokens).subspan(i * bs, bs),
         .payload_bytes = static_cast<uint64_t>(c.num_caches() * LayerBlockBytes(c))};
-    const int64_t payload = internal::VerifyRemoteValue(value, want);
+    const int64_t payload = internal::VerifyRemoteValue(
+        value, want, at < fetched.checksum_ok.size() && fetched.checksum_ok[at] != 0);
     if (payload < 0) {
       got.miss = Miss::kVerifyFailed;
       break;
@@ -406,7 +407,6 @@ void StateManager::Impl::StoreRemote(const SequenceKeys& keys, int32_t index, co
       return;  // a block not written through is only a later miss
     }
   }
-  internal::SealRemoteValue(value);
   remote_->Store(internal::RemoteKey(remote_fingerprint_, keys.extras.ns, key), std::move(value));
 }
 

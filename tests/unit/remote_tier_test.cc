@@ -345,6 +345,56 @@ TEST(RemoteTierTest, ACorruptedValueIsACountedMissAndNothingWrongIsCached) {
   EXPECT_EQ(s.misses_not_found + s.misses_error + s.misses_late, 0);
 }
 
+// The fetch worker hashes each value as its bytes arrive, in pieces (values larger than one
+// recv, and values whose last 8 bytes straddle a piece): every sealed value is reported whole and
+// right, a value with a flipped byte (or shorter than a checksum) is not, and the scheduling
+// thread's full check agrees. The buffers of a fetch dropped are reused by the next.
+TEST(RemoteTierTest, TheFetchWorkerChecksValuesAsTheyArriveAndReusesTheirBuffers) {
+  RedisServer server;
+  auto tier = internal::RemoteTier::Open({.url = server.url()});
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  const std::vector<size_t> sizes = {0, 1, 4096, (size_t{256} << 10) + 3, (size_t{1} << 20) + 5};
+  std::vector<std::string> keys;
+  std::vector<std::string> values;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    std::string v(sizes[i], '\0');
+    for (size_t j = 0; j < v.size(); ++j) v[j] = static_cast<char>((i * 131 + j * 7) & 0xff);
+    internal::SealRemoteValue(v);
+    keys.push_back("sealed:" + std::to_string(i));
+    values.push_back(v);
+  }
+  values.push_back(values.back());
+  values.back()[values.back().size() / 2] ^= 1;  // corrupted after sealing
+  keys.emplace_back("corrupted");
+  values.emplace_back("short");  // no checksum at all
+  keys.emplace_back("short");
+  redisContext* c = server.Connect();
+  for (size_t i = 0; i < keys.size(); ++i) {
+    freeReplyObject(redisCommand(c, "SET %b %b", keys[i].data(), keys[i].size(), values[i].data(),
+                                 values[i].size()));
+  }
+  redisFree(c);
+  const void* first_buffer = nullptr;
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(round);
+    internal::RemoteTier::Fetched got = (*tier)->Fetch(keys);
+    ASSERT_EQ(got.values.size(), keys.size());
+    ASSERT_EQ(got.checksum_ok.size(), keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      EXPECT_EQ(got.values[i], values[i]) << keys[i];
+      const bool sealed = i < sizes.size();
+      EXPECT_EQ(got.checksum_ok[i] != 0, sealed) << keys[i];
+      EXPECT_EQ(internal::RemoteValueChecksumOk(got.values[i]), sealed) << keys[i];
+    }
+    const char* largest = got.values[sizes.size() - 1].data();
+    if (round == 0) {
+      first_buffer = largest;
+    } else {
+      EXPECT_EQ(largest, first_buffer);  // the same buffer, not a new one
+    }
+  }
+}
+
 TEST(RemoteTierTest, AnotherNamespaceOrModelNeverHits) {
   RedisServer server;
   const std::vector<TokenId> prompt = Prompt(100, 17);
