@@ -138,6 +138,18 @@ std::unique_ptr<StateManager> Receiver(const std::string& transports, TransferLa
   return m.ok() ? std::move(*m) : nullptr;
 }
 
+// Computes the first `n` of the tokens MakeAndExport gives a sequence (100, 101, ...) as sequence
+// `uid` on `m`, so that their full blocks are cached there (unreferenced once it is flushed).
+void Prefill(StateManager& m, SeqId uid, int n) {
+  std::vector<blockkv::TokenId> prompt(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) prompt[static_cast<size_t>(i)] = 100 + i;
+  ASSERT_OK(m.AddSequence(uid, prompt));
+  const std::vector<SeqId> uids = {uid};
+  const std::vector<int64_t> lengths = {n};
+  ASSERT_OK(m.Schedule({.uids = uids, .lengths = lengths}));
+  ASSERT_OK(m.PostForward(uids));
+}
+
 // What a failed import must leave as it was.
 struct ReceiverState {
   int32_t free = 0;
@@ -548,13 +560,7 @@ TEST(TransferTest, PrefixBlocksTheReceiverCachesAreSharedNotCopied) {
     // The receiver computed the first 18 of those tokens itself (4 full blocks of 4 tokens, 2 of
     // 8, cached), with KV of its own (another pattern), and finished that sequence: its blocks
     // are cached, unreferenced.
-    std::vector<blockkv::TokenId> prompt(18);
-    for (int i = 0; i < 18; ++i) prompt[static_cast<size_t>(i)] = 100 + i;
-    ASSERT_OK(receiver->AddSequence(1, prompt));
-    const std::vector<SeqId> uids = {1};
-    const std::vector<int64_t> lengths = {18};
-    ASSERT_OK(receiver->Schedule({.uids = uids, .lengths = lengths}));
-    ASSERT_OK(receiver->PostForward(uids));
+    ASSERT_NO_FATAL_FAILURE(Prefill(*receiver, 1, 18));
     blockkv_test::WritePattern(*receiver, 1, 99);
     if (layout.state) blockkv_test::WriteStatePattern(*receiver, 1, 99);
     const std::vector<blockkv::BlockId> cached(receiver->GetSequence(1)->block_table().begin(),
@@ -667,13 +673,7 @@ TEST(TransferTest, FailedImportGivesBackTheCachedBlocksItShared) {
   sender.Signal(SIGKILL);
   auto receiver = Receiver("tcp", {.prefix = true}, 3000);
   ASSERT_NE(receiver, nullptr);
-  std::vector<blockkv::TokenId> prompt(18);
-  for (int i = 0; i < 18; ++i) prompt[static_cast<size_t>(i)] = 100 + i;
-  ASSERT_OK(receiver->AddSequence(1, prompt));
-  const std::vector<SeqId> uids = {1};
-  const std::vector<int64_t> lengths = {18};
-  ASSERT_OK(receiver->Schedule({.uids = uids, .lengths = lengths}));
-  ASSERT_OK(receiver->PostForward(uids));
+  ASSERT_NO_FATAL_FAILURE(Prefill(*receiver, 1, 18));
   ASSERT_OK(receiver->FlushSequence(1));
   const ReceiverState before(*receiver);
   EXPECT_CODE(receiver->ImportSequence(d), StatusCode::kUnavailable);
