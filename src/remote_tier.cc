@@ -489,16 +489,10 @@ ValueBuffers::Buffer ValueBuffers::Take(size_t n) {
   {
     const std::lock_guard lock(mu_);
     // The smallest kept buffer that holds n bytes, if it is not more than twice as large.
-    auto best = free_.end();
-    for (auto it = free_.begin(); it != free_.end(); ++it) {
-      if (it->capacity >= n && it->capacity / 2 <= n &&
-          (best == free_.end() || it->capacity < best->capacity)) {
-        best = it;
-      }
-    }
-    if (best != free_.end()) {
-      Buffer b = std::move(*best);
-      free_.erase(best);
+    const auto it = free_.lower_bound(n);
+    if (it != free_.end() && it->first / 2 <= n) {
+      Buffer b{.data = std::move(it->second), .capacity = it->first};
+      free_.erase(it);
       bytes_ -= b.capacity;
       return b;
     }
@@ -510,7 +504,7 @@ void ValueBuffers::Give(Buffer b) {
   const std::lock_guard lock(mu_);
   if (b.data == nullptr || bytes_ + b.capacity > max_bytes_) return;  // freed
   bytes_ += b.capacity;
-  free_.push_back(std::move(b));
+  free_.emplace(b.capacity, std::move(b.data));
 }
 
 Result<redisContext*> RemoteTier::Connect(const RedisUrl& url, const std::string& host, int port,

@@ -21,6 +21,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -88,8 +89,8 @@ class RemoteTier;
 
 // The buffers fetched values are read into, kept for the next fetches (up to max_bytes): freed,
 // the fetch worker's malloc arena would give their pages back to the kernel and the next fetch
-// would fault every page in again (2 MiB blocks: a third of the fetch's time). Thread-safe: the
-// worker takes, whoever drops the last view of a fetch gives back.
+// would fault every page in again. Thread-safe: the worker takes, whoever drops the last view of
+// a fetch gives back.
 class ValueBuffers {
  public:
   struct Buffer {
@@ -103,7 +104,7 @@ class ValueBuffers {
  private:
   const size_t max_bytes_;
   std::mutex mu_;
-  std::vector<Buffer> free_;
+  std::multimap<size_t, std::unique_ptr<char[]>> free_;  // by capacity
   size_t bytes_ = 0;
 };
 
