@@ -185,6 +185,34 @@ TEST_P(TransferTest, ImportCopiesEveryLayerOfEveryBlockExactly) {
   EXPECT_OK(receiver->CheckInvariants());
 }
 
+// The smallest sequences an engine moves: one token (a partial block), exactly one full block, one
+// block and one token; with and without prefix caching. Each arrives exactly and decodes on.
+TEST_P(TransferTest, OneTokenAndOneBlockSequencesMoveAndDecodeOn) {
+  for (const bool prefix : {false, true}) {
+    for (const int64_t tokens : {1, 4, 5}) {
+      SCOPED_TRACE(std::to_string(tokens) + " tokens, prefix caching " + (prefix ? "on" : "off"));
+      Peer sender(GetParam(), 3, prefix);
+      ASSERT_EQ(sender.ready(), "ready");
+      const std::vector<std::byte> d = sender.MakeAndExport(3, tokens, 5);
+      auto receiver = Receiver(GetParam(), {.prefix = prefix});
+      ASSERT_NE(receiver, nullptr);
+      auto seq = receiver->ImportSequence(d);
+      ASSERT_OK(seq);
+      EXPECT_EQ((*seq)->seen_tokens(), tokens);
+      EXPECT_EQ((*seq)->cur_allocated_blocks(), (tokens + 3) / 4);
+      EXPECT_EQ(blockkv_test::PatternMismatches(*receiver, 3, 5), 0);
+      EXPECT_EQ(sender.Send("state"), "pending 0 tracked 0 free 64");
+      const std::vector<SeqId> uids = {3};
+      const std::vector<int64_t> lengths = {1};
+      ASSERT_OK(receiver->Schedule({.uids = uids, .lengths = lengths}));
+      ASSERT_OK(receiver->PostForward(uids));
+      EXPECT_EQ(receiver->GetSequence(3)->seen_tokens(), tokens + 1);
+      EXPECT_EQ(blockkv_test::PatternMismatches(*receiver, 3, 5, 0, tokens), 0);
+      EXPECT_OK(receiver->CheckInvariants());
+    }
+  }
+}
+
 TEST_P(TransferTest, ScatteredBlocksOnBothSidesArriveExactly) {
   // Flushes leave both free lists out of order: the sequence's blocks are neither ascending nor
   // consecutive on the sender, nor are the receiver's free blocks.
