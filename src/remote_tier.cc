@@ -245,6 +245,8 @@ class SocketReader {
 
 enum class ReplyRead { kValue, kNil, kError, kBroken };
 
+constexpr int64_t kMaxValueBytes = int64_t{512} << 20;
+
 // One reply to GET (or one element of MGET's): a bulk string, read into a buffer of its own in
 // `owned` (*value viewing it, *checksum_ok saying whether its trailing XXH3-64 matches the bytes
 // before it, hashed as they arrived), nil, or an error (*error viewing its text until the next
@@ -259,7 +261,9 @@ ReplyRead ReadValue(SocketReader& in, FetchedBuffers& owned, std::string_view* v
   }
   if (line == "$-1") return ReplyRead::kNil;
   int64_t len = 0;
-  if (line[0] != '$' || !ParseInt(line.substr(1), int64_t{0}, int64_t{1} << 40, &len)) {
+  // At most Redis's own limit on a string (proto-max-bulk-len's default): a longer length is
+  // not a value of ours, and allocating it could throw.
+  if (line[0] != '$' || !ParseInt(line.substr(1), int64_t{0}, kMaxValueBytes, &len)) {
     return ReplyRead::kBroken;
   }
   const auto n = static_cast<size_t>(len);

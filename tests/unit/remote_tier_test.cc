@@ -3,8 +3,12 @@
 // two managers share blocks through it byte for byte, and every fault — no server, a server
 // killed and restarted, a wrong password, a corrupted value, another namespace or model — is a
 // counted miss or a clear error, never wrong data in the cache.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <hiredis/hiredis.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -392,6 +396,53 @@ TEST(RemoteTierTest, TheFetchWorkerChecksValuesAsTheyArriveAndReusesTheirBuffers
     } else {
       EXPECT_EQ(largest, first_buffer);  // the same buffer, not a new one
     }
+  }
+}
+
+// Something else listening where the tier's URL points (another service, a broken proxy): each
+// reply to the fetch below (an MGET of the prompt's 4 full blocks) is a miss counted as an error,
+// never a crash, a hang past the timeout or a value in the cache: a bulk string claiming a
+// terabyte (allocating it would throw), a line that is not RESP, a connection closed mid-value.
+TEST(RemoteTierTest, AServerAnsweringNonsenseIsAMissNeverACrash) {
+  for (const std::string& reply :
+       {std::string("*4\r\n$1099511627776\r\n"), std::string("HTTP/1.1 400 Bad Request\r\n\r\n"),
+        std::string("*4\r\n$100\r\nabc")}) {
+    SCOPED_TRACE(reply);
+    const int listener = socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_GE(listener, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+    socklen_t len = sizeof(addr);
+    ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+    ASSERT_EQ(listen(listener, 4), 0);
+    // Answers every connection's first bytes with `reply`, then closes it.
+    std::thread server([&] {
+      for (int c = accept(listener, nullptr, nullptr); c >= 0;
+           c = accept(listener, nullptr, nullptr)) {
+        char buf[4096];
+        if (recv(c, buf, sizeof(buf), 0) > 0) {
+          EXPECT_EQ(send(c, reply.data(), reply.size(), MSG_NOSIGNAL),
+                    static_cast<ssize_t>(reply.size()));
+        }
+        close(c);
+      }
+    });
+    {
+      auto engine = Engine::Make(
+          {.url = "redis://127.0.0.1:" + std::to_string(ntohs(addr.sin_port)), .timeout_ms = 2000});
+      ASSERT_NE(engine, nullptr);
+      const std::vector<TokenId> prompt = Prompt(300, 17);
+      EXPECT_EQ(engine->Prefill(1, prompt), 0);  // nothing from the tier: computed
+      const RemoteTierStats s = engine->mgr->remote_tier_stats();
+      EXPECT_EQ(s.hits, 0);
+      EXPECT_EQ(s.misses_error, 1);
+      EXPECT_TRUE(engine->mgr->CheckInvariants().ok());
+    }
+    shutdown(listener, SHUT_RDWR);
+    close(listener);
+    server.join();
   }
 }
 
