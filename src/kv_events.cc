@@ -227,6 +227,10 @@ class KVEventPublisher::Impl {
       replay_ = zmq_socket(ctx_, ZMQ_ROUTER);
       if (replay_ == nullptr) return UnavailableError(StrCat("zmq_socket: ", zmq_strerror(errno)));
       zmq_setsockopt(replay_, ZMQ_LINGER, &linger, sizeof linger);
+      // A request is three short frames: a peer sending a larger one is disconnected by ZeroMQ
+      // before it is read into memory.
+      const int64_t max_frame = kMaxReplayFrameBytes;
+      zmq_setsockopt(replay_, ZMQ_MAXMSGSIZE, &max_frame, sizeof max_frame);
       BLOCKKV_RETURN_IF_ERROR(Bind(
           replay_, "replay_endpoint",
           OffsetForRank(config_.replay_endpoint, config_.data_parallel_rank), &replay_endpoint_));
@@ -381,6 +385,8 @@ class KVEventPublisher::Impl {
     return true;
   }
 
+  static constexpr size_t kReplayFrames = 3;  // identity, "", start
+  static constexpr int64_t kMaxReplayFrameBytes = 1024;
   // Answers every waiting replay request as vLLM does: for a request [identity, "", start (8
   // bytes, big-endian)], every buffered batch with seq >= start as [identity, "", seq, payload],
   // then [identity, "", -1 (8 bytes), ""]. Malformed requests are ignored.
@@ -396,12 +402,14 @@ class KVEventPublisher::Impl {
           if (frames.empty()) return;
           break;
         }
-        frames.emplace_back(static_cast<const char*>(zmq_msg_data(&msg)), zmq_msg_size(&msg));
+        if (frames.size() <= kReplayFrames) {  // the rest of a longer request: read, not kept
+          frames.emplace_back(static_cast<const char*>(zmq_msg_data(&msg)), zmq_msg_size(&msg));
+        }
         const bool more = zmq_msg_more(&msg) != 0;
         zmq_msg_close(&msg);
         if (!more) break;
       }
-      if (frames.size() != 3 || frames[2].size() != 8) continue;
+      if (frames.size() != kReplayFrames || frames[2].size() != 8) continue;
       uint64_t start = 0;
       for (const char c : frames[2]) start = (start << 8) | static_cast<uint8_t>(c);
       const std::string& id = frames[0];

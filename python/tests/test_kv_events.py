@@ -233,3 +233,47 @@ def test_reset_is_all_blocks_cleared_and_int_hashes_are_the_low_64_bits():
     assert stored[1][1] and stored[9] == 0
     assert batches[-1][1] == [["AllBlocksCleared"]]
     sub.close()
+
+
+def test_replay_requests_that_are_not_vllms_are_ignored():
+    """A request of many frames, one whose start is not 8 bytes and one with a 4 MiB frame get
+    no answer, and the well-formed requests before and after them are answered in full. (The
+    publisher keeps at most the first frames of a request and has ZeroMQ refuse frames over
+    1 KiB; what that saves in memory is not measured here.)"""
+    manager = make_manager(events_config())
+    manager.add_sequence(1, list(range(100, 109)))
+    manager.schedule([1], [9])
+    manager.post_forward([1])
+    manager.publish_kv_events(wait=True)
+    ctx = zmq.Context()
+
+    def ask(sock):
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        seqs = []
+        while True:
+            _, seq_bytes, _ = sock.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big", signed=True)
+            if seq == -1:
+                return seqs
+            seqs.append(seq)
+
+    def dealer():
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.RCVTIMEO, 10000)  # a hang guard, not a timing assertion
+        sock.connect(manager.kv_events_replay_endpoint)
+        return sock
+
+    first = dealer()
+    expected = ask(first)
+    assert expected, "nothing to replay"
+    first.send_multipart([b""] * 10000)  # many frames
+    first.send_multipart([b"", b"x" * 7])  # a start of 7 bytes
+    assert ask(first) == expected
+    huge = dealer()
+    huge.send_multipart([b"", b"\0" * (4 << 20)])
+    last = dealer()
+    assert ask(last) == expected
+    assert manager.kv_events_stats.replay_requests == 3
+    for sock in (first, huge, last):
+        sock.close(0)
+    ctx.term()
