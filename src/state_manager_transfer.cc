@@ -500,27 +500,30 @@ Result<Sequence*> StateManager::Impl::ImportSequence(std::span<const std::byte> 
   }
   // The leading full blocks this engine caches already are not copied: their entries share the
   // cached blocks, matched under the sequence's own key extras (prefix caching on, the tokens
-  // known). The hit is the longest prefix, in whole blocks of every attention group, that every
-  // one of them caches (as the scheduler's lookup); a STATE group's slot is the sequence's state
-  // after all its tokens and is always read. A sliding-window group, or a table with released
-  // blocks, copies everything.
+  // known). The hit is the longest prefix, in whole blocks of every full-attention group, that
+  // every one of them caches (as the scheduler's lookup). A sliding-window group's blocks (at
+  // most its window) and a STATE group's slot (the state after every token) are always read. A
+  // full-attention table with released blocks copies everything.
   std::vector<std::vector<BlockId>> hits(static_cast<size_t>(num_groups()));
   int64_t hit_tokens = 0;
-  const auto attention = [&](int g) { return cache_->config(g).type != KVCacheType::kState; };
+  const auto full_attention = [&](int g) {
+    return cache_->config(g).type != KVCacheType::kState && SlidingWindow(g) == 0;
+  };
   bool skip_cached = prefix_ != nullptr && static_cast<int64_t>(d.tokens.size()) >= d.seen_tokens;
-  int64_t step = 1;
+  int64_t step = 0;  // the lcm of the full-attention groups' block sizes; 0: there are none
   for (int g = 0; g < num_groups() && skip_cached; ++g) {
-    if (!attention(g)) continue;
-    skip_cached = SlidingWindow(g) == 0 && d.groups[static_cast<size_t>(g)].released == 0;
-    step = std::lcm(step, int64_t{kv_block_size(g)});
+    if (!full_attention(g)) continue;
+    skip_cached = d.groups[static_cast<size_t>(g)].released == 0;
+    step = std::lcm(std::max<int64_t>(step, 1), int64_t{kv_block_size(g)});
   }
+  skip_cached = skip_cached && step > 0;
   if (skip_cached) {
     const std::span<const TokenId> tokens =
         std::span(d.tokens).first(static_cast<size_t>(d.seen_tokens));
     const int32_t ns = prefix_->InternNamespace(d.options.keys.ns);
     hit_tokens = d.seen_tokens;
     for (int g = 0; g < num_groups(); ++g) {
-      if (!attention(g)) continue;
+      if (!full_attention(g)) continue;
       std::vector<BlockId>& blocks = hits[static_cast<size_t>(g)];
       const auto full = static_cast<int32_t>(d.seen_tokens / kv_block_size(g));
       blocks.resize(static_cast<size_t>(full));
@@ -532,7 +535,7 @@ Result<Sequence*> StateManager::Impl::ImportSequence(std::span<const std::byte> 
   }
   for (int g = 0; g < num_groups(); ++g) {
     hits[static_cast<size_t>(g)].resize(
-        attention(g) ? static_cast<size_t>(hit_tokens / kv_block_size(g)) : 0);
+        full_attention(g) ? static_cast<size_t>(hit_tokens / kv_block_size(g)) : 0);
   }
   // All or nothing: every pool's need against its free blocks before any is taken (a cached
   // block the hit revives is no longer free).

@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // The other engine of transfer_test.cc: a process with its own StateManager (and UCX endpoint),
 // driven by one command per line on stdin, answering one line per command on stdout.
-//   transfer_peer <transports> <layers> <prefix 0|1>[d][s] [<tp_rank> <tp_size>]
-//     (after the prefix flag, "d": a second attention group, blocks of 8 tokens; "s": a STATE
-//     group, its slot written and checked with the KV)
+//   transfer_peer <transports> <layers> <prefix 0|1>[d|w][s] [<tp_rank> <tp_size>]
+//     (after the prefix flag, "d": a second attention group, blocks of 8 tokens; "w": a second,
+//     sliding-window group, blocks of 4, window 8; "s": a STATE group, its slot written and
+//     checked with the KV)
 //   make <uid> <tokens> <seed> [<namespace> <adapter> <priority>]
 //                               a sequence of that many computed tokens, KV = the pattern
 //   export <uid>                -> descriptor <hex>
@@ -45,8 +46,13 @@ int main(int argc, char** argv) {
   blockkv_test::TransferLayout layout;
   layout.layers = std::stoll(argv[2]);
   layout.prefix = argv[3][0] == '1';
-  layout.second_block_size = std::string_view(argv[3]).find('d') != std::string_view::npos ? 8 : 0;
-  layout.state = std::string_view(argv[3]).find('s') != std::string_view::npos;
+  const std::string_view groups(argv[3]);
+  if (groups.find('d') != std::string_view::npos) layout.second_block_size = 8;
+  if (groups.find('w') != std::string_view::npos) {
+    layout.second_block_size = 4;
+    layout.second_window = 8;
+  }
+  layout.state = groups.find('s') != std::string_view::npos;
   if (argc == 6) {
     layout.tp_rank = std::stoi(argv[4]);
     layout.tp_size = std::stoi(argv[5]);

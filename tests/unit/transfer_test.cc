@@ -572,17 +572,21 @@ TEST(TransferTest, PrefixCachingReceiverKnowsTheTokensAndCachesTheBlocks) {
 }
 
 // Also with more cache groups: a second attention group of another block size (the hit is what
-// both cache, in whole blocks of each), and a STATE group, whose slot is always read (it is the
-// state after every token).
+// both cache, in whole blocks of each), a STATE group, whose slot is always read (it is the
+// state after every token), and a sliding-window group, whose blocks (the window's) are always
+// read while the full-attention group's cached ones are shared.
 TEST(TransferTest, PrefixBlocksTheReceiverCachesAreSharedNotCopied) {
-  for (const std::string groups : {"", "d", "s", "ds"}) {
+  for (const std::string groups : {"", "d", "s", "ds", "w"}) {
     SCOPED_TRACE("groups after the first: \"" + groups + "\"");
     Peer sender("tcp", 3, /*prefix=*/true, "", 0, 1, groups);
     ASSERT_EQ(sender.ready(), "ready");
     const std::vector<std::byte> d = sender.MakeAndExport(7, 37, 6);  // tokens 100, 101, ...
-    const TransferLayout layout{.prefix = true,
-                                .second_block_size = groups.find('d') != std::string::npos ? 8 : 0,
-                                .state = groups.find('s') != std::string::npos};
+    const bool windowed = groups.find('w') != std::string::npos;
+    const TransferLayout layout{
+        .prefix = true,
+        .second_block_size = groups.find('d') != std::string::npos ? 8 : (windowed ? 4 : 0),
+        .second_window = windowed ? 8 : 0,
+        .state = groups.find('s') != std::string::npos};
     auto receiver = Receiver("tcp", layout);
     ASSERT_NE(receiver, nullptr);
     // The receiver computed the first 18 of those tokens itself (4 full blocks of 4 tokens, 2 of
@@ -611,7 +615,13 @@ TEST(TransferTest, PrefixBlocksTheReceiverCachesAreSharedNotCopied) {
     }
     EXPECT_EQ(receiver->free_blocks()[0], 64 - 10);
     if (layout.second_block_size > 0) {
-      EXPECT_EQ(receiver->free_blocks()[1], free[1] - 5);
+      // Every block the sequence holds in the second group: 5 of 8 tokens, 2 of them shared; the
+      // window's last 3 of 4 tokens (the sender released the others), all read.
+      const std::span<const blockkv::BlockId> second = (*seq)->block_table(1);
+      const auto held =
+          std::ranges::count_if(second, [](blockkv::BlockId b) { return b != blockkv::kNoBlock; });
+      EXPECT_EQ(held, windowed ? 3 : 5);
+      EXPECT_EQ(receiver->free_blocks()[1], free[1] - held);
     }
     if (layout.state) {
       EXPECT_EQ(receiver->free_blocks().back(), free.back() - 1);

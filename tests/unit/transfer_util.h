@@ -22,8 +22,10 @@ struct TransferLayout {
   int32_t num_blocks = 64;
   bool prefix = false;
   // More cache groups after group 0: a second attention group (the same rows, blocks of this
-  // many tokens; 0: none), then a STATE group (Mamba-like: one slot per sequence).
+  // many tokens; 0: none; with second_window > 0, sliding-window attention over that many
+  // tokens), then a STATE group (Mamba-like: one slot per sequence).
   int32_t second_block_size = 0;
+  int64_t second_window = 0;
   bool state = false;
   // TransferConfig's
   int32_t tp_rank = 0;
@@ -49,7 +51,10 @@ inline blockkv::Result<std::unique_ptr<blockkv::StateManager>> MakeTransferManag
       {.block_size = l.block_size, .cache_shape = {l.layers, l.heads, l.head_size}}};
   if (l.second_block_size > 0) {
     kv.push_back(
-        {.block_size = l.second_block_size, .cache_shape = {l.layers, l.heads, l.head_size}});
+        {.block_size = l.second_block_size,
+         .cache_shape = {l.layers, l.heads, l.head_size},
+         .type = l.second_window > 0 ? blockkv::KVCacheType::kLocal : blockkv::KVCacheType::kDense,
+         .local_window = l.second_window});
   }
   if (l.state) {
     kv.push_back({.cache_shape = {l.layers, 1, 6},
@@ -87,13 +92,15 @@ inline int64_t RowBytes(const blockkv::StateManager& m, int group = 0) {
   return 2 * c.cache_shape[1] * c.cache_shape[2] * 2;  // K and V, fp16
 }
 
-// Token t's row of `uid` in `layer` of `group`.
+// Token t's row of `uid` in `layer` of `group`; nullptr when its block was released (out of a
+// sliding window).
 inline std::byte* Row(const blockkv::StateManager& m, blockkv::SeqId uid, int64_t layer, int64_t t,
                       int group = 0) {
   const blockkv::Sequence* seq = m.GetSequence(uid);
   const int32_t bs = m.kv_block_size(group);
   const blockkv::TensorView view = *m.GetCache(layer, group);
   const blockkv::BlockId block = seq->block_table(group)[static_cast<size_t>(t / bs)];
+  if (block == blockkv::kNoBlock) return nullptr;
   return static_cast<std::byte*>(view.data) + ((int64_t{block} * bs + t % bs) * RowBytes(m, group));
 }
 
@@ -104,6 +111,7 @@ inline void WritePattern(const blockkv::StateManager& m, blockkv::SeqId uid, uin
     for (int64_t l = 0; l < layers; ++l) {
       for (int64_t t = 0; t < m.GetSequence(uid)->seen_tokens(); ++t) {
         std::byte* row = Row(m, uid, l, t, g);
+        if (row == nullptr) continue;
         for (int64_t j = 0; j < RowBytes(m, g); ++j) {
           row[j] = std::byte{PatternByte(GroupSeed(seed, g), l, t, j)};
         }
@@ -113,7 +121,7 @@ inline void WritePattern(const blockkv::StateManager& m, blockkv::SeqId uid, uin
 }
 
 // The number of bytes of `uid`'s seen tokens [begin, end) (end < 0: all), in every attention
-// group, that differ from the pattern (0: all arrived).
+// group (where the sequence still holds them), that differ from the pattern (0: all arrived).
 inline int64_t PatternMismatches(const blockkv::StateManager& m, blockkv::SeqId uid, uint32_t seed,
                                  int64_t begin = 0, int64_t end = -1) {
   int64_t bad = 0;
@@ -123,6 +131,7 @@ inline int64_t PatternMismatches(const blockkv::StateManager& m, blockkv::SeqId 
     for (int64_t l = 0; l < layers; ++l) {
       for (int64_t t = begin; t < end; ++t) {
         const std::byte* row = Row(m, uid, l, t, g);
+        if (row == nullptr) continue;
         for (int64_t j = 0; j < RowBytes(m, g); ++j) {
           bad += row[j] != std::byte{PatternByte(GroupSeed(seed, g), l, t, j)} ? 1 : 0;
         }
