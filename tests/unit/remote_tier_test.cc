@@ -18,6 +18,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <span>
 #include <string>
 #include <thread>
@@ -443,6 +444,48 @@ TEST(RemoteTierTest, AServerAnsweringNonsenseIsAMissNeverACrash) {
     shutdown(listener, SHUT_RDWR);
     close(listener);
     server.join();
+  }
+}
+
+// A value whose checksum was recomputed after a change (a buggy writer, or anyone who can write
+// to the server) is accepted exactly when no byte before its payload changed: every header field,
+// the namespace, extra bytes and tokens are checked, and no length in them reads out of bounds.
+// (A changed payload under a right checksum is accepted: the tier trusts its server's writers.)
+TEST(RemoteTierTest, AResealedValueIsAcceptedOnlyWithItsHeaderIntact) {
+  const std::vector<TokenId> tokens = {5, 6, 7, 8};
+  const internal::RemoteBlockMeta want{.fingerprint = 0x1234,
+                                       .key = {.lo = 1, .hi = 2},
+                                       .parent_key = {.lo = 3, .hi = 4},
+                                       .index = 1,
+                                       .adapter_id = 9,
+                                       .ns = "tenant",
+                                       .extra = "xy",
+                                       .tokens = tokens,
+                                       .payload_bytes = 64};
+  size_t offset = 0;
+  std::string value = internal::EncodeRemoteValue(want, &offset);
+  for (size_t i = offset; i < value.size(); ++i) value[i] = static_cast<char>(i);
+  internal::SealRemoteValue(value);
+  ASSERT_EQ(internal::VerifyRemoteValue(value, want), static_cast<int64_t>(offset));
+  std::mt19937 rng(7);
+  for (int round = 0; round < 20000; ++round) {
+    std::string v = value;
+    const size_t body = v.size() - sizeof(uint64_t);
+    size_t first_changed = body;
+    for (int k = 0; k < 1 + round % 3; ++k) {
+      const size_t at = rng() % body;
+      const auto byte = static_cast<char>(rng());
+      if (v[at] != byte) first_changed = std::min(first_changed, at);
+      v[at] = byte;
+    }
+    if (round % 5 == 0) v.resize(rng() % (body + 1));  // cut short too
+    if (v.size() >= sizeof(uint64_t)) {
+      v.resize(v.size() - sizeof(uint64_t));
+      internal::SealRemoteValue(v);
+    }
+    const int64_t got = internal::VerifyRemoteValue(v, want);
+    const bool intact = v.size() == value.size() && first_changed >= offset;
+    EXPECT_EQ(got, intact ? static_cast<int64_t>(offset) : -1) << "round " << round;
   }
 }
 
