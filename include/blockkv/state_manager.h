@@ -435,8 +435,9 @@ class StateManager {
   // sender's blocks into them (UCX gets, all in flight at once), has the sender grant it, and
   // tracks it under its uid with its seen tokens (no tokens in flight; with prefix caching, its
   // known tokens, and its full blocks published to the prefix cache; the leading full blocks this
-  // prefix cache holds already are shared, not read, when there is one cache group without a
-  // window: cached_prefix_tokens() says how many tokens). All or nothing: on any
+  // prefix cache holds already are shared, not read, in every full-attention group (a
+  // sliding-window group's blocks and a STATE group's slot are always read):
+  // cached_prefix_tokens() says how many tokens). All or nothing: on any
   // failure the slot and blocks are given back and the sender still holds the sequence.
   // kInvalidArgument (a truncated or corrupt descriptor, another KV layout: the message names
   // both fingerprints and layouts, another tensor-parallel rank or world size: it names both,
