@@ -308,6 +308,11 @@ void SnapshotCodec::PlaceSequences(StateManager::Impl& m, const snapshot::Staged
 
 Result<std::vector<std::byte>> StateManager::Impl::SaveSnapshot() const {
   using internal::SnapshotCodec;
+  if (!imports_.empty()) {
+    return FailedPreconditionError(StrCat("SaveSnapshot: ", imports_.size(),
+                                          " started imports' blocks are still being read; "
+                                          "CompleteImports once their transfers have finished"));
+  }
   BLOCKKV_ASSIGN_OR_RETURN(SnapshotCodec::SavePlan plan, SnapshotCodec::Plan(*this));
   if (const int64_t available = internal::ReadHostMemory().available;
       plan.file_length > static_cast<uint64_t>(available)) {
@@ -326,6 +331,11 @@ Result<std::vector<std::byte>> StateManager::Impl::SaveSnapshot() const {
 
 Status StateManager::Impl::SaveSnapshot(const std::string& path) const {
   using internal::SnapshotCodec;
+  if (!imports_.empty()) {
+    return FailedPreconditionError(StrCat("SaveSnapshot: ", imports_.size(),
+                                          " started imports' blocks are still being read; "
+                                          "CompleteImports once their transfers have finished"));
+  }
   const std::string tmp = path + ".tmp";
   ::unlink(tmp.c_str());  // a save killed part-way (kill -9) left it; none is in progress now
   BLOCKKV_ASSIGN_OR_RETURN(SnapshotCodec::SavePlan plan, SnapshotCodec::Plan(*this));

@@ -513,6 +513,7 @@ Sequence* StateManager::Impl::CreateInSlot(SeqId uid) {
   seq.cached_prefix_tokens_ = 0;
   seq.preempted_ = false;
   seq.exported_ = false;
+  seq.importing_ = false;
   for (int g = 0; g < num_groups(); ++g) seq.groups_[g].allocated = seq.groups_[g].released = 0;
   by_uid_->Insert(uid, slot);
   return &seq;
@@ -554,6 +555,11 @@ Status StateManager::Impl::FlushSequence(SeqId uid) {
     return FailedPreconditionError(
         StrCat("cannot flush sequence ", uid, ": it is exported; CancelExport it first"));
   }
+  if (seq->importing_) [[unlikely]] {
+    return FailedPreconditionError(StrCat("cannot flush sequence ", uid,
+                                          ": it is being imported; CompleteImports after its "
+                                          "transfer has finished"));
+  }
   DropParked(*seq);
   ReleaseSequenceBlocks(*seq);
   ResetKeys(seq->slot_);
@@ -572,6 +578,11 @@ Status StateManager::Impl::PostForward(std::span<const SeqId> uids) {
     slot_scratch_[i] = by_uid_->Find(uids[i]);
     if (slot_scratch_[i] == internal::UidMap::kAbsent) {
       return NotFoundError(ColdStrCat("PostForward: sequence ", uids[i], " is not tracked"));
+    }
+    // Its blocks are still being read: publishing them would cache what is not there yet.
+    if (sequences_[slot_scratch_[i]].importing_) [[unlikely]] {
+      return FailedPreconditionError(ColdStrCat("PostForward: sequence ", uids[i],
+                                                " is being imported; CompleteImports first"));
     }
   }
   for (const int32_t slot : slot_scratch_) Advance(sequences_[slot]);
@@ -850,12 +861,15 @@ Status StateManager::Impl::CheckEach(const ScheduleRequest& request, std::string
       }
       marks[slot] = epoch;
       seq = &seqs[slot];
-      if (seq->preempted_ || seq->exported_) [[unlikely]] {
+      if (seq->preempted_ || seq->exported_ || seq->importing_) [[unlikely]] {
         return FailedPreconditionError(
             seq->preempted_
                 ? ColdStrCat("sequence ", uid, " is preempted; ResumeSequence before scheduling it")
+            : seq->exported_
+                ? ColdStrCat("sequence ", uid,
+                             " is exported to another engine; CancelExport before scheduling it")
                 : ColdStrCat("sequence ", uid,
-                             " is exported to another engine; CancelExport before scheduling it"));
+                             " is being imported; CompleteImports before scheduling it"));
       }
     }
     // The verdict, once known, stands; the other uids' arguments are still checked.

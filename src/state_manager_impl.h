@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <span>
 #include <string>
@@ -102,6 +103,9 @@ class StateManager::Impl {
   void FlushRemoteTier();
   Result<std::vector<std::byte>> ExportSequence(SeqId uid);
   Result<Sequence*> ImportSequence(std::span<const std::byte> descriptor);
+  Result<ImportTicket> StartImport(std::span<const std::byte> descriptor);
+  std::vector<std::pair<SeqId, Status>> CompleteImports();
+  int32_t pending_imports() const { return static_cast<int32_t>(imports_.size()); }
   Result<CancelledExport> CancelExport(SeqId uid);
   int32_t CompleteExports();
   int32_t pending_exports() const { return static_cast<int32_t>(exports_.size()); }
@@ -364,6 +368,14 @@ class StateManager::Impl {
   };
   std::unique_ptr<internal::TransferEndpoint> transfer_;
   std::vector<PendingExport> exports_;
+  // Started imports (StartImport), their sequences tracked and pinned, in the order started.
+  struct PendingImport {
+    SeqId uid = 0;
+    std::shared_future<Status> done;
+  };
+  std::vector<PendingImport> imports_;
+  // Commits (or, failed, drops) imports_[i], whose transfer has finished, and forgets it.
+  Status FinishImport(size_t i);
   std::vector<uint32_t> transfer_region_;  // per group: its registered region
   std::string transfer_layout_;
   uint64_t transfer_fingerprint_ = 0;

@@ -76,9 +76,11 @@ Result<OffloadTicket> StateManager::Impl::PreemptSequence(SeqId uid) {
     return FailedPreconditionError(
         StrCat("PreemptSequence: sequence ", uid, " is preempted already"));
   }
-  if (seq->exported_) {
-    return FailedPreconditionError(StrCat("PreemptSequence: sequence ", uid,
-                                          " is exported to another engine; CancelExport it first"));
+  if (seq->exported_ || seq->importing_) {
+    return FailedPreconditionError(
+        StrCat("PreemptSequence: sequence ", uid,
+               seq->exported_ ? " is exported to another engine; CancelExport it first"
+                              : " is being imported; CompleteImports first"));
   }
   BLOCKKV_RETURN_IF_ERROR(SettleRestore(*seq));
   if (seq->in_flight_tokens_ != 0) {
@@ -221,6 +223,9 @@ Status StateManager::Impl::RequireResident(Sequence& seq, std::string_view who) 
   if (seq.exported_) {
     return FailedPreconditionError(
         StrCat(who, " is exported to another engine; CancelExport it first"));
+  }
+  if (seq.importing_) {
+    return FailedPreconditionError(StrCat(who, " is being imported; CompleteImports first"));
   }
   return Status::Ok();
 }

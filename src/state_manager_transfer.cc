@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <future>
 #include <limits>
 #include <numeric>
 #include <string>
@@ -415,6 +416,14 @@ Result<CancelledExport> StateManager::Impl::CancelExport(SeqId uid) {
 // ---- receiver -----------------------------------------------------------------------------------
 
 Result<Sequence*> StateManager::Impl::ImportSequence(std::span<const std::byte> bytes) {
+  BLOCKKV_ASSIGN_OR_RETURN(const ImportTicket ticket, StartImport(bytes));
+  // Started last, so it is the last pending import.
+  (void)ticket.Wait();
+  BLOCKKV_RETURN_IF_ERROR(FinishImport(imports_.size() - 1));
+  return Find(ticket.uid());
+}
+
+Result<ImportTicket> StateManager::Impl::StartImport(std::span<const std::byte> bytes) {
   BLOCKKV_RETURN_IF_ERROR(RequireTransfer("ImportSequence"));
   CompleteExports();
   Descriptor d;
@@ -628,14 +637,8 @@ Result<Sequence*> StateManager::Impl::ImportSequence(std::span<const std::byte> 
   std::vector<std::string> rkeys;
   rkeys.reserve(d.regions.size());
   for (TransferRegion& region : d.regions) rkeys.push_back(std::move(region.rkey));
-  const Status moved =
-      transfer_->Import(d.address, rkeys, gets, d.transfer_id, config_.transfer->timeout_ms);
-  if (!moved.ok()) {
-    give_back();
-    return Status(moved.code(), StrCat("ImportSequence: sequence ", uid, ": ", moved.message(),
-                                       "; nothing was imported, the sender keeps it"));
-  }
-  // The sender accepted: the sequence is ours now.
+  // Tracked at once, pinned while the transfer thread reads its blocks (FinishImport commits or
+  // drops it).
   Sequence* seq = nullptr;
   if (prefix_ != nullptr && !d.tokens.empty() &&
       static_cast<int64_t>(d.tokens.size()) >= d.seen_tokens) {
@@ -656,8 +659,45 @@ Result<Sequence*> StateManager::Impl::ImportSequence(std::span<const std::byte> 
     state.released = rg.released;
     state.allocated = rg.released + static_cast<int32_t>(mine.size());
   }
+  seq->importing_ = true;
+  std::shared_future<Status> done =
+      transfer_->Import(std::move(d.address), std::move(rkeys), std::move(gets), d.transfer_id,
+                        config_.transfer->timeout_ms);
+  imports_.push_back({.uid = uid, .done = done});
+  return ImportTicket(uid, std::move(done));
+}
+
+Status StateManager::Impl::FinishImport(size_t i) {
+  const PendingImport pending = imports_[i];
+  imports_.erase(imports_.begin() + static_cast<std::ptrdiff_t>(i));
+  Sequence* seq = Find(pending.uid);
+  BLOCKKV_CHECK(seq != nullptr && seq->importing_, "an import's sequence was not tracked, pinned");
+  seq->importing_ = false;
+  const Status moved = ImportTicket(pending.uid, pending.done).Wait();
+  if (!moved.ok()) {
+    // Nothing of it was published: its slot and blocks go back as they came (shared cached
+    // blocks become evictable again).
+    const Status flushed = FlushSequence(pending.uid);
+    BLOCKKV_CHECK(flushed.ok(), "a failed import could not be flushed");
+    return {moved.code(), StrCat("ImportSequence: sequence ", pending.uid, ": ", moved.message(),
+                                 "; nothing was imported, the sender keeps it")};
+  }
+  // The sender accepted (DONE is sent): the sequence is ours now.
   if (prefix_ != nullptr) PublishFullBlocks(*seq);
-  return seq;
+  return Status::Ok();
+}
+
+std::vector<std::pair<SeqId, Status>> StateManager::Impl::CompleteImports() {
+  std::vector<std::pair<SeqId, Status>> finished;
+  for (size_t i = 0; i < imports_.size();) {
+    if (!ImportTicket(imports_[i].uid, imports_[i].done).Poll()) {
+      ++i;
+      continue;
+    }
+    const SeqId uid = imports_[i].uid;
+    finished.emplace_back(uid, FinishImport(i));  // erases imports_[i]
+  }
+  return finished;
 }
 
 // ---- the API (state_manager.h) ----------------------------------------------------------------
@@ -667,6 +707,27 @@ Result<std::vector<std::byte>> StateManager::ExportSequence(SeqId uid) {
 }
 Result<Sequence*> StateManager::ImportSequence(std::span<const std::byte> descriptor) {
   return impl_->ImportSequence(descriptor);
+}
+Result<ImportTicket> StateManager::StartImport(std::span<const std::byte> descriptor) {
+  return impl_->StartImport(descriptor);
+}
+std::vector<std::pair<SeqId, Status>> StateManager::CompleteImports() {
+  return impl_->CompleteImports();
+}
+int32_t StateManager::pending_imports() const { return impl_->pending_imports(); }
+
+bool ImportTicket::Poll() const {
+  return !done_.valid() || done_.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+}
+
+Status ImportTicket::Wait() const {
+  if (!done_.valid()) return Status::Ok();
+  try {
+    return done_.get();
+  } catch (const std::future_error&) {  // its endpoint closed before the import ran
+    return UnavailableError(StrCat("ImportSequence: sequence ", uid_,
+                                   ": its StateManager was destroyed before the transfer ran"));
+  }
 }
 Result<CancelledExport> StateManager::CancelExport(SeqId uid) { return impl_->CancelExport(uid); }
 int32_t StateManager::CompleteExports() { return impl_->CompleteExports(); }

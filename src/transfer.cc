@@ -126,8 +126,9 @@ class TransferEndpoint::Impl {
 
   Status Start(const TransferConfig& config, std::span<const Memory> memory);
   void Close();
-  Status Import(std::string_view peer_address, std::span<const std::string> rkeys,
-                std::span<const TransferGet> gets, uint64_t transfer_id, int32_t timeout_ms);
+  std::shared_future<Status> Import(std::string peer_address, std::vector<std::string> rkeys,
+                                    std::vector<TransferGet> gets, uint64_t transfer_id,
+                                    int32_t timeout_ms);
 
   uint64_t AddExport() {
     std::lock_guard lock(mu_);
@@ -504,14 +505,19 @@ ucs_status_t TransferEndpoint::Impl::OnAnswer(void* arg, const void* header, siz
   return UCS_OK;
 }
 
-Status TransferEndpoint::Impl::Import(std::string_view peer_address,
-                                      std::span<const std::string> rkeys,
-                                      std::span<const TransferGet> gets, uint64_t transfer_id,
-                                      int32_t timeout_ms) {
-  std::promise<Status> done;
-  std::future<Status> result = done.get_future();
-  Post([&] { done.set_value(RunImport(peer_address, rkeys, gets, transfer_id, timeout_ms)); });
-  return result.get();
+std::shared_future<Status> TransferEndpoint::Impl::Import(std::string peer_address,
+                                                          std::vector<std::string> rkeys,
+                                                          std::vector<TransferGet> gets,
+                                                          uint64_t transfer_id,
+                                                          int32_t timeout_ms) {
+  // The job owns what the import reads (a std::function must be copyable: the promise is shared).
+  auto done = std::make_shared<std::promise<Status>>();
+  std::shared_future<Status> result = done->get_future().share();
+  Post([this, done, peer_address = std::move(peer_address), rkeys = std::move(rkeys),
+        gets = std::move(gets), transfer_id, timeout_ms] {
+    done->set_value(RunImport(peer_address, rkeys, gets, transfer_id, timeout_ms));
+  });
+  return result;
 }
 
 ucp_mem_h TransferEndpoint::Impl::LocalMemh(const void* p, uint64_t length) const {
@@ -773,10 +779,12 @@ bool TransferEndpoint::ExpireExport(uint64_t id, int32_t after_ms) {
 }
 std::vector<uint64_t> TransferEndpoint::TakeDone() { return impl_->TakeDone(); }
 bool TransferEndpoint::has_done() const { return impl_->has_done(); }
-Status TransferEndpoint::Import(std::string_view peer_address, std::span<const std::string> rkeys,
-                                std::span<const TransferGet> gets, uint64_t transfer_id,
-                                int32_t timeout_ms) {
-  return impl_->Import(peer_address, rkeys, gets, transfer_id, timeout_ms);
+std::shared_future<Status> TransferEndpoint::Import(std::string peer_address,
+                                                    std::vector<std::string> rkeys,
+                                                    std::vector<TransferGet> gets,
+                                                    uint64_t transfer_id, int32_t timeout_ms) {
+  return impl_->Import(std::move(peer_address), std::move(rkeys), std::move(gets), transfer_id,
+                       timeout_ms);
 }
 
 }  // namespace blockkv::internal

@@ -16,10 +16,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <span>
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include "blockkv/status.h"
@@ -98,8 +98,13 @@ class TransferEndpoint {
   // "timed out" after timeout_ms, kFailedPrecondition when the sender refused the claim
   // (cancelled, expired, granted to another receiver, or imported already), kInvalidArgument
   // for a get naming a region that `rkeys` lacks.
-  Status Import(std::string_view peer_address, std::span<const std::string> rkeys,
-                std::span<const TransferGet> gets, uint64_t transfer_id, int32_t timeout_ms);
+  //
+  // It runs on the progress thread (after any import started before it) and this returns at
+  // once: its status once it is done. An import not started when the endpoint closes never
+  // completes (its future is left broken).
+  std::shared_future<Status> Import(std::string peer_address, std::vector<std::string> rkeys,
+                                    std::vector<TransferGet> gets, uint64_t transfer_id,
+                                    int32_t timeout_ms);
 
   class Impl;
 

@@ -2,6 +2,8 @@
 // TransferEndpoint in a build without UCX (BLOCKKV_UCX=OFF): it cannot be opened.
 #include "transfer.h"
 
+#include <future>
+
 namespace blockkv::internal {
 
 class TransferEndpoint::Impl {};
@@ -29,11 +31,14 @@ TransferEndpoint::Cancelled TransferEndpoint::CancelExport(uint64_t /*id*/) {
 bool TransferEndpoint::ExpireExport(uint64_t /*id*/, int32_t /*after_ms*/) { return false; }
 std::vector<uint64_t> TransferEndpoint::TakeDone() { return {}; }
 bool TransferEndpoint::has_done() const { return false; }
-Status TransferEndpoint::Import(std::string_view /*peer_address*/,
-                                std::span<const std::string> /*rkeys*/,
-                                std::span<const TransferGet> /*gets*/, uint64_t /*transfer_id*/,
-                                int32_t /*timeout_ms*/) {
-  return UnimplementedError("this blockkv was built without UCX (BLOCKKV_UCX=OFF)");
+std::shared_future<Status> TransferEndpoint::Import(std::string /*peer_address*/,
+                                                    std::vector<std::string> /*rkeys*/,
+                                                    std::vector<TransferGet> /*gets*/,
+                                                    uint64_t /*transfer_id*/,
+                                                    int32_t /*timeout_ms*/) {
+  std::promise<Status> done;
+  done.set_value(UnimplementedError("this blockkv was built without UCX (BLOCKKV_UCX=OFF)"));
+  return done.get_future().share();
 }
 
 }  // namespace blockkv::internal

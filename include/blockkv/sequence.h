@@ -93,7 +93,8 @@ class alignas(64) Sequence {
   SeqId uid_ = 0;
   int32_t slot_ = -1;
   bool preempted_ = false;
-  bool exported_ = false;  // ExportSequence until confirmed or cancelled: pinned
+  bool exported_ = false;   // ExportSequence until confirmed or cancelled: pinned
+  bool importing_ = false;  // StartImport until CompleteImports: pinned, its blocks being read
   int64_t seen_tokens_ = 0;
   int64_t in_flight_tokens_ = 0;
   uint64_t table_version_ = 0;

@@ -41,6 +41,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "blockkv/block_pool.h"
@@ -448,6 +449,24 @@ class StateManager {
   // whose contents only this call wrote may have evicted unreferenced cached blocks to make
   // room, as a Schedule would.
   Result<Sequence*> ImportSequence(std::span<const std::byte> descriptor);
+  // ImportSequence without the wait (docs/transfer.md, "Importing without waiting"): the checks,
+  // the tracking slot and the blocks are taken now, as ImportSequence takes them, and the
+  // sequence is tracked under its uid at once but pinned while the transfer thread reads its
+  // blocks and has the sender grant it: Schedule, ScheduleBatch, PostForward, FlushSequence,
+  // Fork, Rollback, FreeLeadingBlocks, PreemptSequence, ExtendSequence, PreForward and
+  // ExportSequence refuse it (kFailedPrecondition), and SaveSnapshot refuses while any import is
+  // started. CompleteImports commits it once its transfer has finished (ImportTicket::Poll).
+  // Errors: ImportSequence's checks; the transfer's own errors come from the ticket and
+  // CompleteImports.
+  Result<ImportTicket> StartImport(std::span<const std::byte> descriptor);
+  // Commits every started import whose transfer has finished: a sequence whose transfer
+  // succeeded is schedulable from now on (with prefix caching, its full blocks are published); one
+  // whose transfer failed is no longer tracked, its slot and blocks given back, and the sender
+  // still holds it. Returns them with their statuses (ImportSequence's errors), in the order
+  // they were started. Never waits.
+  std::vector<std::pair<SeqId, Status>> CompleteImports();
+  // Imports started and not completed yet.
+  int32_t pending_imports() const;
   // Takes back an export that no receiver has confirmed: the sequence is schedulable here again
   // and no receiver will be granted it. kUnclaimed: no receiver had been granted it, it is only
   // here. kGranted: a receiver had been granted it but never confirmed, so that receiver may hold

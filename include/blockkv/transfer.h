@@ -16,7 +16,10 @@
 #pragma once
 
 #include <cstdint>
+#include <future>
 #include <string>
+
+#include "blockkv/status.h"
 
 namespace blockkv {
 
@@ -59,6 +62,27 @@ enum class CancelledExport : uint8_t {
   // or not (the grant was lost, or it gave up and its ABORT was lost). This engine keeps its copy
   // either way; the caller, who knows where the request went, decides which copy to keep.
   kGranted,
+};
+
+// What StateManager::StartImport returns: the transfer of one sequence into this engine, running
+// on the transfer thread (docs/transfer.md, "Importing without waiting"). Copyable.
+class ImportTicket {
+ public:
+  ImportTicket() = default;  // nothing to wait for: done, OK
+  int64_t uid() const { return uid_; }
+  // True once the transfer has finished; StateManager::CompleteImports then commits the sequence
+  // (or, when it failed, drops it).
+  bool Poll() const;
+  // Waits until the transfer has finished and returns its status, the same on every call: OK,
+  // or why the sequence could not be imported (ImportSequence's kUnavailable, kFailedPrecondition
+  // ...; kCancelled when its manager was destroyed first).
+  Status Wait() const;
+
+ private:
+  friend class StateManager;
+  ImportTicket(int64_t uid, std::shared_future<Status> done) : uid_(uid), done_(std::move(done)) {}
+  int64_t uid_ = 0;
+  std::shared_future<Status> done_;
 };
 
 }  // namespace blockkv

@@ -44,6 +44,7 @@ from ._blockkv import (
     CpuDevice,
     CudaDevice,
     Device,
+    ImportTicket,
     KVCacheConfig,
     MemoryConfig,
     OffloadConfig,
@@ -84,6 +85,7 @@ __all__ = [
     "DSStateManager",
     "DSStateManagerConfig",
     "Device",
+    "ImportTicket",
     "KVCacheConfig",
     "KVCacheType",
     "MemoryConfig",
@@ -116,7 +118,7 @@ __all__ = [
 
 # The classes print as blockkv.X, not blockkv._blockkv.X.
 for _cls in (AllCleared, AllocationMode, BlockedAllocator, BlockedKVCache, BlockRemoved,
-             BlockStored, CacheEventBatch, Device, KVCacheConfig, KVEventsConfig, KVEventsStats,
+             BlockStored, CacheEventBatch, Device, ImportTicket, KVCacheConfig, KVEventsConfig, KVEventsStats,
              MemoryConfig, OffloadConfig,
              OffloadTicket, PrefixCacheConfig, PrefixCacheStats, RaggedBatchWrapper, RemoteFetchTicket, RemoteTierConfig, ResourceExhaustedError, SchedulingResult,
              SequenceDescriptor, StateManager, StateManagerConfig, Tensor, TransferConfig):

@@ -38,6 +38,10 @@ namespace py = pybind11;
 // Raises the Python exception for `status`. REQUIRES: !status.ok(), the GIL is held.
 [[noreturn]] void ThrowStatus(const Status& status);
 
+// The Python exception `status` would raise, as an object (None for OK): for results that
+// report several statuses at once. REQUIRES: the GIL is held.
+py::object StatusException(const Status& status);
+
 inline void ThrowIfError(const Status& status) {
   if (!status.ok()) ThrowStatus(status);
 }

@@ -875,6 +875,7 @@ void BindConfig(py::module_& m) {
   BindOffloadConfig(m);
   BindKVEventsConfig(m);
   BindTransferConfig(m);
+  BindImportTicket(m);
   BindRemoteTierConfig(m);
   BindStateManagerConfig(m);
 }

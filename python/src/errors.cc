@@ -42,6 +42,12 @@ void ThrowStatus(const Status& status) {
         status.message().empty() ? std::string(StatusCodeName(status.code())) : status.message());
 }
 
+py::object StatusException(const Status& status) {
+  if (status.ok()) return py::none();
+  return py::handle(ExceptionType(status.code()))(
+      status.message().empty() ? std::string(StatusCodeName(status.code())) : status.message());
+}
+
 void BindErrors(py::module_& m) {
   py::tuple bases = py::make_tuple(py::handle(PyExc_ValueError), py::handle(PyExc_RuntimeError));
   g_resource_exhausted = PyErr_NewExceptionWithDoc(

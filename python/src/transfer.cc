@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// blockkv.TransferConfig and StateManager.export_sequence / import_sequence / cancel_export /
-// complete_exports (docs/transfer.md).
+// blockkv.TransferConfig, blockkv.ImportTicket and StateManager.export_sequence /
+// import_sequence / start_import / complete_imports / cancel_export / complete_exports
+// (docs/transfer.md).
 #include "transfer.h"
 
 #include <pybind11/stl.h>
@@ -113,6 +114,28 @@ void BindTransferConfig(py::module_& m) {
                       [](const py::tuple& state) { return *TransferFromState(state); }));
 }
 
+void BindImportTicket(py::module_& m) {
+  py::class_<ImportTicket>(m, "ImportTicket",
+                           "A sequence's transfer into this engine, running on the transfer "
+                           "thread (StateManager.start_import). Thread-safe.")
+      .def_property_readonly("uid", &ImportTicket::uid, "The sequence")
+      .def(
+          "poll", [](const ImportTicket& t) { return t.Poll(); },
+          "True once the transfer has finished (complete_imports then commits it)")
+      .def(
+          "wait",
+          [](const ImportTicket& t) {
+            py::gil_scoped_release release;
+            (void)t.Wait();
+          },
+          "Blocks (the GIL released) until poll() is true: TransferConfig.timeout_ms at most, "
+          "after the imports started before it")
+      .def("__repr__", [](const ImportTicket& t) {
+        return "<blockkv.ImportTicket uid=" + std::to_string(t.uid()) +
+               (t.Poll() ? " done>" : " in flight>");
+      });
+}
+
 void BindTransferMethods(py::class_<PyManager, Manager>& cls) {
   cls.def(
          "export_sequence",
@@ -151,6 +174,42 @@ void BindTransferMethods(py::class_<PyManager, Manager>& cls) {
           "ResourceExhaustedError (no "
           "slot or blocks), RuntimeError (the sender unreachable, dead, or timed out); the "
           "sender then still holds it.")
+      .def(
+          "start_import",
+          [](const Manager& self, const py::bytes& descriptor) {
+            const std::string d = descriptor;
+            Result<ImportTicket> ticket = Locked(self->lock, [&] {
+              return self->manager->StartImport(std::as_bytes(std::span(d)));
+            });
+            return ValueOrThrow(std::move(ticket));
+          },
+          py::arg("descriptor"),
+          "import_sequence without the wait: takes the slot and blocks now and returns an "
+          "ImportTicket at once while the transfer thread reads the blocks. The sequence is "
+          "tracked but pinned (schedule, post_forward, flush_sequence, fork ... raise "
+          "ValueError) until complete_imports commits it. Raises what import_sequence raises "
+          "for the descriptor and this engine's room; the transfer's own errors come from "
+          "complete_imports.")
+      .def(
+          "complete_imports",
+          [](const Manager& self) {
+            std::vector<std::pair<SeqId, Status>> done =
+                Locked(self->lock, [&] { return self->manager->CompleteImports(); });
+            py::list out;
+            for (const auto& [uid, status] : done) {
+              out.append(py::make_tuple(uid, StatusException(status)));
+            }
+            return out;
+          },
+          "Commits every started import whose transfer has finished; returns [(uid, None)] for "
+          "each now schedulable and [(uid, exception)] for each that failed (no longer tracked; "
+          "the sender keeps it), in the order started. Never waits.")
+      .def_property_readonly(
+          "pending_imports",
+          [](const Manager& self) {
+            return Locked(self->lock, [&] { return self->manager->pending_imports(); });
+          },
+          "Imports started and not completed yet.")
       .def(
           "cancel_export",
           [](const Manager& self, UidArg uid) {

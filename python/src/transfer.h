@@ -13,6 +13,7 @@
 namespace blockkv::python {
 
 void BindTransferConfig(py::module_& m);
+void BindImportTicket(py::module_& m);
 void BindTransferMethods(py::class_<PyManager, Manager>& cls);
 
 // StateManagerConfig.transfer: None or a TransferConfig (TypeError otherwise).

@@ -7,6 +7,7 @@ errors. UCX that cannot start fails these tests."""
 import copy
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import textwrap
@@ -169,6 +170,46 @@ def test_import_moves_the_kv_and_the_sender_frees_after_the_confirm(sender_facto
     assert m.get_sequence(7).seen_tokens == 11
     m.check_invariants()
     sender.close()
+
+
+def test_start_import_returns_at_once_and_complete_imports_commits(sender_factory):
+    sender = sender_factory("tcp")
+    descriptor = sender.export(7, 10)
+    m = receiver("tcp")
+    os.kill(sender.proc.pid, signal.SIGSTOP)
+    try:
+        ticket = m.start_import(descriptor)
+        assert isinstance(ticket, blockkv.ImportTicket) and ticket.uid == 7
+        assert not ticket.poll() and m.pending_imports == 1
+        with pytest.raises(ValueError, match="being imported"):
+            m.schedule([7], [1])
+        m.schedule([1], [5])  # the engine runs meanwhile
+        m.post_forward([1])
+        assert m.complete_imports() == []
+    finally:
+        os.kill(sender.proc.pid, signal.SIGCONT)
+    ticket.wait()
+    assert ticket.poll()
+    assert m.complete_imports() == [(7, None)]
+    assert m.pending_imports == 0
+    assert m.get_sequence(7).seen_tokens == 10
+    assert sender.send("state") == "0 0 32"
+    m.check_invariants()
+    sender.close()
+
+
+def test_a_started_import_that_fails_is_reported_by_complete_imports(sender_factory):
+    sender = sender_factory("tcp")
+    descriptor = sender.export(7, 10)
+    sender.proc.kill()
+    sender.proc.wait()
+    m = receiver("tcp", timeout_ms=3000)
+    ticket = m.start_import(descriptor)
+    ticket.wait()
+    [(uid, error)] = m.complete_imports()
+    assert uid == 7 and isinstance(error, RuntimeError) and "nothing was imported" in str(error)
+    assert (m.free_blocks[0], m.n_tracked_sequences) == (32, 0)
+    m.check_invariants()
 
 
 def test_killed_sender_raises_and_changes_nothing(sender_factory):

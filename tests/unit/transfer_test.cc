@@ -797,6 +797,103 @@ TEST(TransferTest, ResealedMutationsOfADescriptorNeverBreakTheReceiver) {
   EXPECT_LE(imported, 1);  // the sender grants its one export once
 }
 
+// StartImport returns at once: the engine schedules its own sequences while the sender is
+// stopped, the imported one is tracked but pinned, and CompleteImports commits it once the
+// transfer is done (over shared memory the stopped sender holds the transfer at its PING).
+TEST_P(TransferTest, StartImportReturnsAtOnceAndTheEngineRunsMeanwhile) {
+  Peer sender(GetParam());
+  ASSERT_EQ(sender.ready(), "ready");
+  const std::vector<std::byte> d = sender.MakeAndExport(7, 37, 11);
+  auto receiver = Receiver(GetParam());
+  ASSERT_NE(receiver, nullptr);
+  sender.Signal(SIGSTOP);
+  auto ticket = receiver->StartImport(d);
+  ASSERT_OK(ticket);
+  EXPECT_EQ(ticket->uid(), 7);
+  EXPECT_FALSE(ticket->Poll());
+  EXPECT_EQ(receiver->pending_imports(), 1);
+  EXPECT_EQ(receiver->n_tracked_sequences(), 1);
+  EXPECT_EQ(receiver->free_blocks()[0], 64 - 10);  // taken now
+  // Pinned while its blocks are being read.
+  const std::vector<SeqId> seven = {7};
+  const std::vector<int64_t> one = {1};
+  EXPECT_CODE(receiver->Schedule({.uids = seven, .lengths = one}), StatusCode::kFailedPrecondition);
+  EXPECT_CODE(receiver->PostForward(seven), StatusCode::kFailedPrecondition);
+  EXPECT_CODE(receiver->FlushSequence(7), StatusCode::kFailedPrecondition);
+  EXPECT_CODE(receiver->Fork(7, 8), StatusCode::kFailedPrecondition);
+  EXPECT_CODE(receiver->ExportSequence(7), StatusCode::kFailedPrecondition);
+  EXPECT_CODE(receiver->SaveSnapshot(), StatusCode::kFailedPrecondition);
+  // The engine runs its own sequences meanwhile.
+  const std::vector<SeqId> mine = {1};
+  const std::vector<int64_t> six = {6};
+  ASSERT_OK(receiver->Schedule({.uids = mine, .lengths = six}));
+  ASSERT_OK(receiver->PostForward(mine));
+  EXPECT_TRUE(receiver->CompleteImports().empty());
+  EXPECT_OK(receiver->CheckInvariants());
+  sender.Signal(SIGCONT);
+  EXPECT_OK(ticket->Wait());
+  EXPECT_TRUE(ticket->Poll());
+  const std::vector<std::pair<SeqId, blockkv::Status>> done = receiver->CompleteImports();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].first, 7);
+  EXPECT_OK(done[0].second);
+  EXPECT_EQ(receiver->pending_imports(), 0);
+  EXPECT_EQ(blockkv_test::PatternMismatches(*receiver, 7, 11), 0);
+  ASSERT_OK(receiver->Schedule({.uids = seven, .lengths = one}));
+  ASSERT_OK(receiver->PostForward(seven));
+  EXPECT_EQ(receiver->GetSequence(7)->seen_tokens(), 38);
+  EXPECT_OK(receiver->CheckInvariants());
+  EXPECT_EQ(sender.Send("state"), "pending 0 tracked 0 free 64");
+}
+
+// A started import whose sender died: its ticket says why, and CompleteImports untracks it and
+// gives back every block (the cached ones it shared are cached again).
+TEST(TransferTest, AStartedImportThatFailsIsUntrackedByCompleteImports) {
+  Peer sender("tcp", 3, /*prefix=*/true);
+  ASSERT_EQ(sender.ready(), "ready");
+  const std::vector<std::byte> d = sender.MakeAndExport(7, 37, 4);
+  sender.Signal(SIGKILL);
+  auto receiver = Receiver("tcp", {.prefix = true}, 3000);
+  ASSERT_NE(receiver, nullptr);
+  ASSERT_NO_FATAL_FAILURE(Prefill(*receiver, 1, 18));
+  ASSERT_OK(receiver->FlushSequence(1));
+  const ReceiverState before(*receiver);
+  auto ticket = receiver->StartImport(d);
+  ASSERT_OK(ticket);
+  EXPECT_CODE(ticket->Wait(), StatusCode::kUnavailable);
+  const std::vector<std::pair<SeqId, blockkv::Status>> done = receiver->CompleteImports();
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].first, 7);
+  EXPECT_CODE(done[0].second, StatusCode::kUnavailable);
+  EXPECT_NE(done[0].second.message().find("the sender keeps it"), std::string_view::npos)
+      << done[0].second;
+  EXPECT_EQ(receiver->GetSequence(7), nullptr);
+  EXPECT_EQ(ReceiverState(*receiver), before);
+  EXPECT_EQ(receiver->pool(0).evictable_blocks(), 4);
+  EXPECT_OK(receiver->CheckInvariants());
+}
+
+// The engine shuts down with an import in flight: the transfer ends (timed out here) before the
+// cache is freed, nothing crashes or hangs, and the sender keeps its sequence.
+TEST(TransferTest, DestroyingAManagerWithAnImportInFlightLeavesTheSenderItsSequence) {
+  Peer sender("tcp");
+  ASSERT_EQ(sender.ready(), "ready");
+  const std::vector<std::byte> d = sender.MakeAndExport(7, 37, 4);
+  sender.Signal(SIGSTOP);
+  blockkv::ImportTicket ticket;
+  {
+    auto receiver = Receiver("tcp", {}, 500);
+    ASSERT_NE(receiver, nullptr);
+    auto started = receiver->StartImport(d);
+    ASSERT_OK(started);
+    ticket = *started;
+  }
+  EXPECT_TRUE(ticket.Poll());
+  EXPECT_CODE(ticket.Wait(), StatusCode::kUnavailable);
+  sender.Signal(SIGCONT);
+  EXPECT_EQ(sender.Send("state"), "pending 1 tracked 1 free 54");
+}
+
 TEST(TransferTest, ExportedSequenceIsPinnedUntilCancelled) {
   auto m = Receiver("tcp");
   ASSERT_NE(m, nullptr);
