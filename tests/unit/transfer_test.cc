@@ -709,21 +709,39 @@ TEST_P(TransferTest, AStateGroupsSlotMovesWithTheBlocks) {
   }
 }
 
+// Also started (StartImport): its ticket says why, and CompleteImports reports it, untracks it
+// and gives back every block.
 TEST(TransferTest, FailedImportGivesBackTheCachedBlocksItShared) {
-  Peer sender("tcp", 3, /*prefix=*/true);
-  ASSERT_EQ(sender.ready(), "ready");
-  const std::vector<std::byte> d = sender.MakeAndExport(7, 37, 6);
-  sender.Signal(SIGKILL);
-  auto receiver = Receiver("tcp", {.prefix = true}, 3000);
-  ASSERT_NE(receiver, nullptr);
-  ASSERT_NO_FATAL_FAILURE(Prefill(*receiver, 1, 18));
-  ASSERT_OK(receiver->FlushSequence(1));
-  const ReceiverState before(*receiver);
-  EXPECT_CODE(receiver->ImportSequence(d), StatusCode::kUnavailable);
-  EXPECT_EQ(ReceiverState(*receiver), before);
-  EXPECT_EQ(receiver->prefix_cache()->cached_blocks(0), 4);
-  EXPECT_EQ(receiver->pool(0).evictable_blocks(), 4);
-  EXPECT_OK(receiver->CheckInvariants());
+  for (const bool started : {false, true}) {
+    SCOPED_TRACE(started ? "StartImport" : "ImportSequence");
+    Peer sender("tcp", 3, /*prefix=*/true);
+    ASSERT_EQ(sender.ready(), "ready");
+    const std::vector<std::byte> d = sender.MakeAndExport(7, 37, 6);
+    sender.Signal(SIGKILL);
+    auto receiver = Receiver("tcp", {.prefix = true}, 3000);
+    ASSERT_NE(receiver, nullptr);
+    ASSERT_NO_FATAL_FAILURE(Prefill(*receiver, 1, 18));
+    ASSERT_OK(receiver->FlushSequence(1));
+    const ReceiverState before(*receiver);
+    if (started) {
+      auto ticket = receiver->StartImport(d);
+      ASSERT_OK(ticket);
+      EXPECT_CODE(ticket->Wait(), StatusCode::kUnavailable);
+      const std::vector<std::pair<SeqId, blockkv::Status>> done = receiver->CompleteImports();
+      ASSERT_EQ(done.size(), 1u);
+      EXPECT_EQ(done[0].first, 7);
+      EXPECT_CODE(done[0].second, StatusCode::kUnavailable);
+      EXPECT_NE(done[0].second.message().find("the sender keeps it"), std::string_view::npos)
+          << done[0].second;
+      EXPECT_EQ(receiver->GetSequence(7), nullptr);
+    } else {
+      EXPECT_CODE(receiver->ImportSequence(d), StatusCode::kUnavailable);
+    }
+    EXPECT_EQ(ReceiverState(*receiver), before);
+    EXPECT_EQ(receiver->prefix_cache()->cached_blocks(0), 4);
+    EXPECT_EQ(receiver->pool(0).evictable_blocks(), 4);
+    EXPECT_OK(receiver->CheckInvariants());
+  }
 }
 
 TEST(TransferTest, LayoutMismatchNamesBothFingerprintsAndChangesNothing) {
@@ -844,33 +862,6 @@ TEST_P(TransferTest, StartImportReturnsAtOnceAndTheEngineRunsMeanwhile) {
   EXPECT_EQ(receiver->GetSequence(7)->seen_tokens(), 38);
   EXPECT_OK(receiver->CheckInvariants());
   EXPECT_EQ(sender.Send("state"), "pending 0 tracked 0 free 64");
-}
-
-// A started import whose sender died: its ticket says why, and CompleteImports untracks it and
-// gives back every block (the cached ones it shared are cached again).
-TEST(TransferTest, AStartedImportThatFailsIsUntrackedByCompleteImports) {
-  Peer sender("tcp", 3, /*prefix=*/true);
-  ASSERT_EQ(sender.ready(), "ready");
-  const std::vector<std::byte> d = sender.MakeAndExport(7, 37, 4);
-  sender.Signal(SIGKILL);
-  auto receiver = Receiver("tcp", {.prefix = true}, 3000);
-  ASSERT_NE(receiver, nullptr);
-  ASSERT_NO_FATAL_FAILURE(Prefill(*receiver, 1, 18));
-  ASSERT_OK(receiver->FlushSequence(1));
-  const ReceiverState before(*receiver);
-  auto ticket = receiver->StartImport(d);
-  ASSERT_OK(ticket);
-  EXPECT_CODE(ticket->Wait(), StatusCode::kUnavailable);
-  const std::vector<std::pair<SeqId, blockkv::Status>> done = receiver->CompleteImports();
-  ASSERT_EQ(done.size(), 1u);
-  EXPECT_EQ(done[0].first, 7);
-  EXPECT_CODE(done[0].second, StatusCode::kUnavailable);
-  EXPECT_NE(done[0].second.message().find("the sender keeps it"), std::string_view::npos)
-      << done[0].second;
-  EXPECT_EQ(receiver->GetSequence(7), nullptr);
-  EXPECT_EQ(ReceiverState(*receiver), before);
-  EXPECT_EQ(receiver->pool(0).evictable_blocks(), 4);
-  EXPECT_OK(receiver->CheckInvariants());
 }
 
 // The engine shuts down with an import in flight: the transfer ends (timed out here) before the
