@@ -372,6 +372,12 @@ Status StateManager::Impl::LoadSnapshot(std::span<const std::byte> bytes) {
     return FailedPreconditionError(
         StrCat("LoadSnapshot: ", exports_.size(), " exports are pending; CancelExport them first"));
   }
+  // A started import's transfer is writing into blocks the snapshot would give to others.
+  if (!imports_.empty()) {
+    return FailedPreconditionError(StrCat("LoadSnapshot: ", imports_.size(),
+                                          " started imports' blocks are still being read; "
+                                          "CompleteImports once their transfers have finished"));
+  }
   internal::snapshot::Staged staged;
   BLOCKKV_RETURN_IF_ERROR(SnapshotCodec::Parse(*this, bytes, &staged));
   return SnapshotCodec::Apply(*this, staged);

@@ -454,10 +454,10 @@ class StateManager {
   // sequence is tracked under its uid at once but pinned while the transfer thread reads its
   // blocks and has the sender grant it: Schedule, ScheduleBatch, PostForward, FlushSequence,
   // Fork, Rollback, FreeLeadingBlocks, PreemptSequence, ExtendSequence, PreForward and
-  // ExportSequence refuse it (kFailedPrecondition), and SaveSnapshot refuses while any import is
-  // started. CompleteImports commits it once its transfer has finished (ImportTicket::Poll).
-  // Errors: ImportSequence's checks; the transfer's own errors come from the ticket and
-  // CompleteImports.
+  // ExportSequence refuse it (kFailedPrecondition), and SaveSnapshot and LoadSnapshot refuse
+  // while any import is started. CompleteImports commits it once its transfer has finished
+  // (ImportTicket::Poll). Errors: ImportSequence's checks; the transfer's own errors come from the
+  // ticket and CompleteImports.
   Result<ImportTicket> StartImport(std::span<const std::byte> descriptor);
   // Commits every started import whose transfer has finished: a sequence whose transfer
   // succeeded is schedulable from now on (with prefix caching, its full blocks are published); one

@@ -841,6 +841,8 @@ TEST_P(TransferTest, StartImportReturnsAtOnceAndTheEngineRunsMeanwhile) {
   EXPECT_CODE(receiver->Fork(7, 8), StatusCode::kFailedPrecondition);
   EXPECT_CODE(receiver->ExportSequence(7), StatusCode::kFailedPrecondition);
   EXPECT_CODE(receiver->SaveSnapshot(), StatusCode::kFailedPrecondition);
+  const std::vector<std::byte> empty_snapshot = *Receiver(GetParam())->SaveSnapshot();
+  EXPECT_CODE(receiver->LoadSnapshot(empty_snapshot), StatusCode::kFailedPrecondition);
   // The engine runs its own sequences meanwhile.
   const std::vector<SeqId> mine = {1};
   const std::vector<int64_t> six = {6};
