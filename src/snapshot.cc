@@ -306,13 +306,18 @@ void SnapshotCodec::PlaceSequences(StateManager::Impl& m, const snapshot::Staged
 
 // ---- the public calls -------------------------------------------------------------------------
 
+// A started import's transfer is still writing into the blocks it took: a save would record
+// them half read, a load would give them to the snapshot's sequences.
+Status StateManager::Impl::RefuseWhileImporting(std::string_view who) const {
+  if (imports_.empty()) return Status::Ok();
+  return FailedPreconditionError(StrCat(who, ": ", imports_.size(),
+                                        " started imports' blocks are still being read; "
+                                        "CompleteImports once their transfers have finished"));
+}
+
 Result<std::vector<std::byte>> StateManager::Impl::SaveSnapshot() const {
   using internal::SnapshotCodec;
-  if (!imports_.empty()) {
-    return FailedPreconditionError(StrCat("SaveSnapshot: ", imports_.size(),
-                                          " started imports' blocks are still being read; "
-                                          "CompleteImports once their transfers have finished"));
-  }
+  BLOCKKV_RETURN_IF_ERROR(RefuseWhileImporting("SaveSnapshot"));
   BLOCKKV_ASSIGN_OR_RETURN(SnapshotCodec::SavePlan plan, SnapshotCodec::Plan(*this));
   if (const int64_t available = internal::ReadHostMemory().available;
       plan.file_length > static_cast<uint64_t>(available)) {
@@ -331,11 +336,7 @@ Result<std::vector<std::byte>> StateManager::Impl::SaveSnapshot() const {
 
 Status StateManager::Impl::SaveSnapshot(const std::string& path) const {
   using internal::SnapshotCodec;
-  if (!imports_.empty()) {
-    return FailedPreconditionError(StrCat("SaveSnapshot: ", imports_.size(),
-                                          " started imports' blocks are still being read; "
-                                          "CompleteImports once their transfers have finished"));
-  }
+  BLOCKKV_RETURN_IF_ERROR(RefuseWhileImporting("SaveSnapshot"));
   const std::string tmp = path + ".tmp";
   ::unlink(tmp.c_str());  // a save killed part-way (kill -9) left it; none is in progress now
   BLOCKKV_ASSIGN_OR_RETURN(SnapshotCodec::SavePlan plan, SnapshotCodec::Plan(*this));
@@ -372,12 +373,7 @@ Status StateManager::Impl::LoadSnapshot(std::span<const std::byte> bytes) {
     return FailedPreconditionError(
         StrCat("LoadSnapshot: ", exports_.size(), " exports are pending; CancelExport them first"));
   }
-  // A started import's transfer is writing into blocks the snapshot would give to others.
-  if (!imports_.empty()) {
-    return FailedPreconditionError(StrCat("LoadSnapshot: ", imports_.size(),
-                                          " started imports' blocks are still being read; "
-                                          "CompleteImports once their transfers have finished"));
-  }
+  BLOCKKV_RETURN_IF_ERROR(RefuseWhileImporting("LoadSnapshot"));
   internal::snapshot::Staged staged;
   BLOCKKV_RETURN_IF_ERROR(SnapshotCodec::Parse(*this, bytes, &staged));
   return SnapshotCodec::Apply(*this, staged);

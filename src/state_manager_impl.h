@@ -376,6 +376,8 @@ class StateManager::Impl {
   std::vector<PendingImport> imports_;
   // Commits (or, failed, drops) imports_[i], whose transfer has finished, and forgets it.
   Status FinishImport(size_t i);
+  // kFailedPrecondition naming `who` while any import is started (snapshots).
+  Status RefuseWhileImporting(std::string_view who) const;
   std::vector<uint32_t> transfer_region_;  // per group: its registered region
   std::string transfer_layout_;
   uint64_t transfer_fingerprint_ = 0;
