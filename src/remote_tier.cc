@@ -11,6 +11,7 @@
 #include <limits>
 #include <memory>
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 
@@ -112,53 +113,92 @@ bool Flush(redisContext* ctx) {
 
 constexpr size_t kMaxIov = 1024;  // IOV_MAX on Linux
 
-// Writes SET key value for each of `items` straight to the connection's socket (sendmsg), where
-// redisAppendCommandArgv would first copy every value into hiredis's output buffer: a store of
-// 2 MiB blocks spends its time copying bytes, so it saves one copy of each. The output buffer is
-// empty here (every command before was flushed), so the commands go out in order; the replies
-// are read with redisGetReply as usual. False when the socket fails or times out (the
-// connection's send timeout); what was written then is unknown, so the caller disconnects.
-bool WriteSets(redisContext* ctx,
-               std::span<const std::pair<std::string, std::string>* const> items) {
-  std::vector<std::string> heads;
-  heads.reserve(items.size());
-  std::vector<iovec> iov;
-  iov.reserve(items.size() * 3);
-  static constexpr char kCrlf[] = "\r\n";
-  for (const auto* item : items) {
-    heads.push_back(StrCat("*3\r\n$3\r\nSET\r\n$", item->first.size(), "\r\n", item->first, "\r\n$",
-                           item->second.size(), "\r\n"));
-  }
-  for (size_t i = 0; i < items.size(); ++i) {
-    iov.push_back({.iov_base = heads[i].data(), .iov_len = heads[i].size()});
-    iov.push_back({.iov_base = const_cast<char*>(items[i]->second.data()),
-                   .iov_len = items[i]->second.size()});
-    iov.push_back({.iov_base = const_cast<char*>(kCrlf), .iov_len = 2});
-  }
-  size_t at = 0;
-  while (at < iov.size()) {
-    // sendmsg with MSG_NOSIGNAL: a server gone is an error here, never a SIGPIPE.
-    msghdr msg{};
-    msg.msg_iov = &iov[at];
-    msg.msg_iovlen = std::min<size_t>(iov.size() - at, kMaxIov);
-    const ssize_t n = sendmsg(ctx->fd, &msg, MSG_NOSIGNAL);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return false;
+// One node's SETs written straight to its socket (sendmsg), where redisAppendCommandArgv would
+// first copy every value into hiredis's output buffer: a store of 2 MiB blocks spends its time
+// copying bytes, so this saves one copy of each. The output buffer is empty here (every command
+// before was flushed), so the commands go out in order; the replies are read with redisGetReply
+// as usual. Built in place and never moved (the iovecs point into `heads`).
+class SetWriter {
+ public:
+  SetWriter() = default;
+  SetWriter(const SetWriter&) = delete;
+  SetWriter& operator=(const SetWriter&) = delete;
+
+  void Start(int fd, std::span<const RemoteTier::PendingStore* const> items) {
+    static constexpr char kCrlf[] = "\r\n";
+    fd_ = fd;
+    heads_.reserve(items.size());
+    iov_.reserve(items.size() * 3);
+    for (const RemoteTier::PendingStore* item : items) {
+      heads_.push_back(StrCat("*3\r\n$3\r\nSET\r\n$", item->key.size(), "\r\n", item->key,
+                              "\r\n$", item->size, "\r\n"));
+      iov_.push_back({.iov_base = heads_.back().data(), .iov_len = heads_.back().size()});
+      iov_.push_back({.iov_base = item->value.data.get(), .iov_len = item->size});
+      iov_.push_back({.iov_base = const_cast<char*>(kCrlf), .iov_len = 2});
     }
-    for (auto left = static_cast<size_t>(n); left > 0;) {
-      if (left >= iov[at].iov_len) {
-        left -= iov[at].iov_len;
-        ++at;
-      } else {
-        iov[at].iov_base = static_cast<char*>(iov[at].iov_base) + left;
-        iov[at].iov_len -= left;
-        left = 0;
+  }
+  bool done() const { return at_ == iov_.size(); }
+  int fd() const { return fd_; }
+  // Writes what the socket takes now, without waiting; false when the socket failed.
+  bool WriteSome() {
+    while (!done()) {
+      // MSG_NOSIGNAL: a server gone is an error here, never a SIGPIPE.
+      msghdr msg{};
+      msg.msg_iov = &iov_[at_];
+      msg.msg_iovlen = std::min<size_t>(iov_.size() - at_, kMaxIov);
+      const ssize_t n = sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return errno == EAGAIN || errno == EWOULDBLOCK;
+      }
+      for (auto left = static_cast<size_t>(n); left > 0;) {
+        if (left >= iov_[at_].iov_len) {
+          left -= iov_[at_].iov_len;
+          ++at_;
+        } else {
+          iov_[at_].iov_base = static_cast<char*>(iov_[at_].iov_base) + left;
+          iov_[at_].iov_len -= left;
+          left = 0;
+        }
+      }
+      while (!done() && iov_[at_].iov_len == 0) ++at_;
+    }
+    return true;
+  }
+
+ private:
+  int fd_ = -1;
+  std::vector<std::string> heads_;
+  std::vector<iovec> iov_;
+  size_t at_ = 0;
+};
+
+// Writes every started writer to its end, feeding whichever sockets have room (a node whose
+// buffer is full does not hold the others back: every server receives at once). Sets failed[i]
+// for a writer whose socket failed or took nothing for `timeout_ms`; what was written to it then
+// is unknown, so the caller disconnects it.
+void WriteAllSets(std::span<SetWriter*> writers, int32_t timeout_ms, std::vector<uint8_t>& failed) {
+  std::vector<pollfd> fds;
+  std::vector<size_t> which;
+  while (true) {
+    fds.clear();
+    which.clear();
+    for (size_t i = 0; i < writers.size(); ++i) {
+      if (failed[i] != 0 || writers[i]->done()) continue;
+      fds.push_back({.fd = writers[i]->fd(), .events = POLLOUT, .revents = 0});
+      which.push_back(i);
+    }
+    if (fds.empty()) return;
+    const int ready = poll(fds.data(), fds.size(), timeout_ms);
+    if (ready < 0 && errno == EINTR) continue;
+    for (size_t f = 0; f < fds.size(); ++f) {
+      if (ready <= 0) {
+        failed[which[f]] = 1;  // nothing took a byte in timeout_ms (or poll failed)
+      } else if (fds[f].revents != 0 && !writers[which[f]]->WriteSome()) {
+        failed[which[f]] = 1;
       }
     }
-    while (at < iov.size() && iov[at].iov_len == 0) ++at;
   }
-  return true;
 }
 
 // What a fetch's values point into: hiredis replies (redirects followed), and the buffers that
@@ -413,10 +453,9 @@ int KeySlot(std::string_view key) {
   return crc & (kClusterSlots - 1);
 }
 
-std::string EncodeRemoteValue(const RemoteBlockMeta& m, size_t* payload_offset) {
+std::string EncodeRemoteHeader(const RemoteBlockMeta& m) {
   std::string v;
-  v.reserve(96 + m.ns.size() + m.extra.size() + m.tokens.size() * sizeof(TokenId) +
-            m.payload_bytes);
+  v.reserve(96 + m.ns.size() + m.extra.size() + m.tokens.size() * sizeof(TokenId));
   v.append(kMagic, sizeof(kMagic));
   Put<uint32_t>(v, kRemoteValueVersion);
   Put<uint64_t>(v, m.fingerprint);
@@ -433,13 +472,26 @@ std::string EncodeRemoteValue(const RemoteBlockMeta& m, size_t* payload_offset) 
   Put<uint32_t>(v, static_cast<uint32_t>(m.tokens.size()));
   for (const TokenId t : m.tokens) Put<int32_t>(v, t);
   Put<uint64_t>(v, m.payload_bytes);
+  return v;
+}
+
+std::string EncodeRemoteValue(const RemoteBlockMeta& m, size_t* payload_offset) {
+  std::string v = EncodeRemoteHeader(m);
   *payload_offset = v.size();
+  v.reserve(v.size() + m.payload_bytes + kRemoteChecksumBytes);  // the seal appends in place
   v.resize(v.size() + m.payload_bytes);
   return v;
 }
 
+void SealRemoteValue(char* value, size_t size) {
+  const uint64_t sum = XXH3_64bits(value, size);
+  std::memcpy(value + size, &sum, sizeof(sum));
+}
+
 void SealRemoteValue(std::string& value) {
-  Put<uint64_t>(value, XXH3_64bits(value.data(), value.size()));
+  const size_t size = value.size();
+  value.resize(size + kRemoteChecksumBytes);
+  SealRemoteValue(value.data(), size);
 }
 
 bool RemoteValueChecksumOk(std::string_view value) {
@@ -739,17 +791,26 @@ void RemoteTier::UpdateConnected(Lane& lane) {
   lane.connected = all;
 }
 
-bool RemoteTier::Store(std::string key, std::string value) {
+RemoteTier::PendingStore RemoteTier::NewStore(std::string key, size_t size) {
+  return {.key = std::move(key),
+          .value = value_buffers_->Take(size + kRemoteChecksumBytes),
+          .size = size};
+}
+
+void RemoteTier::Store(std::vector<PendingStore>& stores) {
   {
     std::lock_guard lock(mu_);
-    if (std::ssize(stores_) >= config_.max_pending) {
-      ++dropped_;
-      return false;
+    for (PendingStore& s : stores) {
+      if (std::ssize(stores_) >= config_.max_pending) {
+        ++dropped_;
+        value_buffers_->Give(std::move(s.value));
+      } else {
+        stores_.push_back(std::move(s));
+      }
     }
-    stores_.emplace_back(std::move(key), std::move(value));
   }
+  stores.clear();
   store_cv_.notify_one();
-  return true;
 }
 
 void RemoteFetchJob::Finish() {
@@ -913,7 +974,7 @@ void RemoteTier::RunStores() {
   while (true) {
     store_cv_.wait(lock, [&] { return stop_ || !stores_.empty(); });
     if (stores_.empty()) break;  // stopping, every queued store sent
-    std::vector<std::pair<std::string, std::string>> batch;
+    std::vector<PendingStore> batch;
     while (!stores_.empty() && batch.size() < kStoreBatch) {
       batch.push_back(std::move(stores_.front()));
       stores_.pop_front();
@@ -921,6 +982,7 @@ void RemoteTier::RunStores() {
     storing_ = true;
     lock.unlock();
     DoStores(store_lane_, batch);
+    for (PendingStore& s : batch) value_buffers_->Give(std::move(s.value));
     lock.lock();
     storing_ = false;
     done_cv_.notify_all();
@@ -1140,7 +1202,7 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
   job.fetched.reply = std::move(owned);
 }
 
-void RemoteTier::DoStores(Lane& lane, std::vector<std::pair<std::string, std::string>>& batch) {
+void RemoteTier::DoStores(Lane& lane, std::vector<PendingStore>& batch) {
   MaybeRefresh(lane);
   std::vector<Redirect> redirects;
   const auto take = [&](size_t item, const redisReply& reply) {
@@ -1152,20 +1214,23 @@ void RemoteTier::DoStores(Lane& lane, std::vector<std::pair<std::string, std::st
       ++dropped_;
     } else {
       ++stored_;
-      stored_bytes_ += static_cast<int64_t>(batch[item].second.size());
+      stored_bytes_ += static_cast<int64_t>(batch[item].size);
     }
   };
   std::vector<std::vector<size_t>> groups(lane.nodes.size());
   for (size_t i = 0; i < batch.size(); ++i) {
-    SealRemoteValue(batch[i].second);  // here, not on the scheduling thread
-    const int node = NodeFor(lane, batch[i].first);
+    const int node = NodeFor(lane, batch[i].key);
     if (node < 0) {
       ++dropped_;
     } else {
       groups[static_cast<size_t>(node)].push_back(i);
     }
   }
+  // Each node's values sealed (here, not on the scheduling thread) and its first bytes sent
+  // before the next node's are sealed, then every node fed at once.
   std::vector<size_t> sent;
+  std::vector<SetWriter> writers(groups.size());
+  std::vector<SetWriter*> started;
   for (size_t g = 0; g < groups.size(); ++g) {
     const std::vector<size_t>& items = groups[g];
     if (items.empty()) continue;
@@ -1174,17 +1239,30 @@ void RemoteTier::DoStores(Lane& lane, std::vector<std::pair<std::string, std::st
       dropped_ += std::ssize(items);
       continue;
     }
-    std::vector<const std::pair<std::string, std::string>*> sets;
+    std::vector<const PendingStore*> sets;
     sets.reserve(items.size());
-    for (const size_t i : items) sets.push_back(&batch[i]);
-    if (!WriteSets(node.ctx, sets)) {
-      dropped_ += std::ssize(items);
-      Disconnect(lane, node);
-      continue;
+    for (const size_t i : items) {
+      PendingStore& store = batch[i];
+      SealRemoteValue(store.value.data.get(), store.size);
+      store.size += kRemoteChecksumBytes;
+      sets.push_back(&store);
     }
+    writers[g].Start(node.ctx->fd, sets);
     sent.push_back(g);
+    started.push_back(&writers[g]);
+    writers[g].WriteSome();  // a failure shows again in WriteAllSets
+  }
+  std::vector<uint8_t> failed(started.size(), 0);
+  WriteAllSets(started, config_.timeout_ms, failed);
+  for (size_t w = 0; w < started.size(); ++w) {
+    if (failed[w] == 0) continue;
+    const size_t g = sent[w];
+    dropped_ += std::ssize(groups[g]);
+    Disconnect(lane, *lane.nodes[g]);
+    groups[g].clear();  // no replies to read
   }
   for (const size_t g : sent) {
+    if (groups[g].empty()) continue;
     const std::vector<size_t>& items = groups[g];
     Node& node = *lane.nodes[g];
     for (size_t r = 0; r < items.size(); ++r) {
@@ -1201,7 +1279,7 @@ void RemoteTier::DoStores(Lane& lane, std::vector<std::pair<std::string, std::st
   std::vector<Redirect> pending;
   pending.swap(redirects);
   for (const Redirect& r : pending) {
-    const Reply reply(FollowRedirect(lane, r, "SET", batch[r.item].first, batch[r.item].second));
+    const Reply reply(FollowRedirect(lane, r, "SET", batch[r.item].key, batch[r.item].bytes()));
     if (reply == nullptr) {
       ++dropped_;
     } else {

@@ -71,10 +71,15 @@ struct RemoteBlockMeta {
   uint64_t payload_bytes = 0;
 };
 inline constexpr uint32_t kRemoteValueVersion = 1;
-// The value: header, tokens, payload (to be filled at payload_offset), then the checksum, which
-// SealRemoteValue writes once the payload is in (RemoteTier::Store's worker).
+// The value: header, tokens, payload, then the checksum, which SealRemoteValue writes once the
+// payload is in (RemoteTier::Store's worker). EncodeRemoteHeader: what comes before the payload;
+// EncodeRemoteValue: that and room for the payload (to be filled at payload_offset).
+std::string EncodeRemoteHeader(const RemoteBlockMeta& meta);
 std::string EncodeRemoteValue(const RemoteBlockMeta& meta, size_t* payload_offset);
+inline constexpr size_t kRemoteChecksumBytes = sizeof(uint64_t);
 void SealRemoteValue(std::string& value);
+// The same over `size` bytes at `value`, writing the checksum at value + size.
+void SealRemoteValue(char* value, size_t size);
 // Whether `value`'s trailing checksum matches its bytes (the fetch worker hashes a value read
 // from the socket as its bytes arrive, while the server still sends the next ones).
 bool RemoteValueChecksumOk(std::string_view value);
@@ -144,9 +149,20 @@ class RemoteTier {
   RemoteTier(const RemoteTier&) = delete;
   RemoteTier& operator=(const RemoteTier&) = delete;
 
-  // Queues a SET of `value` (EncodeRemoteValue's, payload in, not sealed: the store worker seals
-  // it, off the scheduling thread); false (and counted) when the queue is full.
-  bool Store(std::string key, std::string value);
+  // A SET to queue: the value's bytes in a buffer of the tier's pool (no fresh pages to fault
+  // in, nothing zeroed first) with room for the checksum; given back to the pool once sent.
+  struct PendingStore {
+    std::string key;
+    ValueBuffers::Buffer value;
+    size_t size = 0;  // bytes of `value` written (the checksum's too, once sealed)
+    std::string_view bytes() const { return {value.data.get(), size}; }
+  };
+  // A store of `size` bytes (EncodeRemoteHeader's and the payload) for the caller to write.
+  PendingStore NewStore(std::string key, size_t size);
+  // Queues `stores` (written, not sealed: the store worker seals them, off the scheduling thread)
+  // under one lock and one wake-up, so that a prompt's blocks go out in one pipeline; those past
+  // max_pending are dropped and counted. Leaves `stores` empty.
+  void Store(std::vector<PendingStore>& stores);
   // What a fetch got: the values of its keys ("" for a key with none), views into `reply`
   // (hiredis's own buffers: no copy), which the caller keeps as long as it reads them.
   using Fetched = RemoteFetchJob::Fetched;
@@ -216,7 +232,7 @@ class RemoteTier {
   redisReply* FollowRedirect(Lane& lane, Redirect r, std::string_view cmd, std::string_view key,
                              std::string_view value);
   void DoFetch(Lane& lane, FetchJob& job);
-  void DoStores(Lane& lane, std::vector<std::pair<std::string, std::string>>& batch);
+  void DoStores(Lane& lane, std::vector<PendingStore>& batch);
 
   const RemoteTierConfig config_;
   const RedisUrl url_;
@@ -231,7 +247,7 @@ class RemoteTier {
   std::condition_variable store_cv_;
   std::condition_variable done_cv_;
   std::deque<std::shared_ptr<FetchJob>> fetches_;
-  std::deque<std::pair<std::string, std::string>> stores_;
+  std::deque<PendingStore> stores_;
   bool storing_ = false;
   bool stop_ = false;
 

@@ -332,9 +332,11 @@ class StateManager::Impl {
   // `run`: the index of blocks[0] in the sequence; `priority`: the sequence's retention priority.
   Status PlaceRemote(const SequenceKeys& keys, size_t first, std::span<const BlockId> blocks,
                      int32_t run, const PrefixCache::Published* parent, int32_t priority);
-  // Queues a newly published block of group 0 for the remote tier (a dropped store is counted).
+  // Copies a newly published block of group 0 out for the remote tier, into remote_stores_;
+  // SendRemoteStores queues what is there (a dropped store is counted).
   void StoreRemote(const SequenceKeys& keys, int32_t index, const BlockHash& key,
                    const BlockHash* parent_key, BlockId block);
+  void SendRemoteStores();
   // Waits for a resume of `seq` in flight; when its copy failed, parks the sequence again and
   // returns the error. OK when nothing is in flight.
   Status SettleRestore(Sequence& seq);
@@ -438,6 +440,7 @@ class StateManager::Impl {
   int32_t promoted_ = 0;                  // blocks of group 0 they need (Check counts them)
   // The remote tier (remote_tier.h) when configured and reachable at Create.
   std::unique_ptr<internal::RemoteTier> remote_;
+  std::vector<internal::RemoteTier::PendingStore> remote_stores_;  // a sequence's, being copied
   uint64_t remote_fingerprint_ = 0;
   std::vector<RemoteValue> remote_values_;  // this call's remote hits
   std::vector<BlockHash> remote_keys_;      // scratch: a lookup's chain keys

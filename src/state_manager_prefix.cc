@@ -432,6 +432,7 @@ void StateManager::Impl::PublishFullBlocks(Sequence& seq) {
       }
     }
   }
+  if (remote_ != nullptr) SendRemoteStores();  // the sequence's new blocks in one pipeline
 }
 
 // ---- a STATE group's checkpoints ----------------------------------------------------------------

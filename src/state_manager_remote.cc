@@ -4,6 +4,7 @@
 // client is remote_tier.cc.
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -391,23 +392,31 @@ void StateManager::Impl::StoreRemote(const SequenceKeys& keys, int32_t index, co
       .extra = ExtraBytes(keys.extras, i),
       .tokens = std::span(keys.tokens).subspan(i * bs, bs),
       .payload_bytes = static_cast<uint64_t>(c.num_caches()) * layer_block};
-  size_t offset = 0;
-  std::string value = internal::EncodeRemoteValue(meta, &offset);
+  const std::string header = internal::EncodeRemoteHeader(meta);
   const Result<TensorView> storage = cache_->GetGroupStorage(0);
   if (!storage.ok()) return;
+  internal::RemoteTier::PendingStore store =
+      remote_->NewStore(internal::RemoteKey(remote_fingerprint_, keys.extras.ns, key),
+                        header.size() + meta.payload_bytes);
+  char* const out = store.value.data.get();
+  std::memcpy(out, header.data(), header.size());
   const auto* base = static_cast<const std::byte*>(storage->data);
   const auto num_blocks = static_cast<size_t>(cache_->num_blocks());
   Device& device = *cache_->device();
   for (size_t layer = 0; layer < static_cast<size_t>(c.num_caches()); ++layer) {
     const std::byte* src = base + (layer * num_blocks + static_cast<size_t>(block)) * layer_block;
     if (!device
-             .CopyToHost(value.data() + offset + layer * layer_block, src,
+             .CopyToHost(out + header.size() + layer * layer_block, src,
                          static_cast<int64_t>(layer_block))
              .ok()) {
       return;  // a block not written through is only a later miss
     }
   }
-  remote_->Store(internal::RemoteKey(remote_fingerprint_, keys.extras.ns, key), std::move(value));
+  remote_stores_.push_back(std::move(store));
+}
+
+void StateManager::Impl::SendRemoteStores() {
+  if (!remote_stores_.empty()) remote_->Store(remote_stores_);
 }
 
 RemoteTierStats StateManager::remote_tier_stats() const { return impl_->remote_tier_stats(); }
