@@ -9,9 +9,14 @@
 // Blocks of 2 MiB (Llama-3-8B: 32 layers × 16 tokens × 2 × 8 KV heads × 128 × fp16) and 64 KiB
 // (one such layer); k blocks per operation (8 of 2 MiB, 32 of 64 KiB), a prompt of k full blocks
 // + 1 token. Rows (one iteration = k blocks):
-//   tier_store   AddSequence + Schedule + PostForward of a new prompt (its k blocks published,
-//                copied to the host, queued) + FlushRemoteTier (stored), then FlushSequence
-//   raw_set      k SETs of values of the same size, pipelined on one hiredis connection
+//   tier_store   AddSequence + Schedule + PostForward + FlushSequence of a new prompt (its k
+//                blocks published, copied to the host, queued), then FlushRemoteTier (stored);
+//                prompts:8 does the first four for 8 prompts in a row (an engine's steps: each
+//                prompt's lookup and copies made while the worker sends the last one's), then
+//                flushes
+//   raw_set      k SETs (k × prompts) of distinct values of the same size, pipelined on one
+//                hiredis connection (each prompt's written before the next one's is formatted),
+//                then every reply read
 //   tier_fetch   AddSequence + Schedule of a prompt whose k blocks are only on the server (one
 //                MGET, verification, copies into fresh blocks), then FlushSequence and, untimed,
 //                ResetPrefixCache
@@ -167,40 +172,69 @@ void SetBytes(benchmark::State& state, int64_t layers, int32_t k) {
 void TierStoreOn(benchmark::State& state, bool cluster) {
   const int64_t layers = state.range(0);
   const auto k = static_cast<int32_t>(state.range(1));
+  const int64_t prompts = state.range(2);
   std::unique_ptr<StateManager> mgr = MakeManager(layers, k, cluster);
   int64_t seed = 0;
   for (auto _ : state) {
-    const std::vector<TokenId> prompt = Prompt(++seed, k);
-    if (Run(*mgr, 1, prompt) != 0) state.SkipWithError("a store row hit");
+    for (int64_t p = 0; p < prompts; ++p) {
+      if (Run(*mgr, 1, Prompt(++seed, k)) != 0) state.SkipWithError("a store row hit");
+      blockkv_bench::Check(mgr->FlushSequence(1), "FlushSequence");
+    }
     mgr->FlushRemoteTier();
-    blockkv_bench::Check(mgr->FlushSequence(1), "FlushSequence");
     state.PauseTiming();
     mgr->ResetPrefixCache();
     FlushAll(cluster);
     state.ResumeTiming();
   }
   const RemoteTierStats s = mgr->remote_tier_stats();
-  if (s.stored != state.iterations() * k) state.SkipWithError("not every block was stored");
+  if (s.stored != state.iterations() * k * prompts) {
+    state.SkipWithError("not every block was stored");
+  }
   if (cluster && s.nodes != std::ssize(g_cluster_ports)) state.SkipWithError("not every node");
-  SetBytes(state, layers, k);
+  SetBytes(state, layers, static_cast<int32_t>(k * prompts));
 }
 void TierStore(benchmark::State& state) { TierStoreOn(state, false); }
 void ClusterTierStore(benchmark::State& state) { TierStoreOn(state, true); }
 
+// k values of the tier's size for these blocks (header + tokens + bytes + checksum), each its own
+// bytes in its own memory, as k blocks are: one value sent k times would be read from the CPU's
+// cache each time after the first, which no cache of blocks does.
+std::vector<std::string> Values(int64_t layers, int32_t k) {
+  std::vector<std::string> values;
+  for (int32_t i = 0; i < k; ++i) {
+    values.emplace_back(static_cast<size_t>(BlockBytes(layers)) + 200, static_cast<char>('a' + i));
+  }
+  return values;
+}
+
+// Writes what hiredis has buffered for `c`; false when the connection fails.
+bool WriteAll(redisContext* c) {
+  int done = 0;
+  while (done == 0) {
+    if (redisBufferWrite(c, &done) != REDIS_OK) return false;
+  }
+  return true;
+}
+
+// The SETs of every prompt's blocks, a prompt's written before the next one's are formatted
+// (hiredis would otherwise grow one buffer to all of them, copying it as it grows), every reply
+// read at the end.
 void RawSet(benchmark::State& state) {
   const int64_t layers = state.range(0);
-  const auto k = static_cast<int32_t>(state.range(1));
+  const auto per_prompt = static_cast<int32_t>(state.range(1));
+  const auto k = static_cast<int32_t>(per_prompt * state.range(2));
   redisContext* c = Connect();
-  // A value of the tier's size for these blocks (header + tokens + bytes + checksum).
-  const std::string value(static_cast<size_t>(BlockBytes(layers)) + 200, 'x');
+  const std::vector<std::string> values = Values(layers, k);
   int64_t seed = 0;
   for (auto _ : state) {
     ++seed;
     for (int32_t i = 0; i < k; ++i) {
       const std::string key = "raw:" + std::to_string(seed) + ":" + std::to_string(i);
+      const std::string& value = values[static_cast<size_t>(i)];
       const char* argv[] = {"SET", key.data(), value.data()};
       const size_t lens[] = {3, key.size(), value.size()};
       redisAppendCommandArgv(c, 3, argv, lens);
+      if ((i + 1) % per_prompt == 0 && !WriteAll(c)) state.SkipWithError("SET failed");
     }
     for (int32_t i = 0; i < k; ++i) {
       void* reply = nullptr;
@@ -355,11 +389,13 @@ void RawMget(benchmark::State& state) {
 struct Routed {
   std::vector<redisContext*> nodes;            // one per master, as g_cluster_ports
   std::vector<std::vector<std::string>> keys;  // per node
+  std::vector<std::vector<size_t>> items;      // per node: i of its keys
   Routed(const Routed&) = delete;
   Routed& operator=(const Routed&) = delete;
   explicit Routed(int32_t k) {
     for (const int port : g_cluster_ports) nodes.push_back(Connect(port));
     keys.resize(nodes.size());
+    items.resize(nodes.size());
     auto* slots = static_cast<redisReply*>(redisCommand(nodes[0], "CLUSTER SLOTS"));
     for (int32_t i = 0; i < k; ++i) {
       const std::string key = "raw:" + std::to_string(i);
@@ -371,7 +407,10 @@ struct Routed {
             slot->integer <= range->element[1]->integer) {
           const long long port = range->element[2]->element[1]->integer;
           for (size_t n = 0; n < nodes.size(); ++n) {
-            if (g_cluster_ports[n] == port) keys[n].push_back(key);
+            if (g_cluster_ports[n] == port) {
+              keys[n].push_back(key);
+              items[n].push_back(static_cast<size_t>(i));
+            }
           }
         }
       }
@@ -382,19 +421,28 @@ struct Routed {
   ~Routed() {
     for (redisContext* c : nodes) redisFree(c);
   }
-  // Every node's pipeline of `command key [value]` written, then every reply read.
-  bool Pipeline(const char* command, const std::string* value) {
-    for (size_t n = 0; n < nodes.size(); ++n) {
-      for (const std::string& key : keys[n]) {
-        const char* argv[] = {command, key.data(), value != nullptr ? value->data() : nullptr};
-        const size_t lens[] = {std::strlen(command), key.size(),
-                               value != nullptr ? value->size() : 0};
-        redisAppendCommandArgv(nodes[n], value != nullptr ? 3 : 2, argv, lens);
+  // Every node's pipeline of `command key [value]` (key i's value: values[i]) written, then every
+  // reply read. Keys are taken `per_write` at a time (a prompt's, as RawSet does): each group's
+  // commands formatted and written to their nodes before the next group's.
+  bool Pipeline(const char* command, const std::vector<std::string>* values,
+                size_t per_write = 0) {
+    size_t total = 0;
+    for (const std::vector<std::string>& node_keys : keys) total += node_keys.size();
+    if (per_write == 0) per_write = total;
+    std::vector<size_t> next(nodes.size(), 0);  // per node: its first key not written
+    for (size_t end = per_write;; end += per_write) {
+      for (size_t n = 0; n < nodes.size(); ++n) {
+        for (; next[n] < keys[n].size() && items[n][next[n]] < end; ++next[n]) {
+          const std::string& key = keys[n][next[n]];
+          const std::string* value = values != nullptr ? &(*values)[items[n][next[n]]] : nullptr;
+          const char* argv[] = {command, key.data(), value != nullptr ? value->data() : nullptr};
+          const size_t lens[] = {std::strlen(command), key.size(),
+                                 value != nullptr ? value->size() : 0};
+          redisAppendCommandArgv(nodes[n], value != nullptr ? 3 : 2, argv, lens);
+        }
+        if (!WriteAll(nodes[n])) return false;
       }
-      int done = 0;
-      while (done == 0) {
-        if (redisBufferWrite(nodes[n], &done) != REDIS_OK) return false;
-      }
+      if (end >= total) break;
     }
     for (size_t n = 0; n < nodes.size(); ++n) {
       for (size_t i = 0; i < keys[n].size(); ++i) {
@@ -412,11 +460,12 @@ struct Routed {
 
 void ClusterRawSet(benchmark::State& state) {
   const int64_t layers = state.range(0);
-  const auto k = static_cast<int32_t>(state.range(1));
+  const auto per_prompt = static_cast<size_t>(state.range(1));
+  const auto k = static_cast<int32_t>(state.range(1) * state.range(2));  // every prompt's blocks
   Routed routed(k);
-  const std::string value(static_cast<size_t>(BlockBytes(layers)) + 200, 'x');
+  const std::vector<std::string> values = Values(layers, k);
   for (auto _ : state) {
-    if (!routed.Pipeline("SET", &value)) state.SkipWithError("SET failed");
+    if (!routed.Pipeline("SET", &values, per_prompt)) state.SkipWithError("SET failed");
     state.PauseTiming();
     FlushAll(/*cluster=*/true);
     state.ResumeTiming();
@@ -429,8 +478,8 @@ void ClusterRawGet(benchmark::State& state) {
   const auto k = static_cast<int32_t>(state.range(1));
   FlushAll(/*cluster=*/true);
   Routed routed(k);
-  const std::string value(static_cast<size_t>(BlockBytes(layers)) + 200, 'x');
-  if (!routed.Pipeline("SET", &value)) state.SkipWithError("SET failed");
+  const std::vector<std::string> values = Values(layers, k);
+  if (!routed.Pipeline("SET", &values)) state.SkipWithError("SET failed");
   for (auto _ : state) {
     if (!routed.Pipeline("GET", nullptr)) state.SkipWithError("GET failed");
   }
@@ -441,8 +490,15 @@ void Args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"layers", "k"})->Args({32, 8})->Args({1, 32})->Unit(benchmark::kMillisecond);
   b->UseRealTime();
 }
-BENCHMARK(TierStore)->Apply(Args);
-BENCHMARK(RawSet)->Apply(Args);
+// Stores: also a stream of 8 prompts (each scheduled, forwarded and flushed, the next one's
+// lookup and copies made while the worker sends the last one's) against one pipeline of all
+// their SETs.
+void StoreArgs(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"layers", "k", "prompts"})->Unit(benchmark::kMillisecond)->UseRealTime();
+  for (const int64_t prompts : {1, 8}) b->Args({32, 8, prompts})->Args({1, 32, prompts});
+}
+BENCHMARK(TierStore)->Apply(StoreArgs);
+BENCHMARK(RawSet)->Apply(StoreArgs);
 BENCHMARK(TierFetch)->Apply(Args);
 BENCHMARK(RawMget)->Apply(Args);
 BENCHMARK(TierFetchAhead)->Apply(Args);
@@ -452,8 +508,8 @@ BENCHMARK(TierFetchAheadMany)
     ->Args({1, 32})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
-BENCHMARK(ClusterTierStore)->Apply(Args);
-BENCHMARK(ClusterRawSet)->Apply(Args);
+BENCHMARK(ClusterTierStore)->Apply(StoreArgs);
+BENCHMARK(ClusterRawSet)->Apply(StoreArgs);
 BENCHMARK(ClusterTierFetch)->Apply(Args);
 BENCHMARK(ClusterRawGet)->Apply(Args);
 
