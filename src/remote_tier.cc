@@ -620,11 +620,13 @@ Result<std::unique_ptr<RemoteTier>> RemoteTier::Open(const RemoteTierConfig& con
   }
   BLOCKKV_ASSIGN_OR_RETURN(RedisUrl url, ParseRedisUrl(config.url));
   std::unique_ptr<RemoteTier> tier(new RemoteTier(config, std::move(url)));
-  BLOCKKV_RETURN_IF_ERROR(tier->Start(tier->fetch_lane_));
-  // The stores' own connections: one that cannot be made now is made later (after a backoff).
-  if (const Status s = tier->Start(tier->store_lane_);
-      !s.ok() && s.code() != StatusCode::kUnavailable) {
-    return s;
+  // A server that cannot be reached now is connected later by the worker that needs it (after a
+  // backoff), as one that went away is; only one that answers and refuses fails here.
+  for (Lane* lane : {&tier->fetch_lane_, &tier->store_lane_}) {
+    if (const Status s = tier->Start(*lane); !s.ok()) {
+      if (s.code() != StatusCode::kUnavailable) return s;
+      if (tier->unreachable_.empty()) tier->unreachable_ = std::string(s.message());
+    }
   }
   RemoteTier* t = tier.get();
   tier->fetch_worker_ = std::thread([t] { t->RunFetches(); });
@@ -682,8 +684,12 @@ Status RemoteTier::Start(Lane& lane) {
     return Status::Ok();
   }
   if (url_.hosts.size() > 1) {
+    std::string seeds;
+    for (const RedisUrl::HostPort& seed : url_.hosts) {
+      seeds += StrCat(seeds.empty() ? "" : ", ", seed.host, ":", seed.port);
+    }
     return UnavailableError(
-        StrCat("no seed of the cluster answered (", url_.hosts.size(), "); ", last.message()));
+        StrCat("no seed of the cluster answered (", seeds, "); the last: ", last.message()));
   }
   return last;
 }

@@ -141,10 +141,14 @@ class RemoteTier {
   // Keys of the queued fetches pipelined together (a single fetch larger than this goes alone).
   static constexpr size_t kFetchBatchKeys = 1024;
 
-  // Connects (AUTH, SELECT) on the calling thread, then starts the worker. kUnavailable: the
-  // server cannot be reached; kPermissionDenied: AUTH refused; kInvalidArgument: the URL or a
-  // field of `config`, or SELECT refused.
+  // Connects (AUTH, SELECT) on the calling thread, then starts the workers. A server that cannot
+  // be reached is no error: the tier opens unconnected (`unreachable()` says why) and its workers
+  // connect when it answers, retrying after a backoff (every fetch misses and every store is
+  // dropped meanwhile). kPermissionDenied: AUTH refused; kInvalidArgument: the URL or a field of
+  // `config`, SELECT refused, or a cluster URL whose seed is not a cluster.
   static Result<std::unique_ptr<RemoteTier>> Open(const RemoteTierConfig& config);
+  // Why Open could not connect ("" when it did).
+  const std::string& unreachable() const { return unreachable_; }
   ~RemoteTier();  // sends the queued stores (each bounded by the timeout), then stops
   RemoteTier(const RemoteTier&) = delete;
   RemoteTier& operator=(const RemoteTier&) = delete;
@@ -236,6 +240,7 @@ class RemoteTier {
 
   const RemoteTierConfig config_;
   const RedisUrl url_;
+  std::string unreachable_;  // set by Open
   Lane fetch_lane_;
   Lane store_lane_;
   // Kept value buffers: enough for a fetch of 64 blocks of 2 MiB (Llama-3-8B's).

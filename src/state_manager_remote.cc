@@ -60,14 +60,16 @@ Status StateManager::Impl::EnableRemoteTier() {
   }
   Result<std::unique_ptr<internal::RemoteTier>> tier = internal::RemoteTier::Open(rc);
   if (!tier.ok()) {
-    if (tier.status().code() == StatusCode::kUnavailable) {
-      Log(LogLevel::kWarning, StrCat("remote tier off: ", tier.status().message()));
-      return Status::Ok();
-    }
     return {tier.status().code(),
             StrCat("StateManagerConfig.remote_tier: ", tier.status().message())};
   }
   remote_ = std::move(*tier);
+  if (!remote_->unreachable().empty()) {
+    Log(LogLevel::kWarning,
+        StrCat("remote tier not connected (retried in the background; until then every lookup "
+               "misses and every store is dropped): ",
+               remote_->unreachable()));
+  }
   // Everything that makes two engines' bytes for one key comparable.
   const KVCacheConfig& c = cache_->config(0);
   std::string fp = "blockkv-remote";
@@ -130,7 +132,7 @@ StateManager::Impl::FetchRemotePrefix(SeqId uid) {
                " was scheduled already; its prefix is looked up at its first Schedule"));
   }
   std::pair<std::shared_ptr<internal::RemoteFetchJob>, int32_t> none{nullptr, 0};
-  if (remote_ == nullptr) return none;  // the server was unreachable at Create: the tier is off
+  if (remote_ == nullptr) return none;  // no tier configured
   DropPrefetch(keys);
   // What the device holds now is not fetched; the last known token is always computed. At most
   // the blocks free now: a fetch lands in host memory until Schedule copies it to fresh blocks.

@@ -24,7 +24,9 @@ struct RemoteFetchJob;
 struct RemoteTierConfig {
   // A standalone server: redis://[user:password@]host:port[/db]  (a password alone:
   // redis://:password@host:port). A Redis Cluster: redis+cluster://[user:password@]host:port[,...]
-  // (seed nodes; the slot map is read from the first that answers; database 0 only).
+  // (seed nodes; the slot map is read from the first that answers; database 0 only). A server
+  // that cannot be reached at Create is no error: the tier is connected in the background once
+  // it answers (one warning logged; lookups miss and stores are dropped until then).
   std::string url;
   // Identifies the model whose KV the blocks hold; part of every key's fingerprint, so two
   // models never share a block. The engine supplies it (e.g. "meta-llama/Llama-3-8B@rev").

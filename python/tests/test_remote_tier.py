@@ -242,7 +242,7 @@ def test_wrong_password_is_a_permission_error(redis_server):
         make_manager(blockkv.RemoteTierConfig(f"redis://:nope@127.0.0.1:{redis_server}"))
 
 
-def test_no_server_leaves_the_tier_off():
+def test_no_server_at_start_leaves_the_tier_unconnected():
     m = make_manager(blockkv.RemoteTierConfig(f"redis://127.0.0.1:{free_port()}"))
     prefill(m, 1, list(range(40)), lambda b: 1)
     s = m.remote_tier_stats()

@@ -161,7 +161,9 @@ TEST(SimulateRemote, UnreachableServerRunsWithoutTheTierAndSaysSo) {
   EXPECT_EQ(report->stats.finished, 4);
   EXPECT_EQ(report->stats.prompt_tokens, report->without_tier.prompt_tokens);
   const std::string text = FormatSimulate(*report, options.engine, /*json=*/false);
-  EXPECT_NE(text.find("remote tier   off: the server was unreachable"), std::string::npos) << text;
+  EXPECT_NE(text.find("remote tier   not connected at start: the server was unreachable"),
+            std::string::npos)
+      << text;
 }
 
 // `blockkv simulate ARGS...`: its exit code, and what it wrote on stderr.

@@ -245,7 +245,14 @@ class RedisCluster {
     create.insert(create.end(), {"--cluster-replicas", "0", "--cluster-yes"});
     ASSERT_EQ(RunProgram(create), 0) << "redis-cli --cluster create failed (apt-get install "
                                         "redis-tools redis-server; scripts/deps.sh does)";
-    const std::string known = "cluster_known_nodes:" + std::to_string(masters);
+    WaitReady();
+  }
+
+ public:
+  // Waits until every node says cluster_state:ok and knows every node (after Create, or after
+  // its nodes were restarted); fails the test after 20 s.
+  void WaitReady() {
+    const std::string known = "cluster_known_nodes:" + std::to_string(nodes_.size());
     for (int i = 0; i < 400; ++i) {
       bool ready = true;
       for (const auto& node : nodes_) {
@@ -259,6 +266,7 @@ class RedisCluster {
     FAIL() << "the redis cluster did not reach cluster_state:ok within 20 s";
   }
 
+ private:
   std::vector<std::unique_ptr<RedisServer>> nodes_;
 };
 

@@ -222,28 +222,64 @@ TEST(RemoteTierTest, ASecondEngineHitsTheFirstEnginesBlocks) {
   EXPECT_EQ(p.host_hit_tokens, 0);
 }
 
-TEST(RemoteTierTest, NoServerAtStartLeavesTheTierOffWithOneLogLine) {
-  const int port = testing::FreePort();
+// Creates an engine on `url` while nothing answers there; expects one warning naming `port`.
+std::unique_ptr<Engine> MakeUnconnected(const std::string& url, int port) {
   std::vector<std::string> lines;
   std::mutex mu;
   SetLogSink([&](LogLevel level, std::string_view line) {
     std::lock_guard lock(mu);
     if (level == LogLevel::kWarning) lines.emplace_back(line);
   });
-  auto e = Engine::Make({.url = "redis://127.0.0.1:" + std::to_string(port)});
+  auto e = Engine::Make({.url = url, .timeout_ms = 500});
   SetLogSink(nullptr);
+  EXPECT_EQ(lines.size(), 1u);
+  for (const std::string& line : lines) {
+    EXPECT_NE(line.find("remote tier not connected"), std::string::npos) << line;
+    EXPECT_NE(line.find(std::to_string(port)), std::string::npos) << line;
+  }
+  return e;
+}
+
+// Prefills new prompts on `e` until its tier is connected (at most 5 s); the tier's stores of
+// them may or may not have gone through.
+void PrefillUntilConnected(Engine& e, SeqId first_uid) {
+  for (int i = 0; i < 100 && !e.mgr->remote_tier_stats().connected; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT_EQ(e.Prefill(first_uid + i, Prompt(7000 + 10 * i, 5)), 0);
+    ASSERT_TRUE(e.mgr->FlushSequence(first_uid + i).ok());
+  }
+  ASSERT_TRUE(e.mgr->remote_tier_stats().connected);
+}
+
+// A server that is not up yet when the engine starts (a deployment whose Redis starts after its
+// engines): the engine runs without the tier, one warning, then uses it once it answers.
+TEST(RemoteTierTest, AServerDownAtStartIsConnectedOnceItAnswers) {
+  const int port = testing::FreePort();
+  auto e = MakeUnconnected("redis://127.0.0.1:" + std::to_string(port), port);
   ASSERT_NE(e, nullptr);
-  ASSERT_EQ(lines.size(), 1u);
-  EXPECT_NE(lines[0].find("remote tier off"), std::string::npos) << lines[0];
-  EXPECT_NE(lines[0].find(std::to_string(port)), std::string::npos) << lines[0];
   const std::vector<TokenId> prompt = Prompt(1, 9);
   EXPECT_EQ(e->Prefill(1, prompt), 0);
   ASSERT_TRUE(e->mgr->FlushSequence(1).ok());
   EXPECT_EQ(e->Prefill(2, prompt), 8);  // the local prefix cache works as without the tier
   e->ExpectPrefixData(2, prompt, 2);
-  const RemoteTierStats s = e->mgr->remote_tier_stats();
+  e->mgr->FlushRemoteTier();
+  RemoteTierStats s = e->mgr->remote_tier_stats();
   EXPECT_FALSE(s.connected);
-  EXPECT_EQ(s.stored + s.hits + s.misses + s.errors, 0);
+  EXPECT_EQ(s.stored + s.hits, 0);
+  EXPECT_EQ(s.dropped, 2);  // the prompt's two blocks: no server to store them on
+
+  RedisServer server({}, port);
+  PrefillUntilConnected(*e, 10);
+  const std::vector<TokenId> next = Prompt(5000, 9);
+  EXPECT_EQ(e->Prefill(3, next), 0);
+  e->mgr->FlushRemoteTier();
+  s = e->mgr->remote_tier_stats();
+  EXPECT_GE(s.stored, 2);
+  EXPECT_EQ(s.reconnects, 0);  // first connections, not reconnections
+  auto other = Engine::Make({.url = server.url()});
+  ASSERT_NE(other, nullptr);
+  EXPECT_EQ(other->Prefill(1, next), 8);
+  other->ExpectPrefixData(1, next, 2);
 }
 
 TEST(RemoteTierTest, AKilledServerIsMissesThenARestartedOneIsReconnected) {
@@ -652,6 +688,40 @@ TEST(RemoteTierTest, AClusterSpreadsBlocksOverItsNodesAndAnotherEngineHitsThem) 
   EXPECT_EQ(sb.hits, 16);
   EXPECT_EQ(sb.misses + sb.errors + sb.redirects, 0);
   EXPECT_EQ(sb.fetched_bytes, sa.stored_bytes);
+}
+
+// The same for a cluster: no seed answers at start; the slot map is read once they do.
+TEST(RemoteTierTest, AClusterDownAtStartIsMappedAndConnectedOnceItAnswers) {
+  RedisCluster cluster;
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  for (size_t i = 0; i < cluster.size(); ++i) cluster.node(i).Kill();
+  auto e = MakeUnconnected(cluster.url(), cluster.node(0).port());  // every seed named
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->Prefill(1, Prompt(1, 9)), 0);
+  ASSERT_TRUE(e->mgr->FlushSequence(1).ok());
+  EXPECT_EQ(e->mgr->remote_tier_stats().nodes, 0);  // no slot map yet
+
+  // Restarted (their slots still theirs: nodes.conf is kept; their keys gone).
+  for (size_t i = 0; i < cluster.size(); ++i) cluster.node(i).Start();
+  cluster.WaitReady();
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  PrefillUntilConnected(*e, 10);
+  EXPECT_EQ(e->mgr->remote_tier_stats().nodes, 3);
+  std::vector<std::vector<TokenId>> prompts;
+  for (int p = 0; p < 6; ++p) {
+    prompts.push_back(Prompt(9000 + 100 * p, 9));
+    EXPECT_EQ(e->Prefill(100 + p, prompts.back()), 0);
+  }
+  e->mgr->FlushRemoteTier();
+  const RemoteTierStats s = e->mgr->remote_tier_stats();
+  EXPECT_GE(s.stored, 12);
+  EXPECT_EQ(s.reconnects, 0);
+  auto other = Engine::Make({.url = cluster.url()});
+  ASSERT_NE(other, nullptr);
+  for (int p = 0; p < 6; ++p) {
+    EXPECT_EQ(other->Prefill(p + 1, prompts[static_cast<size_t>(p)]), 8) << "prompt " << p;
+    other->ExpectPrefixData(p + 1, prompts[static_cast<size_t>(p)], 2);
+  }
 }
 
 TEST(RemoteTierTest, AKilledClusterNodeMissesItsSlotsWhileTheOthersServeThenIsReconnected) {
