@@ -424,8 +424,7 @@ struct Routed {
   // Every node's pipeline of `command key [value]` (key i's value: values[i]) written, then every
   // reply read. Keys are taken `per_write` at a time (a prompt's, as RawSet does): each group's
   // commands formatted and written to their nodes before the next group's.
-  bool Pipeline(const char* command, const std::vector<std::string>* values,
-                size_t per_write = 0) {
+  bool Pipeline(const char* command, const std::vector<std::string>* values, size_t per_write = 0) {
     size_t total = 0;
     for (const std::vector<std::string>& node_keys : keys) total += node_keys.size();
     if (per_write == 0) per_write = total;

@@ -130,8 +130,8 @@ class SetWriter {
     heads_.reserve(items.size());
     iov_.reserve(items.size() * 3);
     for (const RemoteTier::PendingStore* item : items) {
-      heads_.push_back(StrCat("*3\r\n$3\r\nSET\r\n$", item->key.size(), "\r\n", item->key,
-                              "\r\n$", item->size, "\r\n"));
+      heads_.push_back(StrCat("*3\r\n$3\r\nSET\r\n$", item->key.size(), "\r\n", item->key, "\r\n$",
+                              item->size, "\r\n"));
       iov_.push_back({.iov_base = heads_.back().data(), .iov_len = heads_.back().size()});
       iov_.push_back({.iov_base = item->value.data.get(), .iov_len = item->size});
       iov_.push_back({.iov_base = const_cast<char*>(kCrlf), .iov_len = 2});
@@ -192,11 +192,9 @@ void WriteAllSets(std::span<SetWriter*> writers, int32_t timeout_ms, std::vector
     const int ready = poll(fds.data(), fds.size(), timeout_ms);
     if (ready < 0 && errno == EINTR) continue;
     for (size_t f = 0; f < fds.size(); ++f) {
-      if (ready <= 0) {
-        failed[which[f]] = 1;  // nothing took a byte in timeout_ms (or poll failed)
-      } else if (fds[f].revents != 0 && !writers[which[f]]->WriteSome()) {
-        failed[which[f]] = 1;
-      }
+      // ready <= 0: nothing took a byte in timeout_ms (or poll failed).
+      const bool ok = ready > 0 && (fds[f].revents == 0 || writers[which[f]]->WriteSome());
+      if (!ok) failed[which[f]] = 1;
     }
   }
 }

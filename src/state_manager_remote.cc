@@ -4,7 +4,6 @@
 // client is remote_tier.cc.
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -401,7 +400,7 @@ void StateManager::Impl::StoreRemote(const SequenceKeys& keys, int32_t index, co
       remote_->NewStore(internal::RemoteKey(remote_fingerprint_, keys.extras.ns, key),
                         header.size() + meta.payload_bytes);
   char* const out = store.value.data.get();
-  std::memcpy(out, header.data(), header.size());
+  std::copy(header.begin(), header.end(), out);
   const auto* base = static_cast<const std::byte*>(storage->data);
   const auto num_blocks = static_cast<size_t>(cache_->num_blocks());
   Device& device = *cache_->device();

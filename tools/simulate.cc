@@ -384,8 +384,9 @@ std::string FormatSimulate(const SimulateReport& report, const EngineOptions& en
     const RemoteTierStats& t = report.tier;
     const EngineStats& o = report.without_tier;
     if (!report.remote_connected) {
-      text += "remote tier   not connected at start: the server was unreachable (retried in the "
-              "background)\n";
+      text +=
+          "remote tier   not connected at start: the server was unreachable (retried in the "
+          "background)\n";
     }
     add("remote tier   %lld blocks hit, %lld misses (%lld not found, %lld did not verify, %lld "
         "errors, %lld late); %lld bytes fetched, %lld blocks (%lld bytes) stored, %lld dropped, "
