@@ -92,10 +92,11 @@ std::string RemoteKey(uint64_t fingerprint, std::string_view ns, const BlockHash
 
 class RemoteTier;
 
-// The buffers fetched values are read into, kept for the next fetches (up to max_bytes): freed,
-// the fetch worker's malloc arena would give their pages back to the kernel and the next fetch
-// would fault every page in again. Thread-safe: the worker takes, whoever drops the last view of
-// a fetch gives back.
+// The buffers values are read into (fetches) and written into (stores), kept for the next ones
+// (up to max_bytes): freed, malloc would give their pages back to the kernel and the next fetch
+// or store would fault every page in again. Thread-safe: the fetch worker and the scheduling
+// thread (NewStore) take; whoever drops the last view of a fetch, and the store worker once a
+// value is sent, give back.
 class ValueBuffers {
  public:
   struct Buffer {
@@ -243,7 +244,7 @@ class RemoteTier {
   std::string unreachable_;  // set by Open
   Lane fetch_lane_;
   Lane store_lane_;
-  // Kept value buffers: enough for a fetch of 64 blocks of 2 MiB (Llama-3-8B's).
+  // Kept value buffers: enough for a fetch or a store batch of 64 blocks of 2 MiB (Llama-3-8B's).
   const std::shared_ptr<ValueBuffers> value_buffers_ =
       std::make_shared<ValueBuffers>(size_t{128} << 20);
 

@@ -440,6 +440,51 @@ TEST(RemoteTierTest, TheFetchWorkerChecksValuesAsTheyArriveAndReusesTheirBuffers
 // reply to the fetch below (an MGET of the prompt's 4 full blocks) is a miss counted as an error,
 // never a crash, a hang past the timeout or a value in the cache: a bulk string claiming a
 // terabyte (allocating it would throw), a line that is not RESP, a connection closed mid-value.
+// Stores written to a server that stalls with its socket full (values larger than loopback's
+// buffers): the store worker waits at most timeout_ms for the socket to take a byte, then drops
+// the batch and disconnects; once the server goes on, stores are made again and what a store
+// wrote is exactly what a fetch reads (the value and its checksum).
+TEST(RemoteTierTest, AStoreAStalledServerCannotTakeIsDroppedAfterTheTimeout) {
+  RedisServer server;
+  auto tier = internal::RemoteTier::Open({.url = server.url(), .timeout_ms = 300});
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  const auto make = [&](const std::string& key, size_t size, char fill) {
+    internal::RemoteTier::PendingStore store = (*tier)->NewStore(key, size);
+    std::fill_n(store.value.data.get(), size, fill);
+    return store;
+  };
+  server.Stop();
+  {
+    const Resume resume{server};
+    std::vector<internal::RemoteTier::PendingStore> stores;
+    for (int i = 0; i < 4; ++i) {
+      stores.push_back(make("big:" + std::to_string(i), size_t{16} << 20, 'a'));
+    }
+    (*tier)->Store(stores);
+    EXPECT_TRUE(stores.empty());
+    (*tier)->Drain();  // returns: the write gave up after timeout_ms
+    const RemoteTierStats s = (*tier)->stats();
+    EXPECT_EQ(s.stored, 0);
+    EXPECT_EQ(s.dropped, 4);
+    EXPECT_GE(s.errors, 1);
+  }
+  // Going on: the store worker reconnects after its backoff.
+  std::string wrote;
+  for (int i = 0; i < 100 && (*tier)->stats().stored == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::vector<internal::RemoteTier::PendingStore> stores;
+    stores.push_back(make("small", 1000 + static_cast<size_t>(i), static_cast<char>('b' + i)));
+    wrote.assign(1000 + static_cast<size_t>(i), static_cast<char>('b' + i));
+    (*tier)->Store(stores);
+    (*tier)->Drain();
+  }
+  ASSERT_EQ((*tier)->stats().stored, 1);
+  internal::SealRemoteValue(wrote);
+  const internal::RemoteTier::Fetched got = (*tier)->Fetch({"small"});
+  ASSERT_EQ(got.values.size(), 1u);
+  EXPECT_EQ(got.values[0], wrote);
+}
+
 TEST(RemoteTierTest, AServerAnsweringNonsenseIsAMissNeverACrash) {
   for (const std::string& reply :
        {std::string("*4\r\n$1099511627776\r\n"), std::string("HTTP/1.1 400 Bad Request\r\n\r\n"),
