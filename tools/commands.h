@@ -210,7 +210,7 @@ struct SimulateOptions {
   EngineOptions engine;
   bool progress = false;  // a progress bar on stderr
   // The requests are dealt round-robin (request i to engine i mod N) over this many engines, each
-  // its own StateManager; they run one after another, in engine order.
+  // its own StateManager; they run side by side in one clock (the engines behind step together).
   int32_t engines = 1;
   // `--remote URL`: every engine gets this remote tier (engine.prefix_cache must be on), and the
   // same requests also run over the same engines without it, for the report's comparison.

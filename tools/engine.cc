@@ -156,29 +156,47 @@ Status Engine::Arrive(RequestSource& source) {
 
 Status Engine::Run(RequestSource& source, StepRunner& runner,
                    const std::function<void(const Engine&)>& after_step) {
+  Start();
+  while (true) {
+    BLOCKKV_ASSIGN_OR_RETURN(const Progress progress, Step(source, runner));
+    if (progress == Progress::kFinished) return Status::Ok();
+    if (progress == Progress::kStepped && after_step) after_step(*this);
+  }
+}
+
+void Engine::Start() {
   outputs_.clear();
   stats_.requests = 0;
   has_pending_ = source_done_ = false;
   last_arrival_ = 0;
-  std::vector<Entry> entries;
-  while (true) {
-    BLOCKKV_RETURN_IF_ERROR(Arrive(source));
-    if (running_.empty() && waiting_.empty() && preempted_.empty()) {
-      if (!has_pending_) break;         // every request finished
-      stats_.clock = pending_.arrival;  // idle until the next arrival
-      continue;
-    }
-    BLOCKKV_RETURN_IF_ERROR(PlanStep(&entries));
-    if (entries.empty()) {  // a bug in the loop, not in the input: never spin
-      return InternalError("engine: nothing could be scheduled at step " +
-                           std::to_string(stats_.clock) + " with " +
-                           std::to_string(waiting_.size()) + " requests waiting");
-    }
-    BLOCKKV_RETURN_IF_ERROR(ScheduleStep(&entries));
-    BLOCKKV_RETURN_IF_ERROR(RunStep(entries, runner));
-    RecordStep();
-    if (after_step) after_step(*this);
+}
+
+Result<Engine::Progress> Engine::Step(RequestSource& source, StepRunner& runner) {
+  BLOCKKV_ASSIGN_OR_RETURN(const Progress progress, BeginStep(source));
+  if (progress == Progress::kStepped) BLOCKKV_RETURN_IF_ERROR(FinishStep(runner));
+  return progress;
+}
+
+Result<Engine::Progress> Engine::BeginStep(RequestSource& source) {
+  BLOCKKV_RETURN_IF_ERROR(Arrive(source));
+  if (running_.empty() && waiting_.empty() && preempted_.empty()) {
+    if (!has_pending_) return Progress::kFinished;  // every request finished
+    stats_.clock = pending_.arrival;                // idle until the next arrival
+    return Progress::kWaited;
   }
+  BLOCKKV_RETURN_IF_ERROR(PlanStep(&entries_));
+  if (entries_.empty()) {  // a bug in the loop, not in the input: never spin
+    return InternalError("engine: nothing could be scheduled at step " +
+                         std::to_string(stats_.clock) + " with " + std::to_string(waiting_.size()) +
+                         " requests waiting");
+  }
+  BLOCKKV_RETURN_IF_ERROR(ScheduleStep(&entries_));
+  return Progress::kStepped;
+}
+
+Status Engine::FinishStep(StepRunner& runner) {
+  BLOCKKV_RETURN_IF_ERROR(RunStep(entries_, runner));
+  RecordStep();
   return Status::Ok();
 }
 

@@ -167,6 +167,19 @@ class Engine {
   Status Run(RequestSource& source, StepRunner& runner,
              const std::function<void(const Engine&)>& after_step = {});
 
+  // Run, one step at a time (several engines stepped in one clock): Start, then Step until it
+  // returns kFinished. A Step runs one step (kStepped), or, with nothing to run before the next
+  // request arrives, moves the clock to its arrival (kWaited). Errors as Run's.
+  enum class Progress { kStepped, kWaited, kFinished };
+  void Start();
+  Result<Progress> Step(RequestSource& source, StepRunner& runner);
+  // Step in two halves: BeginStep admits and schedules the step (every prefix lookup is made
+  // here); when it returns kStepped, FinishStep runs the forward and its PostForward (every new
+  // block is published, and stored to a remote tier, here). Engines that step at the same time
+  // all begin before any finishes, so none of them finds what another computes in that step.
+  Result<Progress> BeginStep(RequestSource& source);
+  Status FinishStep(StepRunner& runner);
+
   const EngineStats& stats() const { return stats_; }
   const StateManager& manager() const { return *manager_; }
   // StateManager::FlushRemoteTier: waits for the stores queued so far.
@@ -230,6 +243,7 @@ class Engine {
   EngineStats stats_;
   int32_t watermark_blocks_ = 1;
   // Per step, reused.
+  std::vector<Entry> entries_;
   std::vector<SeqId> uids_;
   std::vector<int64_t> lengths_;
   std::vector<TokenId> ids_;

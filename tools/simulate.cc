@@ -7,7 +7,11 @@
 #include <chrono>
 #include <cstdio>
 #include <ctime>
+#include <limits>
+#include <memory>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "commands.h"
 #include "json.h"
@@ -76,64 +80,25 @@ Result<SimulateReport> Simulate(std::span<const EngineRequest> requests,
 
 namespace {
 
-// One engine over `requests` to the end: its stats, its samples (when `samples` is given) and its
-// remote tier's counters, after the stores it queued were flushed.
-Result<EngineStats> RunEngine(RequestSource& requests, const EngineOptions& options,
-                              bool show_progress, std::vector<StepSample>* samples,
-                              RemoteTierStats* tier, bool* connected) {
-  EngineOptions engine_options = options;
-  engine_options.keep_outputs = false;
-  BLOCKKV_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(engine_options));
-  if (connected != nullptr) *connected = engine->manager().remote_tier_stats().connected;
-  NullRunner runner;
-  ProgressBar progress(show_progress, requests.total());
-  // One sample every `stride` steps, the stride doubling (and every other sample dropped) when
-  // kMaxSamples are held: a long run's plot costs bounded memory.
-  int64_t stride = 1;
-  Status status = engine->Run(requests, runner, [&](const Engine& e) {
-    const EngineStats& s = e.stats();
-    if (samples != nullptr && s.steps % stride == 0) {
-      samples->push_back(
-          {s.steps, static_cast<double>(e.used_blocks()) / s.num_blocks, s.hit_rate()});
-      if (std::ssize(*samples) == SimulateReport::kMaxSamples) {
-        for (size_t i = 0; 2 * i + 1 < samples->size(); ++i) (*samples)[i] = (*samples)[2 * i + 1];
-        samples->resize(samples->size() / 2);
-        stride *= 2;
-      }
-    }
-    progress.Update(e);
-  });
-  progress.Finish();
-  BLOCKKV_RETURN_IF_ERROR(status);
-  // Every request finished, so every block must be free or cached, and the manager consistent.
-  BLOCKKV_RETURN_IF_ERROR(engine->manager().CheckInvariants());
-  if (engine->used_blocks() != 0 || engine->manager().n_tracked_sequences() != 0) {
-    return InternalError(std::to_string(engine->used_blocks()) +
-                         " blocks still held after every request finished");
-  }
-  // The next engine must find every block this one stored.
-  engine->FlushRemoteTier();
-  if (tier != nullptr) {
-    const RemoteTierStats t = engine->manager().remote_tier_stats();
-    tier->hits += t.hits;
-    tier->misses += t.misses;
-    tier->misses_not_found += t.misses_not_found;
-    tier->misses_verify_failed += t.misses_verify_failed;
-    tier->misses_error += t.misses_error;
-    tier->misses_late += t.misses_late;
-    tier->invalid += t.invalid;
-    tier->fetched_bytes += t.fetched_bytes;
-    tier->stored += t.stored;
-    tier->stored_bytes += t.stored_bytes;
-    tier->dropped += t.dropped;
-    tier->errors += t.errors;
-    tier->reconnects += t.reconnects;
-    tier->redirects += t.redirects;
-    tier->topology_refreshes += t.topology_refreshes;
-    tier->nodes = std::max(tier->nodes, t.nodes);
-    tier->connected = tier->connected || t.connected;
-  }
-  return engine->stats();
+// Adds one engine's remote tier counters to `sum` (nodes: the most any engine saw).
+void AddTierStats(RemoteTierStats* sum, const RemoteTierStats& t) {
+  sum->hits += t.hits;
+  sum->misses += t.misses;
+  sum->misses_not_found += t.misses_not_found;
+  sum->misses_verify_failed += t.misses_verify_failed;
+  sum->misses_error += t.misses_error;
+  sum->misses_late += t.misses_late;
+  sum->invalid += t.invalid;
+  sum->fetched_bytes += t.fetched_bytes;
+  sum->stored += t.stored;
+  sum->stored_bytes += t.stored_bytes;
+  sum->dropped += t.dropped;
+  sum->errors += t.errors;
+  sum->reconnects += t.reconnects;
+  sum->redirects += t.redirects;
+  sum->topology_refreshes += t.topology_refreshes;
+  sum->nodes = std::max(sum->nodes, t.nodes);
+  sum->connected = sum->connected || t.connected;
 }
 
 // Sums the counts of several engines' runs (the peak is the largest engine's).
@@ -163,18 +128,78 @@ void AddStats(EngineStats* sum, const EngineStats& s) {
   sum->occupancy_sum += s.occupancy_sum;
 }
 
-// The requests dealt round-robin over options.engines engines, run one after another.
-Result<EngineStats> RunEngines(std::span<const std::vector<EngineRequest>> slices,
-                               const EngineOptions& options, bool progress,
+// Runs sources[i] on engine i to the end, every engine stepped in one clock, as engines of one
+// deployment run side by side: the engines whose clock is behind step next, together (each one's
+// lookups made before any of them computes, so that requests arriving at the same time on two
+// engines both miss what the other is computing), and the stores of their step reach the tier
+// before any engine steps again (a store takes far less than a step). Engine 0's steps are sampled
+// into `samples` (when given) and drawn by the progress bar. Returns the engines' stats (summed over several); `tier` gets their remote
+// tier counters summed, `connected` whether engine 0's tier was connected at start.
+Result<EngineStats> RunEngines(std::span<RequestSource* const> sources,
+                               const EngineOptions& options, bool show_progress,
                                std::vector<StepSample>* samples, RemoteTierStats* tier,
                                bool* connected) {
+  EngineOptions engine_options = options;
+  engine_options.keep_outputs = false;
+  std::vector<std::unique_ptr<Engine>> engines;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    BLOCKKV_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(engine_options));
+    engine->Start();
+    engines.push_back(std::move(engine));
+  }
+  if (connected != nullptr) *connected = engines[0]->manager().remote_tier_stats().connected;
+  const bool share_tier = engines.size() > 1 && options.remote_tier.has_value();
+  NullRunner runner;
+  ProgressBar progress(show_progress, sources[0]->total());
+  // One sample every `stride` steps, the stride doubling (and every other sample dropped) when
+  // kMaxSamples are held: a long run's plot costs bounded memory.
+  int64_t stride = 1;
+  std::vector<uint8_t> finished(engines.size(), 0);
+  std::vector<size_t> stepping;
+  while (true) {
+    int64_t now = std::numeric_limits<int64_t>::max();
+    for (size_t i = 0; i < engines.size(); ++i) {
+      if (finished[i] == 0) now = std::min(now, engines[i]->stats().clock);
+    }
+    if (now == std::numeric_limits<int64_t>::max()) break;  // every engine finished
+    stepping.clear();
+    for (size_t i = 0; i < engines.size(); ++i) {
+      if (finished[i] != 0 || engines[i]->stats().clock != now) continue;
+      BLOCKKV_ASSIGN_OR_RETURN(const Engine::Progress step, engines[i]->BeginStep(*sources[i]));
+      if (step == Engine::Progress::kFinished) finished[i] = 1;
+      if (step == Engine::Progress::kStepped) stepping.push_back(i);
+    }
+    for (const size_t i : stepping) BLOCKKV_RETURN_IF_ERROR(engines[i]->FinishStep(runner));
+    if (share_tier) {
+      for (const size_t i : stepping) engines[i]->FlushRemoteTier();
+    }
+    if (stepping.empty() || stepping[0] != 0) continue;
+    const Engine& e = *engines[0];
+    const EngineStats& s = e.stats();
+    if (samples != nullptr && s.steps % stride == 0) {
+      samples->push_back(
+          {s.steps, static_cast<double>(e.used_blocks()) / s.num_blocks, s.hit_rate()});
+      if (std::ssize(*samples) == SimulateReport::kMaxSamples) {
+        for (size_t i = 0; 2 * i + 1 < samples->size(); ++i) (*samples)[i] = (*samples)[2 * i + 1];
+        samples->resize(samples->size() / 2);
+        stride *= 2;
+      }
+    }
+    progress.Update(e);
+  }
+  progress.Finish();
   EngineStats sum;
-  for (size_t i = 0; i < slices.size(); ++i) {
-    SpanSource source(slices[i]);
-    BLOCKKV_ASSIGN_OR_RETURN(EngineStats s,
-                             RunEngine(source, options, progress, i == 0 ? samples : nullptr, tier,
-                                       i == 0 ? connected : nullptr));
-    AddStats(&sum, s);
+  for (const std::unique_ptr<Engine>& engine : engines) {
+    // Every request finished, so every block must be free or cached, and the manager consistent.
+    BLOCKKV_RETURN_IF_ERROR(engine->manager().CheckInvariants());
+    if (engine->used_blocks() != 0 || engine->manager().n_tracked_sequences() != 0) {
+      return InternalError(std::to_string(engine->used_blocks()) +
+                           " blocks still held after every request finished");
+    }
+    engine->FlushRemoteTier();  // what it stored is there for whoever runs next
+    if (tier != nullptr) AddTierStats(tier, engine->manager().remote_tier_stats());
+    if (engines.size() == 1) return engine->stats();
+    AddStats(&sum, engine->stats());
   }
   return sum;
 }
@@ -194,8 +219,9 @@ Result<SimulateReport> Simulate(RequestSource& requests, const SimulateOptions& 
   const auto start = std::chrono::steady_clock::now();
   const std::clock_t cpu_start = std::clock();
   if (options.engines == 1 && !options.remote) {
-    BLOCKKV_ASSIGN_OR_RETURN(report.stats, RunEngine(requests, options.engine, options.progress,
-                                                     &report.samples, nullptr, nullptr));
+    RequestSource* const one[] = {&requests};  // read as it is replayed
+    BLOCKKV_ASSIGN_OR_RETURN(report.stats, RunEngines(one, options.engine, options.progress,
+                                                      &report.samples, nullptr, nullptr));
   } else {
     // Several engines (or two runs): the requests are read once and dealt round-robin.
     std::vector<std::vector<EngineRequest>> slices(static_cast<size_t>(options.engines));
@@ -205,17 +231,25 @@ Result<SimulateReport> Simulate(RequestSource& requests, const SimulateOptions& 
       if (!more) break;
       slices[i % slices.size()].push_back(std::move(request));
     }
+    const auto run = [&](const EngineOptions& engine_options, std::vector<StepSample>* samples,
+                         RemoteTierStats* tier, bool* connected) {
+      std::vector<std::unique_ptr<SpanSource>> owned;
+      std::vector<RequestSource*> sources;
+      for (const std::vector<EngineRequest>& slice : slices) {
+        owned.push_back(std::make_unique<SpanSource>(slice));
+        sources.push_back(owned.back().get());
+      }
+      return RunEngines(sources, engine_options, options.progress, samples, tier, connected);
+    };
     EngineOptions with = options.engine;
     with.remote_tier = options.remote;
-    BLOCKKV_ASSIGN_OR_RETURN(
-        report.stats, RunEngines(slices, with, options.progress, &report.samples, &report.tier,
-                                 &report.remote_connected));
+    BLOCKKV_ASSIGN_OR_RETURN(report.stats,
+                             run(with, &report.samples, &report.tier, &report.remote_connected));
     if (options.remote) {
       report.remote = true;
       EngineOptions without = options.engine;
       without.remote_tier.reset();
-      BLOCKKV_ASSIGN_OR_RETURN(report.without_tier, RunEngines(slices, without, options.progress,
-                                                               nullptr, nullptr, nullptr));
+      BLOCKKV_ASSIGN_OR_RETURN(report.without_tier, run(without, nullptr, nullptr, nullptr));
     }
   }
   report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -377,7 +411,7 @@ std::string FormatSimulate(const SimulateReport& report, const EngineOptions& en
   add("host prefix   %lld evicted blocks demoted to the host, %lld promoted back, %lld dropped\n",
       ll(s.host_demoted), ll(s.host_promoted), ll(s.host_dropped));
   if (report.engines > 1 || report.remote) {
-    add("engines       %d, requests dealt round-robin, run one after another; counts summed\n",
+    add("engines       %d, requests dealt round-robin, run side by side; counts summed\n",
         report.engines);
   }
   if (report.remote) {

@@ -85,21 +85,24 @@ TEST(Simulate, KnownHitRate) {
   EXPECT_EQ(std::ssize(report->samples), s.steps);
 }
 
-// Four requests sharing a 256-token prompt prefix (16 blocks), far apart, dealt round-robin to
-// two engines: engine 0 gets requests 1 and 3, engine 1 requests 2 and 4. Without the tier each
-// engine computes the prefix once (its second request hits it locally): 300 + 44 per engine.
-// With it, engine 1 (run after engine 0, whose stores were flushed) fetches the 16 blocks for its
-// first request too: 300 + 44 + 44 + 44.
-std::string SharedPrefixTrace() {
+// Four requests sharing a 256-token prompt prefix (16 blocks), arriving at `arrivals`, dealt
+// round-robin to two engines: engine 0 gets requests 1 and 3, engine 1 requests 2 and 4.
+std::string SharedPrefixTrace(const std::vector<int>& arrivals = {0, 10, 20, 30}) {
   std::string text;
-  for (int i = 0; i < 4; ++i) {
-    text += R"({"arrival": )" + std::to_string(10 * i) +
+  std::string name = "shared_prefix";
+  for (const int arrival : arrivals) {
+    text += R"({"arrival": )" + std::to_string(arrival) +
             R"(, "prompt_len": 300, "prefix_group": "sys", "prefix_len": 256, "output_len": 2})" +
             "\n";
+    name.push_back('_');
+    name.append(std::to_string(arrival));
   }
-  return WriteTemp("shared_prefix.jsonl", text);
+  return WriteTemp(name + ".jsonl", text);
 }
 
+// Far apart: without the tier each engine computes the prefix once (its second request hits it
+// locally): 300 + 44 per engine. With it, engine 1's first request (at step 10, after engine 0's
+// first was computed and stored) fetches the 16 blocks: 300 + 44 + 44 + 44.
 TEST(SimulateRemote, SecondEngineFetchesTheFirstEnginesPrefixFromTheTier) {
   blockkv::testing::RedisServer server;
   ASSERT_TRUE(server.running());
@@ -143,6 +146,29 @@ TEST(SimulateRemote, SecondEngineFetchesTheFirstEnginesPrefixFromTheTier) {
   const std::string text = FormatSimulate(*report, options.engine, /*json=*/false);
   EXPECT_NE(text.find("remote tier   16 blocks hit"), std::string::npos) << text;
   EXPECT_NE(text.find("without tier"), std::string::npos) << text;
+}
+
+// Requests 1 and 2 arrive together, one on each engine: both engines compute the prefix in the
+// same step, neither finds the other's (as two engines of a deployment would not), so the tier
+// saves nothing; the later two hit their own engine's cache. Run one engine after the other, the
+// second engine would have fetched what the first had computed.
+TEST(SimulateRemote, EnginesSteppingTogetherDoNotSeeWhatTheOtherComputesInThatStep) {
+  blockkv::testing::RedisServer server;
+  ASSERT_TRUE(server.running());
+  Result<std::vector<EngineRequest>> trace = ReadTrace(SharedPrefixTrace({0, 0, 20, 20}));
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  SimulateOptions options;
+  options.engine.num_blocks = 256;
+  options.engines = 2;
+  options.remote = RemoteTierConfig{.url = server.url(), .model_id = "tool-test-together"};
+  Result<SimulateReport> report = Simulate(*trace, options);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->stats.finished, 4);
+  EXPECT_EQ(report->tier.hits, 0);
+  EXPECT_EQ(report->tier.errors, 0);
+  EXPECT_GT(report->tier.stored, 0);
+  EXPECT_EQ(report->stats.prompt_tokens, 2 * (300 + 44));
+  EXPECT_EQ(report->without_tier.prompt_tokens, 2 * (300 + 44));
 }
 
 TEST(SimulateRemote, UnreachableServerRunsWithoutTheTierAndSaysSo) {
