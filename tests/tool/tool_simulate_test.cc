@@ -87,7 +87,7 @@ TEST(Simulate, KnownHitRate) {
 
 // Four requests sharing a 256-token prompt prefix (16 blocks), arriving at `arrivals`, dealt
 // round-robin to two engines: engine 0 gets requests 1 and 3, engine 1 requests 2 and 4.
-std::string SharedPrefixTrace(const std::vector<int>& arrivals = {0, 10, 20, 30}) {
+std::string SharedPrefixTrace(const std::vector<int>& arrivals) {
   std::string text;
   std::string name = "shared_prefix";
   for (const int arrival : arrivals) {
@@ -103,16 +103,23 @@ std::string SharedPrefixTrace(const std::vector<int>& arrivals = {0, 10, 20, 30}
 // Far apart: without the tier each engine computes the prefix once (its second request hits it
 // locally): 300 + 44 per engine. With it, engine 1's first request (at step 10, after engine 0's
 // first was computed and stored) fetches the 16 blocks: 300 + 44 + 44 + 44.
+// SharedPrefixTrace(arrivals) over two engines of 256 blocks that share the tier at `url`.
+Result<SimulateReport> SimulateSharedPrefix(const std::string& url,
+                                            const std::vector<int>& arrivals,
+                                            SimulateOptions* options) {
+  BLOCKKV_ASSIGN_OR_RETURN(std::vector<EngineRequest> trace,
+                           ReadTrace(SharedPrefixTrace(arrivals)));
+  options->engine.num_blocks = 256;
+  options->engines = 2;
+  options->remote = RemoteTierConfig{.url = url, .model_id = "tool-test"};
+  return Simulate(trace, *options);
+}
+
 TEST(SimulateRemote, SecondEngineFetchesTheFirstEnginesPrefixFromTheTier) {
   blockkv::testing::RedisServer server;
   ASSERT_TRUE(server.running());
-  Result<std::vector<EngineRequest>> trace = ReadTrace(SharedPrefixTrace());
-  ASSERT_TRUE(trace.ok()) << trace.status();
   SimulateOptions options;
-  options.engine.num_blocks = 256;
-  options.engines = 2;
-  options.remote = RemoteTierConfig{.url = server.url(), .model_id = "tool-test"};
-  Result<SimulateReport> report = Simulate(*trace, options);
+  Result<SimulateReport> report = SimulateSharedPrefix(server.url(), {0, 10, 20, 30}, &options);
   ASSERT_TRUE(report.ok()) << report.status();
   EXPECT_EQ(report->engines, 2);
   EXPECT_TRUE(report->remote);
@@ -155,13 +162,8 @@ TEST(SimulateRemote, SecondEngineFetchesTheFirstEnginesPrefixFromTheTier) {
 TEST(SimulateRemote, EnginesSteppingTogetherDoNotSeeWhatTheOtherComputesInThatStep) {
   blockkv::testing::RedisServer server;
   ASSERT_TRUE(server.running());
-  Result<std::vector<EngineRequest>> trace = ReadTrace(SharedPrefixTrace({0, 0, 20, 20}));
-  ASSERT_TRUE(trace.ok()) << trace.status();
   SimulateOptions options;
-  options.engine.num_blocks = 256;
-  options.engines = 2;
-  options.remote = RemoteTierConfig{.url = server.url(), .model_id = "tool-test-together"};
-  Result<SimulateReport> report = Simulate(*trace, options);
+  Result<SimulateReport> report = SimulateSharedPrefix(server.url(), {0, 0, 20, 20}, &options);
   ASSERT_TRUE(report.ok()) << report.status();
   EXPECT_EQ(report->stats.finished, 4);
   EXPECT_EQ(report->tier.hits, 0);
@@ -172,15 +174,11 @@ TEST(SimulateRemote, EnginesSteppingTogetherDoNotSeeWhatTheOtherComputesInThatSt
 }
 
 TEST(SimulateRemote, UnreachableServerRunsWithoutTheTierAndSaysSo) {
-  Result<std::vector<EngineRequest>> trace = ReadTrace(SharedPrefixTrace());
-  ASSERT_TRUE(trace.ok()) << trace.status();
-  SimulateOptions options;
-  options.engine.num_blocks = 256;
-  options.engines = 2;
   const int port = blockkv::testing::FreePort();  // nothing listens there
   ASSERT_GT(port, 0);
-  options.remote = RemoteTierConfig{.url = "redis://127.0.0.1:" + std::to_string(port)};
-  Result<SimulateReport> report = Simulate(*trace, options);
+  SimulateOptions options;
+  Result<SimulateReport> report =
+      SimulateSharedPrefix("redis://127.0.0.1:" + std::to_string(port), {0, 10, 20, 30}, &options);
   ASSERT_TRUE(report.ok()) << report.status();
   EXPECT_FALSE(report->remote_connected);
   EXPECT_EQ(report->tier.hits, 0);
