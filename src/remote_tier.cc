@@ -620,11 +620,15 @@ Result<std::unique_ptr<RemoteTier>> RemoteTier::Open(const RemoteTierConfig& con
   std::unique_ptr<RemoteTier> tier(new RemoteTier(config, std::move(url)));
   // A server that cannot be reached now is connected later by the worker that needs it (after a
   // backoff), as one that went away is; only one that answers and refuses fails here.
-  for (Lane* lane : {&tier->fetch_lane_, &tier->store_lane_}) {
-    if (const Status s = tier->Start(*lane); !s.ok()) {
-      if (s.code() != StatusCode::kUnavailable) return s;
-      if (tier->unreachable_.empty()) tier->unreachable_ = std::string(s.message());
-    }
+  if (const Status s = tier->Start(tier->fetch_lane_, /*connect=*/true); !s.ok()) {
+    if (s.code() != StatusCode::kUnavailable) return s;
+    tier->unreachable_ = std::string(s.message());
+  }
+  // The stores' own connections; not tried when the fetches' could not be made (each connect can
+  // take timeout_ms), nor an error when they cannot be made now.
+  if (const Status s = tier->Start(tier->store_lane_, /*connect=*/tier->unreachable_.empty());
+      !s.ok() && s.code() != StatusCode::kUnavailable) {
+    return s;
   }
   RemoteTier* t = tier.get();
   tier->fetch_worker_ = std::thread([t] { t->RunFetches(); });
@@ -651,7 +655,7 @@ RemoteTier::~RemoteTier() {
   }
 }
 
-Status RemoteTier::Start(Lane& lane) {
+Status RemoteTier::Start(Lane& lane, bool connect) {
   Status last = UnavailableError("no host");
   if (!url_.cluster) {  // the one node, connected now or after its backoff
     lane.nodes[NodeAt(lane, url_.hosts[0].host, url_.hosts[0].port)]->slots = kClusterSlots;
@@ -659,6 +663,7 @@ Status RemoteTier::Start(Lane& lane) {
   } else {
     lane.refresh_needed = true;  // until a slot map is read
   }
+  if (!connect) return UnavailableError("left to the worker");
   for (const RedisUrl::HostPort& seed : url_.hosts) {
     Result<redisContext*> ctx = Connect(url_, seed.host, seed.port, config_.timeout_ms);
     if (!ctx.ok()) {

@@ -221,8 +221,9 @@ class RemoteTier {
     std::atomic<bool> connected{false};  // every one of them connected (read by stats())
   };
   // Open's work on the calling thread, once per lane: the first seed that answers (a cluster: its
-  // slot map, then a connection to every master; one that fails is retried later).
-  Status Start(Lane& lane);
+  // slot map, then a connection to every master; one that fails is retried later). Without
+  // `connect`, only the lane's setup, for its worker to connect (kUnavailable).
+  Status Start(Lane& lane, bool connect);
   void RunFetches();
   void RunStores();
   bool EnsureConnected(Lane& lane, Node& node);
