@@ -14,6 +14,8 @@
 //                prompts:8 does the first four for 8 prompts in a row (an engine's steps: each
 //                prompt's lookup and copies made while the worker sends the last one's), then
 //                flushes
+//   tier_store_only  tier_store of one prompt with its AddSequence and Schedule (the lookup, a
+//                miss: one round trip) untimed: the write-through alone
 //   raw_set      k SETs (k × prompts) of distinct values of the same size, pipelined on one
 //                hiredis connection (each prompt's written before the next one's is formatted),
 //                then every reply read
@@ -26,7 +28,8 @@
 //                scheduled together (the queued fetches pipelined: one round trip, not 8)
 //   tier_fetch_agreed  the same with AgreeRemotePrefix (a world of one) in place of the wait: what
 //                the tensor-parallel agreement adds (its offer verifies the values once more)
-//   cluster_tier_store, cluster_tier_fetch   as above, the tier given redis+cluster://
+//   cluster_tier_store, cluster_tier_store_only, cluster_tier_fetch   as above, the tier given
+//                redis+cluster://
 //   cluster_raw_set   the k SETs routed to their slots' masters, one hiredis connection per node:
 //                     every node's pipeline written, then every reply read
 //   cluster_raw_get   the k keys' GETs, routed and pipelined the same way (MGET across slots is
@@ -169,15 +172,25 @@ void SetBytes(benchmark::State& state, int64_t layers, int32_t k) {
       benchmark::Counter::kIsRate, benchmark::Counter::kIs1024);
 }
 
-void TierStoreOn(benchmark::State& state, bool cluster) {
+// With `lookup_timed` false (one prompt only), the prompt's AddSequence and Schedule (its lookup:
+// a miss, one round trip) run untimed: what is timed is the write-through alone.
+void TierStoreOn(benchmark::State& state, bool cluster, bool lookup_timed = true) {
   const int64_t layers = state.range(0);
   const auto k = static_cast<int32_t>(state.range(1));
-  const int64_t prompts = state.range(2);
+  const int64_t prompts = lookup_timed ? state.range(2) : 1;
   std::unique_ptr<StateManager> mgr = MakeManager(layers, k, cluster);
   int64_t seed = 0;
+  const SeqId uids[] = {1};
   for (auto _ : state) {
     for (int64_t p = 0; p < prompts; ++p) {
-      if (Run(*mgr, 1, Prompt(++seed, k)) != 0) state.SkipWithError("a store row hit");
+      const std::vector<TokenId> prompt = Prompt(++seed, k);
+      const int64_t lengths[] = {std::ssize(prompt)};
+      if (!lookup_timed) state.PauseTiming();
+      blockkv_bench::Check(mgr->AddSequence(1, prompt).status(), "AddSequence");
+      blockkv_bench::Check(mgr->Schedule({.uids = uids, .lengths = lengths}), "Schedule");
+      if (mgr->GetSequence(1)->cached_prefix_tokens() != 0) state.SkipWithError("a store row hit");
+      if (!lookup_timed) state.ResumeTiming();
+      blockkv_bench::Check(mgr->PostForward(uids), "PostForward");
       blockkv_bench::Check(mgr->FlushSequence(1), "FlushSequence");
     }
     mgr->FlushRemoteTier();
@@ -195,6 +208,8 @@ void TierStoreOn(benchmark::State& state, bool cluster) {
 }
 void TierStore(benchmark::State& state) { TierStoreOn(state, false); }
 void ClusterTierStore(benchmark::State& state) { TierStoreOn(state, true); }
+void TierStoreOnly(benchmark::State& state) { TierStoreOn(state, false, false); }
+void ClusterTierStoreOnly(benchmark::State& state) { TierStoreOn(state, true, false); }
 
 // k values of the tier's size for these blocks (header + tokens + bytes + checksum), each its own
 // bytes in its own memory, as k blocks are: one value sent k times would be read from the CPU's
@@ -497,6 +512,7 @@ void StoreArgs(benchmark::internal::Benchmark* b) {
   for (const int64_t prompts : {1, 8}) b->Args({32, 8, prompts})->Args({1, 32, prompts});
 }
 BENCHMARK(TierStore)->Apply(StoreArgs);
+BENCHMARK(TierStoreOnly)->Apply(Args);
 BENCHMARK(RawSet)->Apply(StoreArgs);
 BENCHMARK(TierFetch)->Apply(Args);
 BENCHMARK(RawMget)->Apply(Args);
@@ -508,6 +524,7 @@ BENCHMARK(TierFetchAheadMany)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(ClusterTierStore)->Apply(StoreArgs);
+BENCHMARK(ClusterTierStoreOnly)->Apply(Args);
 BENCHMARK(ClusterRawSet)->Apply(StoreArgs);
 BENCHMARK(ClusterTierFetch)->Apply(Args);
 BENCHMARK(ClusterRawGet)->Apply(Args);

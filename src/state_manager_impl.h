@@ -438,7 +438,7 @@ class StateManager::Impl {
   std::unique_ptr<internal::PrefixHostTier> host_prefix_;
   std::vector<int32_t> promote_entries_;  // this call's host-level hits
   int32_t promoted_ = 0;                  // blocks of group 0 they need (Check counts them)
-  // The remote tier (remote_tier.h) when configured and reachable at Create.
+  // The remote tier (remote_tier.h) when configured (connected at Create or later).
   std::unique_ptr<internal::RemoteTier> remote_;
   std::vector<internal::RemoteTier::PendingStore> remote_stores_;  // a sequence's, being copied
   uint64_t remote_fingerprint_ = 0;
