@@ -133,8 +133,9 @@ void AddStats(EngineStats* sum, const EngineStats& s) {
 // lookups made before any of them computes, so that requests arriving at the same time on two
 // engines both miss what the other is computing), and the stores of their step reach the tier
 // before any engine steps again (a store takes far less than a step). Engine 0's steps are sampled
-// into `samples` (when given) and drawn by the progress bar. Returns the engines' stats (summed over several); `tier` gets their remote
-// tier counters summed, `connected` whether engine 0's tier was connected at start.
+// into `samples` (when given) and drawn by the progress bar. Returns the engines' stats (summed
+// over several); `tier` gets their remote tier counters summed, `connected` whether engine 0's
+// tier was connected at start.
 Result<EngineStats> RunEngines(std::span<RequestSource* const> sources,
                                const EngineOptions& options, bool show_progress,
                                std::vector<StepSample>* samples, RemoteTierStats* tier,
