@@ -12,7 +12,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <future>
 #include <memory>
 #include <span>
 #include <string>
@@ -370,12 +369,9 @@ class StateManager::Impl {
   };
   std::unique_ptr<internal::TransferEndpoint> transfer_;
   std::vector<PendingExport> exports_;
-  // Started imports (StartImport), their sequences tracked and pinned, in the order started.
-  struct PendingImport {
-    SeqId uid = 0;
-    std::shared_future<Status> done;
-  };
-  std::vector<PendingImport> imports_;
+  // Started imports (StartImport's tickets), their sequences tracked and pinned, in the order
+  // started.
+  std::vector<ImportTicket> imports_;
   // Commits (or, failed, drops) imports_[i], whose transfer has finished, and forgets it.
   Status FinishImport(size_t i);
   // kFailedPrecondition naming `who` while any import is started (snapshots).

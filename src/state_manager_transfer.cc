@@ -663,23 +663,23 @@ Result<ImportTicket> StateManager::Impl::StartImport(std::span<const std::byte> 
   std::shared_future<Status> done =
       transfer_->Import(std::move(d.address), std::move(rkeys), std::move(gets), d.transfer_id,
                         config_.transfer->timeout_ms);
-  imports_.push_back({.uid = uid, .done = done});
-  return ImportTicket(uid, std::move(done));
+  imports_.push_back(ImportTicket(uid, std::move(done)));
+  return imports_.back();
 }
 
 Status StateManager::Impl::FinishImport(size_t i) {
-  const PendingImport pending = imports_[i];
+  const ImportTicket pending = imports_[i];
   imports_.erase(imports_.begin() + static_cast<std::ptrdiff_t>(i));
-  Sequence* seq = Find(pending.uid);
+  Sequence* seq = Find(pending.uid());
   BLOCKKV_CHECK(seq != nullptr && seq->importing_, "an import's sequence was not tracked, pinned");
   seq->importing_ = false;
-  const Status moved = ImportTicket(pending.uid, pending.done).Wait();
+  const Status moved = pending.Wait();
   if (!moved.ok()) {
     // Nothing of it was published: its slot and blocks go back as they came (shared cached
     // blocks become evictable again).
-    const Status flushed = FlushSequence(pending.uid);
+    const Status flushed = FlushSequence(pending.uid());
     BLOCKKV_CHECK(flushed.ok(), "a failed import could not be flushed");
-    return {moved.code(), StrCat("ImportSequence: sequence ", pending.uid, ": ", moved.message(),
+    return {moved.code(), StrCat("ImportSequence: sequence ", pending.uid(), ": ", moved.message(),
                                  "; nothing was imported, the sender keeps it")};
   }
   // The sender accepted (DONE is sent): the sequence is ours now.
@@ -690,11 +690,11 @@ Status StateManager::Impl::FinishImport(size_t i) {
 std::vector<std::pair<SeqId, Status>> StateManager::Impl::CompleteImports() {
   std::vector<std::pair<SeqId, Status>> finished;
   for (size_t i = 0; i < imports_.size();) {
-    if (!ImportTicket(imports_[i].uid, imports_[i].done).Poll()) {
+    if (!imports_[i].Poll()) {
       ++i;
       continue;
     }
-    const SeqId uid = imports_[i].uid;
+    const SeqId uid = imports_[i].uid();
     finished.emplace_back(uid, FinishImport(i));  // erases imports_[i]
   }
   return finished;
