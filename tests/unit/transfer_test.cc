@@ -829,6 +829,9 @@ TEST_P(TransferTest, StartImportReturnsAtOnceAndTheEngineRunsMeanwhile) {
   ASSERT_OK(ticket);
   EXPECT_EQ(ticket->uid(), 7);
   EXPECT_FALSE(ticket->Poll());
+  // A copy waited on by another thread (an engine's I/O thread), as the scheduling thread goes on.
+  blockkv::Status waited = blockkv::InternalError("not waited");
+  std::jthread waiter([copy = *ticket, &waited] { waited = copy.Wait(); });
   EXPECT_EQ(receiver->pending_imports(), 1);
   EXPECT_EQ(receiver->n_tracked_sequences(), 1);
   EXPECT_EQ(receiver->free_blocks()[0], 64 - 10);  // taken now
@@ -851,6 +854,8 @@ TEST_P(TransferTest, StartImportReturnsAtOnceAndTheEngineRunsMeanwhile) {
   EXPECT_TRUE(receiver->CompleteImports().empty());
   EXPECT_OK(receiver->CheckInvariants());
   sender.Signal(SIGCONT);
+  waiter.join();
+  EXPECT_OK(waited);
   EXPECT_OK(ticket->Wait());
   EXPECT_TRUE(ticket->Poll());
   const std::vector<std::pair<SeqId, blockkv::Status>> done = receiver->CompleteImports();
