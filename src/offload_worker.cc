@@ -7,15 +7,14 @@
 #include <utility>
 #include <vector>
 
-#define XXH_INLINE_ALL
-#include <xxhash.h>
-
 #include "internal/check.h"
+#include "internal/checksum.h"
 #include "internal/strings.h"
 #include "offload_store.h"
 
 namespace blockkv {
 
+using internal::Checksum64;
 using internal::StrCat;
 
 // ---- the worker -------------------------------------------------------------------------------
@@ -42,7 +41,7 @@ void OffloadStore::Impl::Run() {
 
 Status OffloadStore::Impl::WriteDisk(Copy& copy, const std::byte* data) {
   const int64_t bytes = groups[copy.group].layout.block_bytes();
-  copy.checksum = XXH3_64bits(data, static_cast<size_t>(bytes));
+  copy.checksum = Checksum64(data, static_cast<size_t>(bytes));
   Status s = file->Write(DiskOffset(copy.group, copy.disk_slot),
                          std::span(data, static_cast<size_t>(bytes)));
   if (s.ok()) return s;
@@ -59,7 +58,7 @@ Status OffloadStore::Impl::ReadDisk(const Copy& copy, std::byte* data) {
   };
   Status s = file->Read(offset, std::span(data, static_cast<size_t>(bytes)));
   if (!s.ok()) return {s.code(), StrCat(where(), ": ", s.message())};
-  const uint64_t sum = XXH3_64bits(data, static_cast<size_t>(bytes));
+  const uint64_t sum = Checksum64(data, static_cast<size_t>(bytes));
   if (sum != copy.checksum) {
     return DataLossError(StrCat(where(), ": checksum mismatch (stored ", copy.checksum, ", read ",
                                 sum, "): the file was changed or corrupted"));

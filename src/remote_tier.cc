@@ -15,6 +15,7 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
+#include "internal/checksum.h"
 #include "internal/strings.h"
 
 #define XXH_INLINE_ALL
@@ -236,11 +237,9 @@ class SocketReader {
   }
   // Exactly n bytes into dst, then the CRLF that ends a bulk string. With `hash`, the first
   // `hashed` bytes are fed to it as they arrive, a piece at a time while it is still in cache.
-  bool Bulk(char* dst, size_t n, XXH3_state_t* hash = nullptr, size_t hashed = 0) {
+  bool Bulk(char* dst, size_t n, Checksum64Stream* hash = nullptr, size_t hashed = 0) {
     const auto feed = [&](size_t from, size_t to) {
-      if (hash != nullptr && from < hashed) {
-        XXH3_64bits_update(hash, dst + from, std::min(to, hashed) - from);
-      }
+      if (hash != nullptr && from < hashed) hash->Update(dst + from, std::min(to, hashed) - from);
     };
     const size_t staged = std::min(n, end_ - begin_);
     std::memcpy(dst, buf_.data() + begin_, staged);
@@ -306,8 +305,7 @@ ReplyRead ReadValue(SocketReader& in, FetchedBuffers& owned, std::string_view* v
   }
   const auto n = static_cast<size_t>(len);
   ValueBuffers::Buffer buffer = owned.pool->Take(n);
-  XXH3_state_t hash;
-  XXH3_64bits_reset(&hash);
+  Checksum64Stream hash;
   const bool summed = n >= sizeof(uint64_t);
   char* const data = buffer.data.get();
   owned.values.push_back(std::move(buffer));  // given back to the pool even when broken
@@ -316,7 +314,7 @@ ReplyRead ReadValue(SocketReader& in, FetchedBuffers& owned, std::string_view* v
   }
   uint64_t sum = 0;
   if (summed) std::memcpy(&sum, data + n - sizeof(uint64_t), sizeof(sum));
-  *checksum_ok = summed && sum == XXH3_64bits_digest(&hash);
+  *checksum_ok = summed && sum == hash.Digest();
   *value = std::string_view(data, n);
   return ReplyRead::kValue;
 }
@@ -482,7 +480,7 @@ std::string EncodeRemoteValue(const RemoteBlockMeta& m, size_t* payload_offset) 
 }
 
 void SealRemoteValue(char* value, size_t size) {
-  const uint64_t sum = XXH3_64bits(value, size);
+  const uint64_t sum = Checksum64(value, size);
   std::memcpy(value + size, &sum, sizeof(sum));
 }
 
@@ -497,7 +495,7 @@ bool RemoteValueChecksumOk(std::string_view value) {
   const std::string_view body = value.substr(0, value.size() - sizeof(uint64_t));
   uint64_t sum = 0;
   std::memcpy(&sum, value.data() + body.size(), sizeof(sum));
-  return sum == XXH3_64bits(body.data(), body.size());
+  return sum == Checksum64(body.data(), body.size());
 }
 
 int64_t VerifyRemoteValue(std::string_view value, const RemoteBlockMeta& want, bool checksum_ok) {

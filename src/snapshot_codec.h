@@ -19,12 +19,10 @@
 
 #include "blockkv/state_manager.h"
 #include "internal/check.h"
+#include "internal/checksum.h"
 #include "internal/strings.h"
 #include "state_manager_impl.h"
 #include "state_manager_keys.h"
-
-#define XXH_INLINE_ALL
-#include <xxhash.h>
 
 namespace blockkv::internal {
 namespace snapshot {
@@ -50,7 +48,7 @@ inline constexpr Tag kEndTag = {'E', 'N', 'D', '.'};
 inline constexpr uint8_t kHashXxh3 = 0;    // prefix_cache.hash_function: the default
 inline constexpr uint8_t kHashCustom = 1;  // any other (never saved)
 
-inline uint64_t Checksum(Bytes bytes) { return XXH3_64bits(bytes.data(), bytes.size()); }
+inline uint64_t Checksum(Bytes bytes) { return Checksum64(bytes.data(), bytes.size()); }
 inline std::string_view TagName(SectionId id) { return {kTags[id].data(), kTags[id].size()}; }
 
 // kDataLoss about the byte at `offset` of the file, in section `id`.
@@ -177,7 +175,7 @@ class Decoder {
 class Writer {
  public:
   using Sink = std::function<Status(Bytes)>;
-  explicit Writer(const Sink& sink) : sink_(sink) { XXH3_64bits_reset(&file_hash_); }
+  explicit Writer(const Sink& sink) : sink_(sink) {}
 
   Status Header();
   Status Section(SectionId id, Bytes payload);
@@ -193,8 +191,8 @@ class Writer {
   Status Put(Bytes bytes, bool in_section);
 
   const Sink& sink_;
-  XXH3_state_t file_hash_{};
-  XXH3_state_t section_hash_{};
+  Checksum64Stream file_hash_;
+  Checksum64Stream section_hash_;
   uint64_t section_left_ = 0;
   uint64_t written_ = 0;
 };

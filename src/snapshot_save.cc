@@ -37,7 +37,7 @@ Status Writer::Section(SectionId id, Bytes payload) {
 }
 
 Status Writer::Begin(SectionId id, uint64_t length) {
-  XXH3_64bits_reset(&section_hash_);
+  section_hash_ = Checksum64Stream();
   section_left_ = length;
   Encoder e;
   e.Append(std::as_bytes(std::span(kTags[id])));
@@ -54,7 +54,7 @@ Status Writer::Data(Bytes bytes) {
 
 Status Writer::End() {
   BLOCKKV_CHECK(section_left_ == 0, "SaveSnapshot: a section fell short of its length");
-  const uint64_t checksum = XXH3_64bits_digest(&section_hash_);
+  const uint64_t checksum = section_hash_.Digest();
   return Put(std::as_bytes(std::span(&checksum, 1)), /*in_section=*/false);
 }
 
@@ -64,13 +64,13 @@ Status Writer::Finish() {
   e.Put<uint32_t>(0);
   e.Put<uint64_t>(written_ + kTrailerBytes);
   BLOCKKV_RETURN_IF_ERROR(Put(e.bytes(), /*in_section=*/false));
-  const uint64_t checksum = XXH3_64bits_digest(&file_hash_);
+  const uint64_t checksum = file_hash_.Digest();
   return Put(std::as_bytes(std::span(&checksum, 1)), /*in_section=*/false);
 }
 
 Status Writer::Put(Bytes bytes, bool in_section) {
-  if (in_section) XXH3_64bits_update(&section_hash_, bytes.data(), bytes.size());
-  XXH3_64bits_update(&file_hash_, bytes.data(), bytes.size());
+  if (in_section) section_hash_.Update(bytes.data(), bytes.size());
+  file_hash_.Update(bytes.data(), bytes.size());
   written_ += bytes.size();
   return sink_(bytes);
 }

@@ -23,6 +23,7 @@
 
 #include "blockkv/state_manager.h"
 #include "internal/block_size.h"
+#include "internal/checksum.h"
 #include "internal/strings.h"
 #include "internal/uid_map.h"
 #include "snapshot_codec.h"
@@ -140,7 +141,7 @@ Status Parse(std::span<const std::byte> bytes, Descriptor* d) {
   const std::span<const std::byte> body = bytes.first(bytes.size() - sizeof(uint64_t));
   uint64_t checksum = 0;
   std::memcpy(&checksum, bytes.data() + body.size(), sizeof(checksum));
-  if (const uint64_t actual = XXH3_64bits(body.data(), body.size()); actual != checksum) {
+  if (const uint64_t actual = internal::Checksum64(body.data(), body.size()); actual != checksum) {
     return InvalidArgumentError(StrCat("ImportSequence: the descriptor is corrupt: checksum ",
                                        Hex(actual), ", recorded ", Hex(checksum)));
   }
@@ -266,7 +267,7 @@ Status StateManager::Impl::EnableTransfer() {
   }
   transfer_ = std::move(*endpoint);
   transfer_layout_ = TransferLayout();
-  transfer_fingerprint_ = XXH3_64bits(transfer_layout_.data(), transfer_layout_.size());
+  transfer_fingerprint_ = internal::Checksum64(transfer_layout_.data(), transfer_layout_.size());
   return Status::Ok();
 }
 
@@ -344,7 +345,7 @@ Result<std::vector<std::byte>> StateManager::Impl::ExportSequence(SeqId uid) {
     e.Append(std::as_bytes(std::span(state.row + released, static_cast<size_t>(used - released))));
   }
   std::vector<std::byte> out = e.Take();
-  const uint64_t checksum = XXH3_64bits(out.data(), out.size());
+  const uint64_t checksum = internal::Checksum64(out.data(), out.size());
   const auto* c = reinterpret_cast<const std::byte*>(&checksum);
   out.insert(out.end(), c, c + sizeof(checksum));
   seq->exported_ = true;
