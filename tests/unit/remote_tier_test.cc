@@ -485,6 +485,48 @@ TEST(RemoteTierTest, AStoreAStalledServerCannotTakeIsDroppedAfterTheTimeout) {
   EXPECT_EQ(got.values[0], wrote);
 }
 
+// Values of odd sizes from one byte to past 2 MiB, many of them together, written by the store
+// worker (sendmsg of many iovecs, partial writes, each value sealed by the worker) to one server
+// and to the three nodes of a cluster: each must arrive byte for byte with the checksum of its
+// bytes. The other tests store values of a few hundred bytes.
+TEST(RemoteTierTest, ValuesOfEverySizeArriveSealedWhole) {
+  RedisServer server;
+  RedisCluster cluster;
+  for (const std::string& url : {server.url(), cluster.url()}) {
+    SCOPED_TRACE(url);
+    auto tier = internal::RemoteTier::Open({.url = url, .timeout_ms = 5000});
+    ASSERT_TRUE(tier.ok()) << tier.status();
+    std::mt19937 rng(7);
+    const size_t kib = 1024;
+    std::vector<size_t> sizes = {
+        1, 100, 128 * kib - 1, 128 * kib, 128 * kib + 1, 384 * kib + 5, 2049 * kib + 3};
+    for (int i = 0; i < 24; ++i) sizes.push_back(64 * kib);  // a prompt of 64 KiB blocks
+    for (int i = 0; i < 16; ++i) sizes.push_back(1 + rng() % 50000);
+    std::vector<internal::RemoteTier::PendingStore> stores;
+    std::vector<std::string> keys;
+    std::vector<std::string> want;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      keys.push_back("sized:" + std::to_string(i));
+      internal::RemoteTier::PendingStore store = (*tier)->NewStore(keys.back(), sizes[i]);
+      std::string bytes(sizes[i], '\0');
+      for (char& c : bytes) c = static_cast<char>(rng());
+      std::copy(bytes.begin(), bytes.end(), store.value.data.get());
+      internal::SealRemoteValue(bytes);
+      want.push_back(std::move(bytes));
+      stores.push_back(std::move(store));
+    }
+    (*tier)->Store(stores);
+    (*tier)->Drain();
+    EXPECT_EQ((*tier)->stats().stored, std::ssize(sizes));
+    const internal::RemoteTier::Fetched got = (*tier)->Fetch(keys);
+    ASSERT_EQ(got.values.size(), keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      EXPECT_TRUE(got.values[i] == want[i]) << keys[i] << ", " << sizes[i] << " bytes";
+      EXPECT_EQ(got.checksum_ok[i], 1) << keys[i];
+    }
+  }
+}
+
 TEST(RemoteTierTest, AServerAnsweringNonsenseIsAMissNeverACrash) {
   for (const std::string& reply :
        {std::string("*4\r\n$1099511627776\r\n"), std::string("HTTP/1.1 400 Bad Request\r\n\r\n"),
