@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "internal/checksum.h"
 
+#include <new>
+
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
@@ -13,8 +15,21 @@ static_assert(sizeof(XXH3_state_t) <= sizeof(Checksum64Stream) &&
                   alignof(XXH3_state_t) <= alignof(Checksum64Stream),
               "XXH3_state_t outgrew Checksum64Stream's storage");
 
+XXH3_state_t* State(unsigned char* bytes) {
+  return std::launder(reinterpret_cast<XXH3_state_t*>(bytes));
+}
+const XXH3_state_t* State(const unsigned char* bytes) {
+  return std::launder(reinterpret_cast<const XXH3_state_t*>(bytes));
+}
+
 #if defined(BLOCKKV_CHECKSUM_AVX2)
-const bool kAvx2 = __builtin_cpu_supports("avx2") != 0;
+// Set by this file's static initializer; a checksum taken by another's before it uses SSE2 (the
+// same value). __builtin_cpu_init first: it may not have run yet when initializers do.
+bool DetectAvx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") != 0;
+}
+const bool kAvx2 = DetectAvx2();
 #else
 constexpr bool kAvx2 = false;
 #endif
@@ -30,22 +45,20 @@ uint64_t Checksum64(const void* data, size_t size) {
   return XXH3_64bits(data, size);
 }
 
-Checksum64Stream::Checksum64Stream() {
-  XXH3_64bits_reset(reinterpret_cast<XXH3_state_t*>(state_));
-}
+Checksum64Stream::Checksum64Stream() { XXH3_64bits_reset(new (state_) XXH3_state_t); }
 
 void Checksum64Stream::Update(const void* data, size_t size) {
 #if defined(BLOCKKV_CHECKSUM_AVX2)
-  if (kAvx2) return Checksum64UpdateAvx2(state_, data, size);
+  if (kAvx2) return Checksum64UpdateAvx2(State(state_), data, size);
 #endif
-  XXH3_64bits_update(reinterpret_cast<XXH3_state_t*>(state_), data, size);
+  XXH3_64bits_update(State(state_), data, size);
 }
 
 uint64_t Checksum64Stream::Digest() const {
 #if defined(BLOCKKV_CHECKSUM_AVX2)
-  if (kAvx2) return Checksum64DigestAvx2(state_);
+  if (kAvx2) return Checksum64DigestAvx2(State(state_));
 #endif
-  return XXH3_64bits_digest(reinterpret_cast<const XXH3_state_t*>(state_));
+  return XXH3_64bits_digest(State(state_));
 }
 
 }  // namespace blockkv::internal
