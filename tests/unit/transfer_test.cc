@@ -871,6 +871,51 @@ TEST_P(TransferTest, StartImportReturnsAtOnceAndTheEngineRunsMeanwhile) {
   EXPECT_EQ(sender.Send("state"), "pending 0 tracked 0 free 64");
 }
 
+// Two imports started before either finishes (they queue on the endpoint's thread): both
+// tracked and pinned meanwhile, both tickets done once the sender runs, and CompleteImports
+// commits both with every byte right.
+TEST_P(TransferTest, TwoImportsStartedTogetherBothComplete) {
+  Peer sender(GetParam());
+  ASSERT_EQ(sender.ready(), "ready");
+  const std::vector<std::byte> first = sender.MakeAndExport(7, 37, 11);
+  const std::vector<std::byte> second = sender.MakeAndExport(9, 21, 12);
+  auto receiver = Receiver(GetParam());
+  ASSERT_NE(receiver, nullptr);
+  sender.Signal(SIGSTOP);
+  auto a = receiver->StartImport(first);
+  auto b = receiver->StartImport(second);
+  ASSERT_OK(a);
+  ASSERT_OK(b);
+  EXPECT_EQ(receiver->pending_imports(), 2);
+  EXPECT_EQ(receiver->n_tracked_sequences(), 2);
+  EXPECT_EQ(receiver->free_blocks()[0], 64 - 10 - 6);
+  EXPECT_CODE(receiver->StartImport(first), StatusCode::kAlreadyExists);
+  for (const SeqId uid : {SeqId{7}, SeqId{9}}) {
+    const std::vector<SeqId> uids = {uid};
+    const std::vector<int64_t> one = {1};
+    EXPECT_CODE(receiver->Schedule({.uids = uids, .lengths = one}),
+                StatusCode::kFailedPrecondition);
+  }
+  EXPECT_TRUE(receiver->CompleteImports().empty());
+  EXPECT_OK(receiver->CheckInvariants());
+  sender.Signal(SIGCONT);
+  EXPECT_OK(b->Wait());
+  EXPECT_OK(a->Wait());
+  std::vector<std::pair<SeqId, blockkv::Status>> done = receiver->CompleteImports();
+  ASSERT_EQ(done.size(), 2u);
+  std::sort(done.begin(), done.end(),
+            [](const auto& x, const auto& y) { return x.first < y.first; });
+  EXPECT_EQ(done[0].first, 7);
+  EXPECT_OK(done[0].second);
+  EXPECT_EQ(done[1].first, 9);
+  EXPECT_OK(done[1].second);
+  EXPECT_EQ(receiver->pending_imports(), 0);
+  EXPECT_EQ(blockkv_test::PatternMismatches(*receiver, 7, 11), 0);
+  EXPECT_EQ(blockkv_test::PatternMismatches(*receiver, 9, 12), 0);
+  EXPECT_OK(receiver->CheckInvariants());
+  EXPECT_EQ(sender.Send("state"), "pending 0 tracked 0 free 64");
+}
+
 // The engine shuts down with an import in flight: the transfer ends (timed out here) before the
 // cache is freed, nothing crashes or hangs, and the sender keeps its sequence.
 TEST(TransferTest, DestroyingAManagerWithAnImportInFlightLeavesTheSenderItsSequence) {
