@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Checksum64: XXH3-64, the checksum of every copy of cache bytes that blockkv keeps or sends out
 // of the cache (offloaded blocks, snapshot sections, remote-tier values). Computed with AVX2
-// where the CPU has it (chosen once, at the first call) and with SSE2 otherwise: the same value
+// where the CPU has it (chosen once, as the library loads) and with SSE2 otherwise: the same value
 // on every CPU, so that a copy written on one machine verifies on another.
 #pragma once
 
