@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <charconv>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <memory>
 
@@ -58,11 +59,18 @@ class Reader {
   size_t at_ = 0;
 };
 
-std::string Hex64(uint64_t v) {
+// Appends v as 16 hex digits.
+void AppendHex64(std::string& out, uint64_t v) {
   static constexpr char kDigits[] = "0123456789abcdef";
-  std::string s(16, '0');
-  for (int i = 15; i >= 0; --i, v >>= 4) s[static_cast<size_t>(i)] = kDigits[v & 15];
-  return s;
+  char digits[16];
+  for (int i = 15; i >= 0; --i, v >>= 4) digits[i] = kDigits[v & 15];
+  out.append(digits, sizeof(digits));
+}
+
+void AppendDecimal(std::string& out, size_t v) {
+  char digits[24];
+  const std::to_chars_result r = std::to_chars(std::begin(digits), std::end(digits), v);
+  out.append(digits, r.ptr);
 }
 
 template <typename T>
@@ -131,9 +139,12 @@ class SetWriter {
     heads_.reserve(items.size());
     iov_.reserve(items.size() * 3);
     for (const RemoteTier::PendingStore* item : items) {
-      heads_.push_back(StrCat("*3\r\n$3\r\nSET\r\n$", item->key.size(), "\r\n", item->key, "\r\n$",
-                              item->size, "\r\n"));
-      iov_.push_back({.iov_base = heads_.back().data(), .iov_len = heads_.back().size()});
+      std::string& head = heads_.emplace_back("*3\r\n$3\r\nSET\r\n$");
+      AppendDecimal(head, item->key.size());
+      head.append("\r\n").append(item->key).append("\r\n$");
+      AppendDecimal(head, item->size);
+      head.append("\r\n");
+      iov_.push_back({.iov_base = head.data(), .iov_len = head.size()});
       iov_.push_back({.iov_base = item->value.data.get(), .iov_len = item->size});
       iov_.push_back({.iov_base = const_cast<char*>(kCrlf), .iov_len = 2});
     }
@@ -530,9 +541,20 @@ int64_t VerifyRemoteValue(std::string_view value, const RemoteBlockMeta& want, b
   return static_cast<int64_t>(r.at());
 }
 
+// Built in place, not with StrCat: a prompt's lookup and its stores make one per block on the
+// scheduling thread, and a string stream costs about a microsecond each.
 std::string RemoteKey(uint64_t fingerprint, std::string_view ns, const BlockHash& key) {
-  return StrCat("blockkv:{", Hex64(fingerprint), ":", Hex64(XXH3_64bits(ns.data(), ns.size())), ":",
-                ToString(key), "}");
+  std::string out;
+  out.reserve(76);
+  out.append("blockkv:{");
+  AppendHex64(out, fingerprint);
+  out.push_back(':');
+  AppendHex64(out, XXH3_64bits(ns.data(), ns.size()));
+  out.push_back(':');
+  AppendHex64(out, key.hi);
+  AppendHex64(out, key.lo);
+  out.push_back('}');
+  return out;
 }
 
 // ---- the client ----------------------------------------------------------------------------

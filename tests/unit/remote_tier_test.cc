@@ -1167,6 +1167,15 @@ TEST(RemoteTierTest, ClusterUrlsParseAndBadOnesNameTheBadPart) {
   EXPECT_EQ(internal::KeySlot("a{123456789}b"), internal::KeySlot("123456789"));
 }
 
+// A key names blocks stored by earlier runs and other engines: its format must not move.
+TEST(RemoteTierTest, KeysKeepTheirFormat) {
+  const BlockHash key{.lo = 0x1111222233334444, .hi = 0xaaaabbbbccccdddd};
+  EXPECT_EQ(internal::RemoteKey(0x0123456789abcdef, "", key),
+            "blockkv:{0123456789abcdef:2d06800538d394c2:aaaabbbbccccdddd1111222233334444}");
+  EXPECT_EQ(internal::RemoteKey(0xf, "tenant-a", BlockHash{}),
+            "blockkv:{000000000000000f:635c5bebe6e5f781:00000000000000000000000000000000}");
+}
+
 TEST(RemoteTierTest, AStandaloneServerNamedAsAClusterIsAClearError) {
   RedisServer server;
   Status status;
