@@ -482,14 +482,6 @@ std::string EncodeRemoteHeader(const RemoteBlockMeta& m) {
   return v;
 }
 
-std::string EncodeRemoteValue(const RemoteBlockMeta& m, size_t* payload_offset) {
-  std::string v = EncodeRemoteHeader(m);
-  *payload_offset = v.size();
-  v.reserve(v.size() + m.payload_bytes + kRemoteChecksumBytes);  // the seal appends in place
-  v.resize(v.size() + m.payload_bytes);
-  return v;
-}
-
 void SealRemoteValue(char* value, size_t size) {
   const uint64_t sum = Checksum64(value, size);
   std::memcpy(value + size, &sum, sizeof(sum));

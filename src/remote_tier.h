@@ -72,10 +72,8 @@ struct RemoteBlockMeta {
 };
 inline constexpr uint32_t kRemoteValueVersion = 1;
 // The value: header, tokens, payload, then the checksum, which SealRemoteValue writes once the
-// payload is in (RemoteTier::Store's worker). EncodeRemoteHeader: what comes before the payload;
-// EncodeRemoteValue: that and room for the payload (to be filled at payload_offset).
+// payload is in (RemoteTier::Store's worker). EncodeRemoteHeader: what comes before the payload.
 std::string EncodeRemoteHeader(const RemoteBlockMeta& meta);
-std::string EncodeRemoteValue(const RemoteBlockMeta& meta, size_t* payload_offset);
 inline constexpr size_t kRemoteChecksumBytes = sizeof(uint64_t);
 void SealRemoteValue(std::string& value);
 // The same over `size` bytes at `value`, writing the checksum at value + size.

@@ -585,9 +585,9 @@ TEST(RemoteTierTest, AResealedValueIsAcceptedOnlyWithItsHeaderIntact) {
                                        .extra = "xy",
                                        .tokens = tokens,
                                        .payload_bytes = 64};
-  size_t offset = 0;
-  std::string value = internal::EncodeRemoteValue(want, &offset);
-  for (size_t i = offset; i < value.size(); ++i) value[i] = static_cast<char>(i);
+  std::string value = internal::EncodeRemoteHeader(want);
+  const size_t offset = value.size();
+  for (size_t i = 0; i < want.payload_bytes; ++i) value.push_back(static_cast<char>(offset + i));
   internal::SealRemoteValue(value);
   ASSERT_EQ(internal::VerifyRemoteValue(value, want), static_cast<int64_t>(offset));
   std::mt19937 rng(7);
