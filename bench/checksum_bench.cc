@@ -2,7 +2,7 @@
 // The checksum of every block copy kept or sent out of the cache (src/internal/checksum.h):
 //   Checksum64Rate  Checksum64, AVX2 where the CPU has it.
 //   Xxh3Sse2Rate    baseline: XXH3-64 compiled here for plain x86-64 (SSE2), what blockkv used
-//                  before it chose AVX2 at run time.
+//                   before it chose AVX2 at run time.
 // Args: the block's bytes (64 KiB: one layer of Llama-3-8B at block size 16; 2 MiB: all 32
 // layers) and hot (one block hashed again and again, in cache) or cold (blocks of a 256 MiB
 // region in turn, read from memory as a block copied out of the cache a while ago is).
