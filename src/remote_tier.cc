@@ -1002,10 +1002,17 @@ void RemoteTier::RunStores() {
     }
     storing_ = true;
     lock.unlock();
-    DoStores(store_lane_, batch);
+    const bool failed = DoStores(store_lane_, batch);
     for (PendingStore& s : batch) value_buffers_->Give(std::move(s.value));
     lock.lock();
     storing_ = false;
+    // Closing, a batch that failed drops what is still queued: a stalled or refusing server
+    // would otherwise hold the destructor a timeout for each batch.
+    if (stop_ && failed) {
+      dropped_ += std::ssize(stores_);
+      for (PendingStore& s : stores_) value_buffers_->Give(std::move(s.value));
+      stores_.clear();
+    }
     done_cv_.notify_all();
   }
 }
@@ -1223,7 +1230,8 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
   job.fetched.reply = std::move(owned);
 }
 
-void RemoteTier::DoStores(Lane& lane, std::vector<PendingStore>& batch) {
+bool RemoteTier::DoStores(Lane& lane, std::vector<PendingStore>& batch) {
+  bool failed_node = false;
   MaybeRefresh(lane);
   std::vector<Redirect> redirects;
   const auto take = [&](size_t item, const redisReply& reply) {
@@ -1258,6 +1266,7 @@ void RemoteTier::DoStores(Lane& lane, std::vector<PendingStore>& batch) {
     Node& node = *lane.nodes[g];
     if (!EnsureConnected(lane, node)) {
       dropped_ += std::ssize(items);
+      failed_node = true;
       continue;
     }
     std::vector<const PendingStore*> sets;
@@ -1280,6 +1289,7 @@ void RemoteTier::DoStores(Lane& lane, std::vector<PendingStore>& batch) {
     const size_t g = sent[w];
     dropped_ += std::ssize(groups[g]);
     Disconnect(lane, *lane.nodes[g]);
+    failed_node = true;
     groups[g].clear();  // no replies to read
   }
   for (const size_t g : sent) {
@@ -1291,6 +1301,7 @@ void RemoteTier::DoStores(Lane& lane, std::vector<PendingStore>& batch) {
       if (redisGetReply(node.ctx, &raw) != REDIS_OK) {
         dropped_ += static_cast<int64_t>(items.size() - r);
         Disconnect(lane, node);
+        failed_node = true;
         break;
       }
       const Reply reply(static_cast<redisReply*>(raw));
@@ -1307,6 +1318,7 @@ void RemoteTier::DoStores(Lane& lane, std::vector<PendingStore>& batch) {
       take(r.item, *reply);
     }
   }
+  return failed_node;
 }
 
 }  // namespace blockkv::internal

@@ -148,7 +148,9 @@ class RemoteTier {
   static Result<std::unique_ptr<RemoteTier>> Open(const RemoteTierConfig& config);
   // Why Open could not connect ("" when it did).
   const std::string& unreachable() const { return unreachable_; }
-  ~RemoteTier();  // sends the queued stores (each bounded by the timeout), then stops
+  // Sends the queued stores (each bounded by the timeout), then stops; once a batch fails, the
+  // rest are dropped (counted), so a stalled server holds it about two timeouts, not one a batch.
+  ~RemoteTier();
   RemoteTier(const RemoteTier&) = delete;
   RemoteTier& operator=(const RemoteTier&) = delete;
 
@@ -236,7 +238,8 @@ class RemoteTier {
   redisReply* FollowRedirect(Lane& lane, Redirect r, std::string_view cmd, std::string_view key,
                              std::string_view value);
   void DoFetch(Lane& lane, FetchJob& job);
-  void DoStores(Lane& lane, std::vector<PendingStore>& batch);
+  // Whether a node of the batch could not be reached, written or read (its stores dropped).
+  bool DoStores(Lane& lane, std::vector<PendingStore>& batch);
 
   const RemoteTierConfig config_;
   const RedisUrl url_;

@@ -485,6 +485,34 @@ TEST(RemoteTierTest, AStoreAStalledServerCannotTakeIsDroppedAfterTheTimeout) {
   EXPECT_EQ(got.values[0], wrote);
 }
 
+// Closing the tier with a stalled server and 100 batches queued: the first batch times out and
+// the rest are dropped, where each batch used to wait its own timeout (10 s here, and an engine
+// with thousands of stores queued hung at exit for minutes).
+TEST(RemoteTierTest, ClosingWithAStalledServerDropsTheQueueAfterOneFailedBatch) {
+  RedisServer server;
+  auto tier =
+      internal::RemoteTier::Open({.url = server.url(), .timeout_ms = 100, .max_pending = 64 * 100});
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  std::vector<internal::RemoteTier::PendingStore> stores;
+  const auto queue = [&](int n) {
+    for (int i = 0; i < n; ++i) {
+      stores.push_back((*tier)->NewStore("q:" + std::to_string(i), 100));
+      std::fill_n(stores.back().value.data.get(), 100, 'q');
+    }
+    (*tier)->Store(stores);
+  };
+  queue(1);
+  (*tier)->Drain();
+  ASSERT_EQ((*tier)->stats().stored, 1);  // connected
+  server.Stop();
+  const Resume resume{server};
+  queue(64 * 100);
+  const auto start = std::chrono::steady_clock::now();
+  tier->reset();
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_LT(took, std::chrono::seconds(3));
+}
+
 // Values of odd sizes from one byte to past 2 MiB, many of them together, written by the store
 // worker (sendmsg of many iovecs, partial writes, each value sealed by the worker) to one server
 // and to the three nodes of a cluster: each must arrive byte for byte with the checksum of its
