@@ -752,8 +752,10 @@ Status RemoteTier::RefreshSlots(Lane& lane) {
           ": CLUSTER SLOTS refused: ", std::string_view(reply->str, reply->len),
           " (a redis+cluster:// URL needs a Redis Cluster; a standalone server is redis://)"));
     }
+    Served(asked);
     if (reply->type != REDIS_REPLY_ARRAY) continue;
     std::vector<int16_t> slots(kClusterSlots, -1);
+    std::vector<std::pair<int16_t, int16_t>> replicas;  // (master, replica)
     for (size_t r = 0; r < reply->elements; ++r) {
       const redisReply* range = reply->element[r];
       if (range->type != REDIS_REPLY_ARRAY || range->elements < 3 ||
@@ -772,9 +774,34 @@ Status RemoteTier::RefreshSlots(Lane& lane) {
       const auto first = std::max<long long>(range->element[0]->integer, 0);
       const auto last = std::min<long long>(range->element[1]->integer, kClusterSlots - 1);
       for (long long slot = first; slot <= last; ++slot) slots[static_cast<size_t>(slot)] = index;
+      // Then the range's replicas, each [host, port, id, ...].
+      for (size_t e = 3; e < range->elements; ++e) {
+        const redisReply* replica = range->element[e];
+        if (replica->type != REDIS_REPLY_ARRAY || replica->elements < 2 ||
+            replica->element[0]->type != REDIS_REPLY_STRING ||
+            replica->element[1]->type != REDIS_REPLY_INTEGER) {
+          continue;
+        }
+        std::string_view replica_host(replica->element[0]->str, replica->element[0]->len);
+        if (replica_host.empty() || replica_host == "?") replica_host = asked.host;
+        replicas.emplace_back(
+            index, static_cast<int16_t>(
+                       NodeAt(lane, replica_host, static_cast<int>(replica->element[1]->integer))));
+      }
     }
     lane.slots = std::move(slots);
-    for (const std::unique_ptr<Node>& n : lane.nodes) n->slots = 0;
+    for (const std::unique_ptr<Node>& n : lane.nodes) {
+      n->slots = 0;
+      n->replica = false;
+      n->replicas.clear();
+    }
+    for (const auto& [master, replica] : replicas) {
+      Node& m = *lane.nodes[static_cast<size_t>(master)];
+      if (std::find(m.replicas.begin(), m.replicas.end(), replica) == m.replicas.end()) {
+        m.replicas.push_back(replica);
+      }
+      lane.nodes[static_cast<size_t>(replica)]->replica = true;
+    }
     for (const int16_t owner : lane.slots) {
       if (owner >= 0) ++lane.nodes[static_cast<size_t>(owner)]->slots;
     }
@@ -933,6 +960,7 @@ RemoteTierStats RemoteTier::stats() const {
           .reconnects = reconnects_,
           .redirects = redirects_,
           .topology_refreshes = refreshes_,
+          .replica_reads = replica_reads_,
           .nodes = fetch_lane_.num_nodes,
           .connected = fetch_lane_.connected && store_lane_.connected};
 }
@@ -1022,15 +1050,23 @@ bool RemoteTier::EnsureConnected(Lane& lane, Node& node) {
   const auto now = std::chrono::steady_clock::now();
   if (now < node.retry_at) return false;
   Result<redisContext*> ctx = Connect(url_, node.host, node.port, config_.timeout_ms);
+  if (ctx.ok() && node.replica) {
+    // A replica serves reads of its master's slots only on a READONLY connection (otherwise
+    // MOVED to the master). One that refuses (an ACL without READONLY) is not read from.
+    const Reply reply = Command(*ctx, {"READONLY"});
+    if (!reply || reply->type == REDIS_REPLY_ERROR) {
+      redisFree(*ctx);
+      ctx = UnavailableError("READONLY refused");
+    }
+  }
   if (!ctx.ok()) {
     ++errors_;
     node.retry_at = now + node.backoff;
-    node.backoff = std::min<std::chrono::milliseconds>(node.backoff * 2, std::chrono::seconds(2));
+    node.backoff = std::min<std::chrono::milliseconds>(node.backoff * 2, kMaxBackoff);
     if (url_.cluster) lane.refresh_needed = true;
     return false;
   }
-  node.ctx = *ctx;
-  node.backoff = std::chrono::milliseconds(50);
+  node.ctx = *ctx;  // the backoff stays until a command is answered (Served)
   if (node.ever_connected) ++reconnects_;
   node.ever_connected = true;
   UpdateConnected(lane);
@@ -1041,9 +1077,21 @@ void RemoteTier::Disconnect(Lane& lane, Node& node) {
   ++errors_;
   redisFree(node.ctx);
   node.ctx = nullptr;
-  node.retry_at = std::chrono::steady_clock::now();  // the next command tries once at once
+  // Not tried again before its backoff, which only an answered command resets: a stalled server
+  // (it accepts connections, answers nothing) costs one timeout per backoff, not one per
+  // command, and its reads go to a replica meanwhile.
+  node.retry_at = std::chrono::steady_clock::now() + node.backoff;
+  node.backoff = std::min<std::chrono::milliseconds>(node.backoff * 2, kMaxBackoff);
   if (url_.cluster) lane.refresh_needed = true;
   UpdateConnected(lane);
+}
+
+RemoteTier::Node* RemoteTier::ConnectedReplica(Lane& lane, const Node& master) {
+  for (const int16_t r : master.replicas) {
+    Node& replica = *lane.nodes[static_cast<size_t>(r)];
+    if (replica.replica && EnsureConnected(lane, replica)) return &replica;
+  }
+  return nullptr;
 }
 
 redisReply* RemoteTier::FollowRedirect(Lane& lane, Redirect r, std::string_view cmd,
@@ -1126,15 +1174,23 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
   const auto fail = [&](const std::vector<size_t>& items, size_t from) {
     for (size_t j = from; j < items.size(); ++j) failed[items[j]] = 1;
   };
-  std::vector<size_t> sent;
+  std::vector<std::pair<size_t, Node*>> sent;  // (group, the node asked)
   for (size_t g = 0; g < groups.size(); ++g) {
     const std::vector<size_t>& items = groups[g];
     if (items.empty()) continue;
-    Node& node = *lane.nodes[g];
-    if (!EnsureConnected(lane, node)) {
-      fail(items, 0);
-      continue;
+    Node* asked = lane.nodes[g].get();
+    if (!EnsureConnected(lane, *asked)) {
+      // The master is down (or in its backoff): its replica serves the reads until the cluster
+      // fails over. A replica may lag behind its master: a value it lacks is a miss, one it has
+      // is verified as any other.
+      asked = url_.cluster ? ConnectedReplica(lane, *asked) : nullptr;
+      if (asked == nullptr) {
+        fail(items, 0);
+        continue;
+      }
+      replica_reads_ += std::ssize(items);
     }
+    Node& node = *asked;
     bool ok = true;
     if (url_.cluster) {
       // MGET across slots is refused by a cluster (and each block has its own slot): GETs.
@@ -1154,14 +1210,14 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
       fail(items, 0);
       continue;
     }
-    sent.push_back(g);
+    sent.emplace_back(g, &node);
   }
   // The replies are read from the socket by us, each value straight into a buffer of its own
   // (hiredis would read them into its buffer and copy each out again). hiredis holds nothing
   // unread here: every reply before was read whole.
-  for (const size_t g : sent) {
+  for (const auto& [g, asked] : sent) {
     const std::vector<size_t>& items = groups[g];
-    Node& node = *lane.nodes[g];
+    Node& node = *asked;
     SocketReader in(node.ctx->fd);
     const auto broken = [&](size_t from) {
       Disconnect(lane, node);
@@ -1195,6 +1251,7 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
         }
         if (!whole || !in.Drained()) broken(0);
       }
+      if (node.ctx != nullptr) Served(node);
       continue;
     }
     for (size_t r = 0; r < items.size(); ++r) {  // GETs: a value, nil, a redirect or an error
@@ -1216,6 +1273,7 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
       }
     }
     if (node.ctx != nullptr && !in.Drained()) broken(items.size());  // more than was asked for
+    if (node.ctx != nullptr) Served(node);
   }
   std::vector<Redirect> pending;
   pending.swap(redirects);
@@ -1307,6 +1365,7 @@ bool RemoteTier::DoStores(Lane& lane, std::vector<PendingStore>& batch) {
       const Reply reply(static_cast<redisReply*>(raw));
       take(items[r], *reply);
     }
+    if (node.ctx != nullptr) Served(node);
   }
   std::vector<Redirect> pending;
   pending.swap(redirects);

@@ -3,17 +3,19 @@
 // StateManager, which keys, verifies and places the blocks.
 //
 // Two worker threads, one for fetches and one for stores, each with its own lane: one hiredis
-// connection per server (one for a standalone server, one per master of a Redis Cluster) and its
-// own slot map (CLUSTER SLOTS, read at open and again after a MOVED or a connection error), so a
-// fetch never waits behind a batch of SETs being sent. Stores are queued (bounded; a full queue
-// drops and counts) and sent pipelined, up to kStoreBatch SETs per batch, grouped per node; a
-// fetch (waited for at most timeout_ms) is one MGET on a standalone server and pipelined GETs
-// per node on a cluster, every node's commands written before any reply is read, so k blocks cost
-// one round trip per node; the fetches queued while one runs go together in the next pipeline.
-// MOVED / ASK are followed (ASK with ASKING). A failed command closes that node's connection; the
-// next command to it reconnects, and a failed reconnect waits a backoff (50 ms doubling to 2 s)
-// during which that node's commands fail at once (stores dropped, fetched keys missing) while the
-// other nodes keep serving.
+// connection per server (one for a standalone server, one per master of a Redis Cluster, and for
+// fetches one per replica read from while its master is down) and its own slot map (CLUSTER
+// SLOTS, read at open and again after a MOVED or a connection error), so a fetch never waits
+// behind a batch of SETs being sent. Stores are queued (bounded; a full queue drops and counts)
+// and sent pipelined, up to kStoreBatch SETs per batch, grouped per node; a fetch (waited for at
+// most timeout_ms) is one MGET on a standalone server and pipelined GETs per node on a cluster,
+// every node's commands written before any reply is read, so k blocks cost one round trip per
+// node; the fetches queued while one runs go together in the next pipeline.
+// MOVED / ASK are followed (ASK with ASKING). A failed command or connect closes that node's
+// connection and leaves the node alone for a backoff (50 ms doubling to 2 s while it keeps
+// failing, reset by an answered command) during which its commands fail at once (stores dropped,
+// fetched keys missing, or, on a cluster, read from the master's replica) while the other nodes
+// keep serving.
 #pragma once
 
 #include <atomic>
@@ -189,6 +191,10 @@ class RemoteTier {
   const RedisUrl& url() const { return url_; }
 
  private:
+  // How long a node that failed is left alone before it is tried again: doubling from the first
+  // to the last while it keeps failing.
+  static constexpr std::chrono::milliseconds kFirstBackoff{50};
+  static constexpr std::chrono::milliseconds kMaxBackoff{2000};
   // One server and the worker's connection to it.
   struct Node {
     std::string host;
@@ -196,9 +202,15 @@ class RemoteTier {
     redisContext* ctx = nullptr;
     bool ever_connected = false;
     int32_t slots = 0;  // slots it owns (cluster)
+    // Cluster: whether the map names it a replica (its connection is READONLY), and a master's
+    // replicas (indices in the lane's nodes), read from when the master cannot be reached.
+    bool replica = false;
+    std::vector<int16_t> replicas;
     std::chrono::steady_clock::time_point retry_at{};
-    std::chrono::milliseconds backoff{50};
+    std::chrono::milliseconds backoff = kFirstBackoff;  // waited after its next failure
   };
+  // A node's command answered: its next failure waits the first backoff again.
+  static void Served(Node& node) { node.backoff = kFirstBackoff; }
   // A command of a fetch or a store batch that got MOVED or ASK.
   struct Redirect {
     size_t item = 0;
@@ -227,7 +239,10 @@ class RemoteTier {
   void RunFetches();
   void RunStores();
   bool EnsureConnected(Lane& lane, Node& node);
-  void Disconnect(Lane& lane, Node& node);                     // after a failed command
+  void Disconnect(Lane& lane, Node& node);  // after a failed command
+  // A connected replica of `master` (cluster fetches, when the master cannot be reached), or
+  // null.
+  Node* ConnectedReplica(Lane& lane, const Node& master);
   size_t NodeAt(Lane& lane, std::string_view host, int port);  // its index, added when new
   int NodeFor(const Lane& lane, std::string_view key) const;   // -1 = no node owns its slot
   Status RefreshSlots(Lane& lane);  // CLUSTER SLOTS from a connected node (or a seed)
@@ -261,7 +276,7 @@ class RemoteTier {
 
   std::atomic<int64_t> hits_{0}, misses_{0}, not_found_{0}, verify_failed_{0}, miss_error_{0},
       late_{0}, other_rank_{0}, fetched_bytes_{0}, stored_{0}, stored_bytes_{0}, dropped_{0},
-      errors_{0}, reconnects_{0}, redirects_{0}, refreshes_{0};
+      errors_{0}, reconnects_{0}, redirects_{0}, refreshes_{0}, replica_reads_{0};
   std::thread fetch_worker_;
   std::thread store_worker_;
 };

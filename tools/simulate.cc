@@ -97,6 +97,7 @@ void AddTierStats(RemoteTierStats* sum, const RemoteTierStats& t) {
   sum->reconnects += t.reconnects;
   sum->redirects += t.redirects;
   sum->topology_refreshes += t.topology_refreshes;
+  sum->replica_reads += t.replica_reads;
   sum->nodes = std::max(sum->nodes, t.nodes);
   sum->connected = sum->connected || t.connected;
 }
@@ -367,6 +368,8 @@ std::string FormatSimulate(const SimulateReport& report, const EngineOptions& en
           .Int(t.redirects)
           .Key("topology_refreshes")
           .Int(t.topology_refreshes)
+          .Key("replica_reads")
+          .Int(t.replica_reads)
           .Key("nodes")
           .Int(t.nodes)
           .EndObject()

@@ -61,6 +61,8 @@ struct RemoteTierStats {
                                      // have their own)
   int64_t redirects = 0;             // cluster MOVED / ASK replies followed
   int64_t topology_refreshes = 0;    // cluster slot maps read again (CLUSTER SLOTS) after open
+  int64_t replica_reads = 0;         // keys asked of a cluster replica (READONLY) because
+                                     // their slot's master could not be reached
   int32_t nodes = 0;                 // servers that own slots (1 for a standalone server)
   bool connected = false;            // both workers' connections to every such server are up
 };

@@ -570,6 +570,7 @@ void BindManager(py::module_& m) {
             d["reconnects"] = s.reconnects;
             d["redirects"] = s.redirects;
             d["topology_refreshes"] = s.topology_refreshes;
+            d["replica_reads"] = s.replica_reads;
             d["nodes"] = s.nodes;
             d["connected"] = s.connected;
             return d;
@@ -579,7 +580,8 @@ void BindManager(py::module_& m) {
           "misses_verify_failed, misses_error, misses_late, misses_other_rank), invalid (values "
           "that did not "
           "verify), fetched_bytes, stored, stored_bytes, dropped, errors, reconnects, redirects "
-          "(cluster MOVED / ASK followed), topology_refreshes, nodes (servers owning slots), "
+          "(cluster MOVED / ASK followed), topology_refreshes, replica_reads (keys read from a "
+          "cluster replica while their master was down), nodes (servers owning slots), "
           "connected. Zeros without the tier.")
       .def(
           "fetch_remote_prefix",

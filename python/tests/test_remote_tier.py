@@ -164,7 +164,8 @@ def test_two_managers_share_blocks_through_redis(redis_server):
     assert (sa["stored"], sa["misses"], sa["hits"], sa["dropped"], sa["errors"]) == (3, 1, 0, 0, 0)
     assert (sa["misses_not_found"], sa["misses_verify_failed"], sa["misses_error"],
             sa["misses_late"]) == (1, 0, 0, 0)
-    assert (sa["nodes"], sa["redirects"], sa["topology_refreshes"], sa["reconnects"]) == (1, 0, 0, 0)
+    assert (sa["nodes"], sa["redirects"], sa["topology_refreshes"], sa["reconnects"],
+            sa["replica_reads"]) == (1, 0, 0, 0, 0)
     assert sa["connected"]
 
     b = make_manager(blockkv.RemoteTierConfig(url, model_id="m"))

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -192,14 +193,17 @@ inline int RunProgram(std::vector<std::string> args) {
   return WEXITSTATUS(status);
 }
 
-// A Redis Cluster of `masters` redis-servers (no replicas) on 127.0.0.1, each on a free port with
-// a free cluster bus port, persistence off, `cluster-require-full-coverage no` (a dead node's
-// slots fail, the others keep serving) and a long node timeout (no failover during a test).
-// Created with `redis-cli --cluster create`; ready once every node says cluster_state:ok and
-// knows every node.
+// A Redis Cluster of `masters` redis-servers, each with `replicas` replicas, on 127.0.0.1, each on
+// a free port with a free cluster bus port, persistence off, `cluster-require-full-coverage no`
+// (a dead node's slots fail, the others keep serving) and no failover during a test unless the
+// test asks for one. Created with `redis-cli --cluster create`; ready
+// once every node says cluster_state:ok and knows every node, and every replica's link to its
+// master is up.
 class RedisCluster {
  public:
-  explicit RedisCluster(int masters = 3) { Create(masters); }
+  explicit RedisCluster(int masters = 3, int replicas = 0) : replicas_(replicas) {
+    Create(masters, replicas);
+  }
 
   size_t size() const { return nodes_.size(); }
   RedisServer& node(size_t i) { return *nodes_[i]; }
@@ -228,21 +232,44 @@ class RedisCluster {
     }
     return -1;
   }
+  // The port of the master node i replicates (ROLE), or 0 when node i is a master.
+  long long master_port(size_t i) const {
+    const std::shared_ptr<redisReply> role = nodes_[i]->Command({"ROLE"});
+    if (role == nullptr || role->type != REDIS_REPLY_ARRAY || role->elements < 3 ||
+        std::string_view(role->element[0]->str, role->element[0]->len) != "slave") {
+      return 0;
+    }
+    return role->element[2]->integer;
+  }
+  // A replica of node `master`; -1 when it has none.
+  int replica_of(size_t master) const {
+    for (size_t i = 0; i < nodes_.size(); ++i) {
+      if (master_port(i) == nodes_[master]->port()) return static_cast<int>(i);
+    }
+    return -1;
+  }
 
  private:
-  void Create(int masters) {
+  void Create(int masters, int replicas) {
     std::vector<std::string> create = {"redis-cli", "--cluster", "create"};
-    for (int i = 0; i < masters; ++i) {
+    for (int i = 0; i < masters * (1 + replicas); ++i) {
       const int bus = FreePort();
       ASSERT_GT(bus, 0) << "no free port";
+      // With replicas: no failover unless a test asks for one (CLUSTER FAILOVER), and replicas
+      // listed by CLUSTER SLOTS within a second or two: their first sync at once (not 5 s later),
+      // their offsets moving (a node lists a replica once gossip says its offset is not 0; with
+      // no writes, only the master's pings move it: every 10 s by default), and gossip among all
+      // nodes every node timeout / 2.
       nodes_.push_back(std::make_unique<RedisServer>(std::vector<std::string>{
           "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-port",
           std::to_string(bus), "--cluster-require-full-coverage", "no", "--cluster-node-timeout",
-          "60000"}));
+          replicas > 0 ? "3000" : "60000", "--cluster-replica-no-failover",
+          replicas > 0 ? "yes" : "no", "--repl-diskless-sync-delay", "0",
+          "--repl-ping-replica-period", "1"}));
       if (::testing::Test::HasFatalFailure()) return;
       create.push_back("127.0.0.1:" + std::to_string(nodes_.back()->port()));
     }
-    create.insert(create.end(), {"--cluster-replicas", "0", "--cluster-yes"});
+    create.insert(create.end(), {"--cluster-replicas", std::to_string(replicas), "--cluster-yes"});
     ASSERT_EQ(RunProgram(create), 0) << "redis-cli --cluster create failed (apt-get install "
                                         "redis-tools redis-server; scripts/deps.sh does)";
     WaitReady();
@@ -259,14 +286,26 @@ class RedisCluster {
         const std::string info = node->Text({"CLUSTER", "INFO"});
         ready = ready && info.find("cluster_state:ok") != std::string::npos &&
                 info.find(known) != std::string::npos;
+        const std::string replication = node->Text({"INFO", "replication"});
+        ready = ready && (replication.find("role:slave") == std::string::npos ||
+                          replication.find("master_link_status:up") != std::string::npos);
+        // Every node lists every range's replicas: CLUSTER SLOTS leaves out a replica until the
+        // node asked has heard (gossip) that it holds data.
+        const std::shared_ptr<redisReply> slots = node->Command({"CLUSTER", "SLOTS"});
+        ready = ready && slots != nullptr && slots->type == REDIS_REPLY_ARRAY;
+        for (size_t r = 0; ready && r < slots->elements; ++r) {
+          ready = slots->element[r]->elements >= 3 + static_cast<size_t>(replicas_);
+        }
       }
       if (ready) return;
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    FAIL() << "the redis cluster did not reach cluster_state:ok within 20 s";
+    FAIL() << "the redis cluster did not reach cluster_state:ok (and its replicas their "
+              "masters) within 20 s";
   }
 
  private:
+  int replicas_;  // per master
   std::vector<std::unique_ptr<RedisServer>> nodes_;
 };
 

@@ -724,17 +724,62 @@ TEST(RemoteTierTest, AStalledServerIsATimedOutMissAndNeverBlocksSchedule) {
     EXPECT_EQ(b->Prefill(10, next), 0);
     ASSERT_TRUE(b->mgr->FlushSequence(10).ok());
     b->mgr->FlushRemoteTier();
-    served = b->mgr->remote_tier_stats().stored == stored + 2;
+    // Both workers back: each reconnects after its own backoff.
+    served =
+        b->mgr->remote_tier_stats().stored == stored + 2 && b->mgr->remote_tier_stats().connected;
     if (!served) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   EXPECT_TRUE(served);
-  EXPECT_TRUE(b->mgr->remote_tier_stats().connected);
   auto c = Engine::Make({.url = server.url()});
   ASSERT_NE(c, nullptr);
   EXPECT_EQ(c->Prefill(1, prompt), 16);  // stored before the stall
   c->ExpectPrefixData(1, prompt, 4);
   EXPECT_EQ(c->Prefill(2, next), 8);
   c->ExpectPrefixData(2, next, 2);
+}
+
+// A stalled server accepts connections and answers nothing: after a command timed out it is left
+// alone for its backoff (its keys miss at once) instead of costing every fetch the timeout.
+TEST(RemoteTierTest, AStalledServerIsLeftAloneForItsBackoffNotAskedByEveryFetch) {
+  RedisServer server;
+  const std::vector<TokenId> prompt = Prompt(100, 17);
+  auto a = Engine::Make({.url = server.url()});
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->Prefill(1, prompt), 0);
+  a->mgr->FlushRemoteTier();
+  auto b = Engine::Make({.url = server.url(), .timeout_ms = 200});
+  ASSERT_NE(b, nullptr);
+  server.Stop();
+  const Resume resume{server};
+  // Ten fetches ahead, one after the other (no Schedule: nothing is stored meanwhile). Asking
+  // the server each time would be ten timed-out commands (ten errors, 2 s).
+  constexpr int kFetches = 10;
+  for (SeqId uid = 1; uid <= kFetches; ++uid) {
+    ASSERT_TRUE(b->mgr->AddSequence(uid, prompt).ok());
+    Result<RemoteFetchTicket> ticket = b->mgr->FetchRemotePrefix(uid);
+    ASSERT_TRUE(ticket.ok()) << ticket.status();
+    EXPECT_EQ(ticket->blocks(), 4);
+    ticket->Wait();
+    ASSERT_TRUE(b->mgr->FlushSequence(uid).ok());
+  }
+  const RemoteTierStats s = b->mgr->remote_tier_stats();
+  EXPECT_GE(s.errors, 1);
+  EXPECT_LT(s.errors, kFetches);
+  EXPECT_EQ(s.fetched_bytes, 0);
+  EXPECT_FALSE(s.connected);
+
+  // Resumed: answered again once its backoff (at most 2 s) has passed.
+  server.Continue();
+  bool hit = false;
+  for (int i = 0; i < 100 && !hit; ++i) {
+    b->mgr->ResetPrefixCache();
+    const auto uid = static_cast<SeqId>(100 + i);
+    hit = b->Prefill(uid, prompt) == 16;
+    ASSERT_TRUE(b->mgr->FlushSequence(uid).ok());
+    if (!hit) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_TRUE(hit);
+  EXPECT_TRUE(b->mgr->remote_tier_stats().connected);
 }
 
 TEST(RemoteTierTest, AFetchIsServedWhileStoresWait) {
@@ -905,6 +950,131 @@ TEST(RemoteTierTest, AKilledClusterNodeMissesItsSlotsWhileTheOthersServeThenIsRe
   ASSERT_NE(c, nullptr);
   EXPECT_EQ(c->Prefill(1, again), kBlockSize);
   c->ExpectPrefixData(1, again, 1);
+}
+
+// A master stalled, then killed, in a cluster with replicas: until the cluster fails over, its
+// slots are read from its replica (READONLY) and hit; stores to them drop. After the failover
+// (the replica takes the slots over) stores go to the new master and every engine reads from it.
+TEST(RemoteTierTest, AStalledOrKilledMastersSlotsAreReadFromItsReplicaThenFailedOverTo) {
+  RedisCluster cluster(/*masters=*/3, /*replicas=*/1);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  const std::vector<TokenId> prompt = Prompt(300, 16 * kBlockSize + 1);
+  auto a = Engine::Make({.url = cluster.url(), .timeout_ms = 500});
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->Prefill(1, prompt), 0);
+  a->mgr->FlushRemoteTier();
+  ASSERT_EQ(a->mgr->remote_tier_stats().stored, 16);
+  ASSERT_EQ(a->mgr->remote_tier_stats().nodes, 3);  // the masters: replicas own no slots
+  // The master holding most of the prompt's blocks, once its replica has them all.
+  int dead = -1;
+  int64_t on_dead = 0;
+  for (size_t i = 0; i < cluster.size(); ++i) {
+    const auto held = std::ssize(Keys(cluster.node(i)));
+    if (cluster.master_port(i) == 0 && held > on_dead) {
+      dead = static_cast<int>(i);
+      on_dead = held;
+    }
+  }
+  ASSERT_GT(on_dead, 0);
+  ASSERT_LT(on_dead, 16) << "every block on one node";
+  const int replica = cluster.replica_of(static_cast<size_t>(dead));
+  ASSERT_GE(replica, 0) << "node " << dead << " has no replica";
+  for (int i = 0; i < 200 && std::ssize(Keys(cluster.node(static_cast<size_t>(replica)))) < on_dead;
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_EQ(std::ssize(Keys(cluster.node(static_cast<size_t>(replica)))), on_dead);
+
+  // Stalled first (SIGSTOP: it takes connections, answers nothing): once a command to it timed
+  // out, it is left alone for its backoff and its slots are read from the replica.
+  {
+    auto stalled = Engine::Make({.url = cluster.url(), .timeout_ms = 300});
+    ASSERT_NE(stalled, nullptr);
+    cluster.node(static_cast<size_t>(dead)).Stop();
+    const Resume resume{cluster.node(static_cast<size_t>(dead))};
+    bool hit = false;
+    for (SeqId uid = 1; uid <= 50 && !hit; ++uid) {
+      stalled->mgr->ResetPrefixCache();
+      hit = stalled->Prefill(uid, prompt) == 16 * kBlockSize;
+      if (hit) stalled->ExpectPrefixData(uid, prompt, 16);
+      ASSERT_TRUE(stalled->mgr->FlushSequence(uid).ok());
+    }
+    EXPECT_TRUE(hit);
+    EXPECT_GE(stalled->mgr->remote_tier_stats().replica_reads, on_dead);
+  }
+  cluster.node(static_cast<size_t>(dead)).Kill();
+
+  // Read from the replica: every block hits, byte for byte.
+  auto b = Engine::Make({.url = cluster.url(), .timeout_ms = 500});
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(b->Prefill(1, prompt), 16 * kBlockSize);
+  b->ExpectPrefixData(1, prompt, 16);
+  RemoteTierStats s = b->mgr->remote_tier_stats();
+  EXPECT_EQ(s.hits, 16);
+  EXPECT_EQ(s.misses, 0);
+  EXPECT_EQ(s.replica_reads, on_dead);
+  EXPECT_FALSE(s.connected);  // a slot owner is down
+  // A's stores to the dead master's slots drop (a replica takes no writes); the others land.
+  ASSERT_TRUE(a->mgr->FlushSequence(1).ok());
+  const auto live_keys = [&] {
+    int64_t n = 0;
+    for (size_t i = 0; i < cluster.size(); ++i) {
+      if (static_cast<int>(i) != dead && cluster.master_port(i) == 0) {
+        n += std::ssize(Keys(cluster.node(i)));
+      }
+    }
+    return n;
+  };
+  const int64_t keys_before = live_keys();
+  const std::vector<TokenId> second = Prompt(400, 16 * kBlockSize + 1);
+  EXPECT_EQ(a->Prefill(2, second), 0);
+  a->mgr->FlushRemoteTier();
+  s = a->mgr->remote_tier_stats();
+  EXPECT_EQ(s.stored - 16, live_keys() - keys_before);
+  EXPECT_EQ(s.stored - 16 + s.dropped, 16);
+
+  // The replica takes the slots over (as the cluster's own failover does after
+  // cluster-node-timeout); the engines follow: stores land there, reads go there.
+  ASSERT_EQ(cluster.node(static_cast<size_t>(replica)).Text({"CLUSTER", "FAILOVER", "TAKEOVER"}),
+            "OK");
+  const auto port = cluster.node(static_cast<size_t>(replica)).port();
+  const auto owners_moved = [&] {  // every live node's map gives the replica the dead's slots
+    for (size_t i = 0; i < cluster.size(); ++i) {
+      if (static_cast<int>(i) == dead) continue;
+      const std::shared_ptr<redisReply> slots = cluster.node(i).Command({"CLUSTER", "SLOTS"});
+      bool owns = false;
+      for (size_t r = 0; slots != nullptr && r < slots->elements; ++r) {
+        owns = owns || slots->element[r]->element[2]->element[1]->integer == port;
+      }
+      if (!owns) return false;
+    }
+    return true;
+  };
+  for (int i = 0; i < 200 && !owners_moved(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_TRUE(owners_moved());
+  std::vector<TokenId> third;  // a new prompt each time, until every block of one is stored
+  bool stored = false;
+  for (int i = 0; i < 100 && !stored; ++i) {
+    ASSERT_TRUE(a->mgr->FlushSequence(2).ok());
+    third = Prompt(static_cast<TokenId>(1000 * (i + 1)), 16 * kBlockSize + 1);
+    const int64_t before = a->mgr->remote_tier_stats().stored;
+    EXPECT_EQ(a->Prefill(2, third), 0);
+    a->mgr->FlushRemoteTier();
+    stored = a->mgr->remote_tier_stats().stored == before + 16;
+    if (!stored) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_TRUE(stored) << "no store reached the new master on " << port;
+  EXPECT_GE(a->mgr->remote_tier_stats().topology_refreshes, 1);
+  auto c = Engine::Make({.url = cluster.url()});
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->Prefill(1, third), 16 * kBlockSize);
+  c->ExpectPrefixData(1, third, 16);
+  s = c->mgr->remote_tier_stats();
+  EXPECT_EQ(s.replica_reads, 0);  // the new master serves its slots
+  EXPECT_EQ(s.nodes, 3);
+  EXPECT_TRUE(s.connected);
 }
 
 TEST(RemoteTierTest, AReshardedSlotIsFollowedThroughAskThenMoved) {
