@@ -22,12 +22,10 @@ static_assert(std::endian::native == std::endian::little,
               "block keys hash a little-endian encoding; add byte swaps for this machine");
 
 std::string ToString(const BlockHash& hash) {
-  static constexpr char kDigits[] = "0123456789abcdef";
-  std::string out(32, '0');
-  for (int i = 0; i < 16; ++i) {
-    out[static_cast<size_t>(15 - i)] = kDigits[(hash.hi >> (4 * i)) & 0xf];
-    out[static_cast<size_t>(31 - i)] = kDigits[(hash.lo >> (4 * i)) & 0xf];
-  }
+  std::string out;
+  out.reserve(32);
+  internal::AppendHex64(out, hash.hi);
+  internal::AppendHex64(out, hash.lo);
   return out;
 }
 

@@ -59,14 +59,6 @@ class Reader {
   size_t at_ = 0;
 };
 
-// Appends v as 16 hex digits.
-void AppendHex64(std::string& out, uint64_t v) {
-  static constexpr char kDigits[] = "0123456789abcdef";
-  char digits[16];
-  for (int i = 15; i >= 0; --i, v >>= 4) digits[i] = kDigits[v & 15];
-  out.append(digits, sizeof(digits));
-}
-
 void AppendDecimal(std::string& out, size_t v) {
   char digits[24];
   const std::to_chars_result r = std::to_chars(std::begin(digits), std::end(digits), v);

@@ -22,4 +22,11 @@ std::string HumanBytes(long double bytes) {
   return text;
 }
 
+void AppendHex64(std::string& out, uint64_t v) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  char digits[16];
+  for (int i = 15; i >= 0; --i, v >>= 4) digits[i] = kDigits[v & 15];
+  out.append(digits, sizeof(digits));
+}
+
 }  // namespace blockkv::internal

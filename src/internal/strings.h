@@ -3,6 +3,7 @@
 // g++-12 has no std::format and the library does not depend on fmt.
 #pragma once
 
+#include <cstdint>
 #include <sstream>
 #include <string>
 
@@ -25,5 +26,8 @@ template <class... Args>
 
 // "1.50 GiB", "512 B": for log lines.
 std::string HumanBytes(long double bytes);
+
+// Appends v as 16 lowercase hex digits (a block key's halves, in its text and in remote keys).
+void AppendHex64(std::string& out, uint64_t v);
 
 }  // namespace blockkv::internal
