@@ -13,6 +13,8 @@
 
 #include "blockkv/log.h"
 #include "blockkv/state_manager.h"
+#include "internal/checked_math.h"
+#include "internal/host_memory.h"
 #include "internal/strings.h"
 #include "remote_tier.h"
 #include "state_manager_impl.h"
@@ -57,6 +59,21 @@ Status StateManager::Impl::EnableRemoteTier() {
                                      " cache groups; the remote tier supports one cache group "
                                      "without a sliding window"));
   }
+  // Each queued store holds its block's bytes until it is sent: a stalled server fills the queue.
+  const KVCacheConfig& group = cache_->config(0);
+  const int64_t value_bytes = group.num_caches() * LayerBlockBytes(group);
+  const std::optional<int64_t> queue_bytes = internal::CheckedMul(rc.max_pending, value_bytes);
+  if (const int64_t available = internal::ReadHostMemory().available;
+      !queue_bytes || *queue_bytes > available) {
+    return ResourceExhaustedError(
+        StrCat("StateManagerConfig.remote_tier: max_pending=", rc.max_pending, " stores of ",
+               internal::HumanBytes(static_cast<long double>(value_bytes)),
+               " each may wait for a slow server: ",
+               queue_bytes ? internal::HumanBytes(static_cast<long double>(*queue_bytes))
+                           : std::string("more than 2^63 bytes"),
+               ", more than the ", internal::HumanBytes(static_cast<long double>(available)),
+               " of host memory available; lower max_pending"));
+  }
   Result<std::unique_ptr<internal::RemoteTier>> tier = internal::RemoteTier::Open(rc);
   if (!tier.ok()) {
     return {tier.status().code(),
@@ -70,7 +87,7 @@ Status StateManager::Impl::EnableRemoteTier() {
                remote_->unreachable()));
   }
   // Everything that makes two engines' bytes for one key comparable.
-  const KVCacheConfig& c = cache_->config(0);
+  const KVCacheConfig& c = group;
   std::string fp = "blockkv-remote";
   Append<uint32_t>(fp, kRemoteLayoutVersion);
   Append<uint64_t>(fp, config_.prefix_cache.hash_seed);

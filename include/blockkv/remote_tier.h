@@ -33,7 +33,9 @@ struct RemoteTierConfig {
   std::string model_id{};
   // Connect and command timeout; a lookup waits at most this long for a fetch.
   int32_t timeout_ms = 1000;
-  // Stores waiting for the worker; a store past this is dropped and counted (never blocks).
+  // Stores waiting for the worker; a store past this is dropped and counted (never blocks). Each
+  // holds its block's bytes until sent: Create refuses (kResourceExhausted) a max_pending whose
+  // full queue would not fit in the host memory available.
   int32_t max_pending = 1024;
   // Part of the fingerprint: tensor-parallel rank and world size of this engine.
   int32_t tp_rank = 0;

@@ -1396,6 +1396,13 @@ TEST(RemoteTierTest, BadConfigsAreClearErrors) {
   EXPECT_EQ(Engine::Make({.url = "redis://127.0.0.1:1", .tp_rank = 2, .tp_size = 2}, &status),
             nullptr);
   EXPECT_NE(status.message().find("tp_rank 2"), std::string::npos) << status;
+  // A queue whose stores could hold more than the host's memory (each keeps its block's bytes
+  // until sent): refused before anything connects.
+  EXPECT_EQ(Engine::Make({.url = "redis://127.0.0.1:1", .max_pending = 2'000'000'000}, &status),
+            nullptr);
+  EXPECT_EQ(status.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(status.message().find("max_pending=2000000000"), std::string::npos) << status;
+  EXPECT_NE(status.message().find("host memory available"), std::string::npos) << status;
   // Without prefix caching there is nothing to key blocks by.
   StateManagerConfig config;
   config.memory_config = {.mode = AllocationMode::kAllocate, .size = 8};
