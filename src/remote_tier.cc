@@ -702,13 +702,16 @@ Status RemoteTier::Start(Lane& lane, bool connect) {
 }
 
 size_t RemoteTier::NodeAt(Lane& lane, std::string_view host, int port) {
-  for (size_t i = 0; i < lane.nodes.size(); ++i) {
-    if (lane.nodes[i]->host == host && lane.nodes[i]->port == port) return i;
-  }
+  std::string name(host);
+  name.push_back(':');
+  AppendDecimal(name, static_cast<size_t>(static_cast<uint32_t>(port)));
+  if (const auto it = lane.node_index.find(name); it != lane.node_index.end()) return it->second;
+  if (lane.nodes.size() >= kMaxNodes) return kNoNode;
   auto node = std::make_unique<Node>();
   node->host = std::string(host);
   node->port = port;
   lane.nodes.push_back(std::move(node));
+  lane.node_index.emplace(std::move(name), lane.nodes.size() - 1);
   return lane.nodes.size() - 1;
 }
 
@@ -728,7 +731,7 @@ Status RemoteTier::RefreshSlots(Lane& lane) {
   }
   for (const RedisUrl::HostPort& seed : url_.hosts) {
     const size_t i = NodeAt(lane, seed.host, seed.port);
-    if (std::find(order.begin(), order.end(), i) == order.end()) order.push_back(i);
+    if (i != kNoNode && std::find(order.begin(), order.end(), i) == order.end()) order.push_back(i);
   }
   for (const size_t i : order) {
     Node& asked = *lane.nodes[i];
@@ -762,7 +765,9 @@ Status RemoteTier::RefreshSlots(Lane& lane) {
       std::string_view host(master->element[0]->str, master->element[0]->len);
       if (host.empty() || host == "?") host = asked.host;  // the node does not know its address
       const auto port = static_cast<int>(master->element[1]->integer);
-      const auto index = static_cast<int16_t>(NodeAt(lane, host, port));
+      const size_t owner = NodeAt(lane, host, port);
+      if (owner == kNoNode) continue;  // its slots have no owner: their keys miss
+      const auto index = static_cast<int16_t>(owner);
       const auto first = std::max<long long>(range->element[0]->integer, 0);
       const auto last = std::min<long long>(range->element[1]->integer, kClusterSlots - 1);
       for (long long slot = first; slot <= last; ++slot) slots[static_cast<size_t>(slot)] = index;
@@ -776,9 +781,9 @@ Status RemoteTier::RefreshSlots(Lane& lane) {
         }
         std::string_view replica_host(replica->element[0]->str, replica->element[0]->len);
         if (replica_host.empty() || replica_host == "?") replica_host = asked.host;
-        replicas.emplace_back(
-            index, static_cast<int16_t>(
-                       NodeAt(lane, replica_host, static_cast<int>(replica->element[1]->integer))));
+        const size_t at =
+            NodeAt(lane, replica_host, static_cast<int>(replica->element[1]->integer));
+        if (at != kNoNode) replicas.emplace_back(index, static_cast<int16_t>(at));
       }
     }
     lane.slots = std::move(slots);
@@ -1081,7 +1086,15 @@ void RemoteTier::Disconnect(Lane& lane, Node& node) {
 RemoteTier::Node* RemoteTier::ConnectedReplica(Lane& lane, const Node& master) {
   for (const int16_t r : master.replicas) {
     Node& replica = *lane.nodes[static_cast<size_t>(r)];
-    if (replica.replica && EnsureConnected(lane, replica)) return &replica;
+    if (replica.replica && replica.ctx != nullptr) return &replica;
+  }
+  // None connected: one attempt (a connect can wait timeout_ms), the next replica next time.
+  const auto now = std::chrono::steady_clock::now();
+  for (const int16_t r : master.replicas) {
+    Node& replica = *lane.nodes[static_cast<size_t>(r)];
+    if (replica.replica && now >= replica.retry_at) {
+      return EnsureConnected(lane, replica) ? &replica : nullptr;
+    }
   }
   return nullptr;
 }
@@ -1091,6 +1104,7 @@ redisReply* RemoteTier::FollowRedirect(Lane& lane, Redirect r, std::string_view 
   for (int hop = 0; hop < kMaxRedirects; ++hop) {
     ++redirects_;
     const size_t index = NodeAt(lane, r.host, r.port);
+    if (index == kNoNode) break;  // a redirect to yet another node, past any real cluster's size
     if (!r.ask && !lane.slots.empty()) {
       // The slot moved for good: send its next commands there at once, and read the whole map
       // again before the next command.

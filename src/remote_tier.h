@@ -30,6 +30,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -195,6 +196,8 @@ class RemoteTier {
   // to the last while it keeps failing.
   static constexpr std::chrono::milliseconds kFirstBackoff{50};
   static constexpr std::chrono::milliseconds kMaxBackoff{2000};
+  static constexpr size_t kMaxNodes = 4096;
+  static constexpr size_t kNoNode = static_cast<size_t>(-1);
   // One server and the worker's connection to it.
   struct Node {
     std::string host;
@@ -225,6 +228,7 @@ class RemoteTier {
   // the workers start).
   struct Lane {
     std::vector<std::unique_ptr<Node>> nodes;
+    std::unordered_map<std::string, size_t> node_index;  // "host:port" -> index in nodes
     std::vector<int16_t> slots;  // cluster: slot -> index in nodes, -1 = none (empty: no map)
     bool refresh_needed = false;
     std::chrono::steady_clock::time_point refresh_at{};
@@ -241,10 +245,12 @@ class RemoteTier {
   bool EnsureConnected(Lane& lane, Node& node);
   void Disconnect(Lane& lane, Node& node);  // after a failed command
   // A connected replica of `master` (cluster fetches, when the master cannot be reached), or
-  // null.
+  // null; connects at most one (so a map listing many costs one connect per fetch at most).
   Node* ConnectedReplica(Lane& lane, const Node& master);
-  size_t NodeAt(Lane& lane, std::string_view host, int port);  // its index, added when new
-  int NodeFor(const Lane& lane, std::string_view key) const;   // -1 = no node owns its slot
+  // Its index in the lane's nodes, added when new; kNoNode when the lane knows kMaxNodes already
+  // (a slot map or redirects naming more are no Redis Cluster's: a node index fits in int16_t).
+  size_t NodeAt(Lane& lane, std::string_view host, int port);
+  int NodeFor(const Lane& lane, std::string_view key) const;  // -1 = no node owns its slot
   Status RefreshSlots(Lane& lane);  // CLUSTER SLOTS from a connected node (or a seed)
   void MaybeRefresh(Lane& lane);
   void UpdateConnected(Lane& lane);

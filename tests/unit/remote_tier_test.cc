@@ -598,6 +598,87 @@ TEST(RemoteTierTest, AServerAnsweringNonsenseIsAMissNeverACrash) {
   }
 }
 
+// A cluster node whose slot map names far more nodes than any cluster has (16,384 one-slot
+// ranges, each with a master and 16 replicas at addresses of their own: 278,528 nodes). Node
+// indices are 16-bit in the slot map: before the lane capped its nodes, the 32,768th wrapped
+// negative and indexed out of bounds. Now the map keeps the first kMaxNodes, the other ranges'
+// keys miss, and the engine runs.
+TEST(RemoteTierTest, ASlotMapNamingTooManyNodesIsCappedNeverACrash) {
+  const int refused = testing::FreePort();  // nothing listens there
+  ASSERT_GT(refused, 0);
+  std::string map;
+  // RESP pieces appended one by one (g++ 12 warns falsely on "literal" + std::string chains).
+  const auto line = [&](char type, const std::string& text) {
+    map.push_back(type);
+    map += text;
+    map += "\r\n";
+  };
+  const auto entry = [&](int a, int b, int c) {  // [host, port]
+    std::string host = "127.";
+    host += std::to_string(a);
+    host.push_back('.');
+    host += std::to_string(b);
+    host.push_back('.');
+    host += std::to_string(c);
+    line('*', "2");
+    line('$', std::to_string(host.size()));
+    map += host;
+    map += "\r\n";
+    line(':', std::to_string(refused));
+  };
+  constexpr int kReplicas = 16;
+  line('*', "16384");
+  for (int slot = 0; slot < 16384; ++slot) {
+    line('*', std::to_string(3 + kReplicas));
+    line(':', std::to_string(slot));
+    line(':', std::to_string(slot));
+    entry(1, slot / 256, slot % 256);
+    for (int r = 0; r < kReplicas; ++r) entry(2 + r, slot / 256, slot % 256);
+  }
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  ASSERT_EQ(listen(listener, 8), 0);
+  // Answers every command on every connection (the fetch and store workers' own) with the map.
+  std::vector<std::thread> connections;
+  std::thread server([&] {
+    for (int c = accept(listener, nullptr, nullptr); c >= 0;
+         c = accept(listener, nullptr, nullptr)) {
+      connections.emplace_back([c, &map] {
+        char buf[4096];
+        while (recv(c, buf, sizeof(buf), 0) > 0) {
+          if (send(c, map.data(), map.size(), MSG_NOSIGNAL) < 0) break;
+        }
+        close(c);
+      });
+    }
+  });
+  {
+    auto engine =
+        Engine::Make({.url = "redis+cluster://127.0.0.1:" + std::to_string(ntohs(addr.sin_port)),
+                      .timeout_ms = 500});
+    ASSERT_NE(engine, nullptr);
+    const std::vector<TokenId> prompt = Prompt(300, 17);
+    EXPECT_EQ(engine->Prefill(1, prompt), 0);  // nothing from the tier: computed
+    engine->ExpectPrefixData(1, prompt, 4);
+    const RemoteTierStats s = engine->mgr->remote_tier_stats();
+    EXPECT_EQ(s.hits, 0);
+    EXPECT_EQ(s.misses_error, 1);
+    EXPECT_GT(s.nodes, 0);
+    EXPECT_LT(s.nodes, 4096);       // the masters among the first 4,096 nodes
+    EXPECT_EQ(s.replica_reads, 0);  // none answers either
+  }
+  shutdown(listener, SHUT_RDWR);
+  close(listener);
+  server.join();
+  for (std::thread& t : connections) t.join();
+}
+
 // A value whose checksum was recomputed after a change (a buggy writer, or anyone who can write
 // to the server) is accepted exactly when no byte before its payload changed: every header field,
 // the namespace, extra bytes and tokens are checked, and no length in them reads out of bounds.
