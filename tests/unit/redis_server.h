@@ -196,8 +196,8 @@ inline int RunProgram(std::vector<std::string> args) {
 // A Redis Cluster of `masters` redis-servers, each with `replicas` replicas, on 127.0.0.1, each on
 // a free port with a free cluster bus port, persistence off, `cluster-require-full-coverage no`
 // (a dead node's slots fail, the others keep serving) and no failover during a test unless the
-// test asks for one. Created with `redis-cli --cluster create`; ready
-// once every node says cluster_state:ok and knows every node, and every replica's link to its
+// test asks for one. Created with `redis-cli --cluster create`; ready once every node says
+// cluster_state:ok, knows every node and lists every replica, and every replica's link to its
 // master is up.
 class RedisCluster {
  public:

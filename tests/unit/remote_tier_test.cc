@@ -555,20 +555,31 @@ TEST(RemoteTierTest, ValuesOfEverySizeArriveSealedWhole) {
   }
 }
 
+// A socket listening on 127.0.0.1 at a free port (*port), for a test's own fake server; -1 when
+// it cannot be had.
+int Listen(int* port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0 || listen(fd, 8) != 0) {
+    if (fd >= 0) close(fd);
+    return -1;
+  }
+  *port = ntohs(addr.sin_port);
+  return fd;
+}
+
 TEST(RemoteTierTest, AServerAnsweringNonsenseIsAMissNeverACrash) {
   for (const std::string& reply :
        {std::string("*4\r\n$1099511627776\r\n"), std::string("HTTP/1.1 400 Bad Request\r\n\r\n"),
         std::string("*4\r\n$100\r\nabc")}) {
     SCOPED_TRACE(reply);
-    const int listener = socket(AF_INET, SOCK_STREAM, 0);
+    int port = 0;
+    const int listener = Listen(&port);
     ASSERT_GE(listener, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    socklen_t len = sizeof(addr);
-    ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-    ASSERT_EQ(listen(listener, 4), 0);
     // Answers every connection's first bytes with `reply`, then closes it.
     std::thread server([&] {
       for (int c = accept(listener, nullptr, nullptr); c >= 0;
@@ -582,8 +593,8 @@ TEST(RemoteTierTest, AServerAnsweringNonsenseIsAMissNeverACrash) {
       }
     });
     {
-      auto engine = Engine::Make(
-          {.url = "redis://127.0.0.1:" + std::to_string(ntohs(addr.sin_port)), .timeout_ms = 2000});
+      auto engine =
+          Engine::Make({.url = "redis://127.0.0.1:" + std::to_string(port), .timeout_ms = 2000});
       ASSERT_NE(engine, nullptr);
       const std::vector<TokenId> prompt = Prompt(300, 17);
       EXPECT_EQ(engine->Prefill(1, prompt), 0);  // nothing from the tier: computed
@@ -635,15 +646,9 @@ TEST(RemoteTierTest, ASlotMapNamingTooManyNodesIsCappedNeverACrash) {
     entry(1, slot / 256, slot % 256);
     for (int r = 0; r < kReplicas; ++r) entry(2 + r, slot / 256, slot % 256);
   }
-  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  int port = 0;
+  const int listener = Listen(&port);
   ASSERT_GE(listener, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  socklen_t len = sizeof(addr);
-  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
-  ASSERT_EQ(listen(listener, 8), 0);
   // Answers every command on every connection (the fetch and store workers' own) with the map.
   std::vector<std::thread> connections;
   std::thread server([&] {
@@ -659,9 +664,8 @@ TEST(RemoteTierTest, ASlotMapNamingTooManyNodesIsCappedNeverACrash) {
     }
   });
   {
-    auto engine =
-        Engine::Make({.url = "redis+cluster://127.0.0.1:" + std::to_string(ntohs(addr.sin_port)),
-                      .timeout_ms = 500});
+    auto engine = Engine::Make(
+        {.url = "redis+cluster://127.0.0.1:" + std::to_string(port), .timeout_ms = 500});
     ASSERT_NE(engine, nullptr);
     const std::vector<TokenId> prompt = Prompt(300, 17);
     EXPECT_EQ(engine->Prefill(1, prompt), 0);  // nothing from the tier: computed
