@@ -140,6 +140,16 @@ std::vector<TokenId> Prompt(TokenId first, size_t n) {
   return p;
 }
 
+// An engine that computed `prompt` as sequence 1 and stored its full blocks in the tier.
+std::unique_ptr<Engine> Stored(RemoteTierConfig config, const std::vector<TokenId>& prompt) {
+  auto engine = Engine::Make(std::move(config));
+  if (engine == nullptr) return nullptr;
+  EXPECT_EQ(engine->Prefill(1, prompt), 0);
+  engine->mgr->FlushRemoteTier();
+  EXPECT_EQ(engine->mgr->remote_tier_stats().stored, std::ssize(prompt) / kBlockSize);
+  return engine;
+}
+
 // Every key the server holds.
 std::vector<std::string> Keys(redisContext* c) {
   std::vector<std::string> out;
@@ -770,10 +780,8 @@ TEST(RemoteTierTest, AFullQueueDropsStoresAndCountsThem) {
 TEST(RemoteTierTest, AStalledServerIsATimedOutMissAndNeverBlocksSchedule) {
   RedisServer server;
   const std::vector<TokenId> prompt = Prompt(100, 17);
-  auto a = Engine::Make({.url = server.url(), .timeout_ms = 200});
+  const auto a = Stored({.url = server.url(), .timeout_ms = 200}, prompt);
   ASSERT_NE(a, nullptr);
-  EXPECT_EQ(a->Prefill(1, prompt), 0);
-  a->mgr->FlushRemoteTier();
   auto b = Engine::Make({.url = server.url(), .timeout_ms = 200});
   ASSERT_NE(b, nullptr);
   ASSERT_TRUE(b->mgr->remote_tier_stats().connected);
@@ -828,10 +836,8 @@ TEST(RemoteTierTest, AStalledServerIsATimedOutMissAndNeverBlocksSchedule) {
 TEST(RemoteTierTest, AStalledServerIsLeftAloneForItsBackoffNotAskedByEveryFetch) {
   RedisServer server;
   const std::vector<TokenId> prompt = Prompt(100, 17);
-  auto a = Engine::Make({.url = server.url()});
+  const auto a = Stored({.url = server.url()}, prompt);
   ASSERT_NE(a, nullptr);
-  EXPECT_EQ(a->Prefill(1, prompt), 0);
-  a->mgr->FlushRemoteTier();
   auto b = Engine::Make({.url = server.url(), .timeout_ms = 200});
   ASSERT_NE(b, nullptr);
   server.Stop();
@@ -870,10 +876,8 @@ TEST(RemoteTierTest, AStalledServerIsLeftAloneForItsBackoffNotAskedByEveryFetch)
 TEST(RemoteTierTest, AFetchIsServedWhileStoresWait) {
   RedisServer server;
   const std::vector<TokenId> prompt = Prompt(100, 17);
-  auto a = Engine::Make({.url = server.url()});
+  const auto a = Stored({.url = server.url()}, prompt);
   ASSERT_NE(a, nullptr);
-  EXPECT_EQ(a->Prefill(1, prompt), 0);
-  a->mgr->FlushRemoteTier();
   auto b = Engine::Make({.url = server.url(), .timeout_ms = 1000});
   ASSERT_NE(b, nullptr);
   // Writes wait (CLIENT PAUSE ... WRITE), reads go on: b's stores hang, its fetches do not.
