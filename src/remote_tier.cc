@@ -1180,106 +1180,128 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
   const auto fail = [&](const std::vector<size_t>& items, size_t from) {
     for (size_t j = from; j < items.size(); ++j) failed[items[j]] = 1;
   };
-  std::vector<std::pair<size_t, Node*>> sent;  // (group, the node asked)
+  // What one node is asked: the keys of one master's slots, sent to that master or, while it is
+  // down, to one of its replicas (a replica may lag behind its master: a value it lacks is a
+  // miss, one it has is verified as any other).
+  struct Ask {
+    size_t master = 0;     // index in lane.nodes
+    Node* node = nullptr;  // asked
+    std::vector<size_t> items;
+  };
+  std::vector<Ask> asks;
   for (size_t g = 0; g < groups.size(); ++g) {
-    const std::vector<size_t>& items = groups[g];
-    if (items.empty()) continue;
-    Node* asked = lane.nodes[g].get();
-    if (!EnsureConnected(lane, *asked)) {
-      // The master is down (or in its backoff): its replica serves the reads until the cluster
-      // fails over. A replica may lag behind its master: a value it lacks is a miss, one it has
-      // is verified as any other.
-      asked = url_.cluster ? ConnectedReplica(lane, *asked) : nullptr;
-      if (asked == nullptr) {
-        fail(items, 0);
+    if (!groups[g].empty()) asks.push_back({.master = g, .items = std::move(groups[g])});
+  }
+  // Round 0 asks the masters (or the replicas of those down); round 1 (a cluster) asks a replica
+  // for what a master's connection lost on the way (it failed when written or read: a master
+  // killed since the last fetch), so that the first fetch after a master dies still hits.
+  for (int round = 0; round < 2 && !asks.empty(); ++round) {
+    std::vector<Ask> sent;
+    std::vector<Ask> retry;
+    for (Ask& ask : asks) {
+      Node* node = lane.nodes[ask.master].get();
+      if (round > 0 || !EnsureConnected(lane, *node)) {
+        node = url_.cluster ? ConnectedReplica(lane, *node) : nullptr;
+        if (node == nullptr) {
+          fail(ask.items, 0);
+          continue;
+        }
+        replica_reads_ += std::ssize(ask.items);
+      }
+      bool ok = true;
+      if (url_.cluster) {
+        // MGET across slots is refused by a cluster (and each block has its own slot): GETs.
+        for (const size_t i : ask.items) ok = ok && Append(node->ctx, {"GET", job.keys[i]});
+      } else {
+        std::vector<const char*> argv = {"MGET"};
+        std::vector<size_t> lens = {4};
+        for (const size_t i : ask.items) {
+          argv.push_back(job.keys[i].data());
+          lens.push_back(job.keys[i].size());
+        }
+        ok = redisAppendCommandArgv(node->ctx, static_cast<int>(argv.size()), argv.data(),
+                                    lens.data()) == REDIS_OK;
+      }
+      if (!ok || !Flush(node->ctx)) {
+        Disconnect(lane, *node);
+        if (url_.cluster && round == 0 && !node->replica) {
+          retry.push_back(std::move(ask));
+        } else {
+          fail(ask.items, 0);
+        }
         continue;
       }
-      replica_reads_ += std::ssize(items);
+      ask.node = node;
+      sent.push_back(std::move(ask));
     }
-    Node& node = *asked;
-    bool ok = true;
-    if (url_.cluster) {
-      // MGET across slots is refused by a cluster (and each block has its own slot): GETs.
-      for (const size_t i : items) ok = ok && Append(node.ctx, {"GET", job.keys[i]});
-    } else {
-      std::vector<const char*> argv = {"MGET"};
-      std::vector<size_t> lens = {4};
-      for (const size_t i : items) {
-        argv.push_back(job.keys[i].data());
-        lens.push_back(job.keys[i].size());
-      }
-      ok = redisAppendCommandArgv(node.ctx, static_cast<int>(argv.size()), argv.data(),
-                                  lens.data()) == REDIS_OK;
-    }
-    if (!ok || !Flush(node.ctx)) {
-      Disconnect(lane, node);
-      fail(items, 0);
-      continue;
-    }
-    sent.emplace_back(g, &node);
-  }
-  // The replies are read from the socket by us, each value straight into a buffer of its own
-  // (hiredis would read them into its buffer and copy each out again). hiredis holds nothing
-  // unread here: every reply before was read whole.
-  for (const auto& [g, asked] : sent) {
-    const std::vector<size_t>& items = groups[g];
-    Node& node = *asked;
-    SocketReader in(node.ctx->fd);
-    const auto broken = [&](size_t from) {
-      Disconnect(lane, node);
-      for (size_t j = from; j < items.size(); ++j) values[items[j]] = {};
-      fail(items, from);
-    };
-    if (node.ctx->reader->pos != node.ctx->reader->len) {
-      broken(0);
-      continue;
-    }
-    std::string_view value;
-    bool sum_ok = false;
-    std::string_view error;
-    if (!url_.cluster) {  // one MGET: "*<n>" then n values or nils, or an error
-      std::string_view line;
-      int count = 0;
-      const bool got = in.Line(&line) && !line.empty();
-      if (got && line[0] == '-' && in.Drained()) {
-        ++errors_;  // refused (an ACL, say): the reply was read whole, the connection is fine
-        fail(items, 0);
-      } else if (!got || line[0] != '*' ||
-                 !ParseInt(line.substr(1), 0, std::numeric_limits<int>::max(), &count) ||
-                 static_cast<size_t>(count) != items.size()) {
-        broken(0);
-      } else {
-        bool whole = true;
-        for (size_t r = 0; r < items.size() && whole; ++r) {
-          const ReplyRead read = ReadValue(in, *owned, &value, &sum_ok, &error);
-          if (read == ReplyRead::kValue) keep(items[r], value, sum_ok);
-          whole = read == ReplyRead::kValue || read == ReplyRead::kNil;  // never an error here
-        }
-        if (!whole || !in.Drained()) broken(0);
-      }
-      if (node.ctx != nullptr) Served(node);
-      continue;
-    }
-    for (size_t r = 0; r < items.size(); ++r) {  // GETs: a value, nil, a redirect or an error
-      const ReplyRead read = ReadValue(in, *owned, &value, &sum_ok, &error);
-      if (read == ReplyRead::kBroken) {
-        broken(r);
-        break;
-      }
-      if (read == ReplyRead::kValue) {
-        keep(items[r], value, sum_ok);
-      } else if (read == ReplyRead::kError) {
-        Redirect redirect{.item = items[r]};
-        if (ParseRedirect(error, &redirect.ask, &redirect.host, &redirect.port)) {
-          redirects.push_back(std::move(redirect));
+    // The replies are read from the socket by us, each value straight into a buffer of its own
+    // (hiredis would read them into its buffer and copy each out again). hiredis holds nothing
+    // unread here: every reply before was read whole.
+    for (const Ask& ask : sent) {
+      const std::vector<size_t>& items = ask.items;
+      Node& node = *ask.node;
+      SocketReader in(node.ctx->fd);
+      const auto broken = [&](size_t from) {
+        Disconnect(lane, node);
+        for (size_t j = from; j < items.size(); ++j) values[items[j]] = {};
+        if (url_.cluster && round == 0 && !node.replica) {
+          retry.push_back({.master = ask.master, .items = {items.begin() + from, items.end()}});
         } else {
-          ++errors_;
-          failed[items[r]] = 1;
+          fail(items, from);
+        }
+      };
+      if (node.ctx->reader->pos != node.ctx->reader->len) {
+        broken(0);
+        continue;
+      }
+      std::string_view value;
+      bool sum_ok = false;
+      std::string_view error;
+      if (!url_.cluster) {  // one MGET: "*<n>" then n values or nils, or an error
+        std::string_view line;
+        int count = 0;
+        const bool got = in.Line(&line) && !line.empty();
+        if (got && line[0] == '-' && in.Drained()) {
+          ++errors_;  // refused (an ACL, say): the reply was read whole, the connection is fine
+          fail(items, 0);
+        } else if (!got || line[0] != '*' ||
+                   !ParseInt(line.substr(1), 0, std::numeric_limits<int>::max(), &count) ||
+                   static_cast<size_t>(count) != items.size()) {
+          broken(0);
+        } else {
+          bool whole = true;
+          for (size_t r = 0; r < items.size() && whole; ++r) {
+            const ReplyRead read = ReadValue(in, *owned, &value, &sum_ok, &error);
+            if (read == ReplyRead::kValue) keep(items[r], value, sum_ok);
+            whole = read == ReplyRead::kValue || read == ReplyRead::kNil;  // never an error here
+          }
+          if (!whole || !in.Drained()) broken(0);
+        }
+        if (node.ctx != nullptr) Served(node);
+        continue;
+      }
+      for (size_t r = 0; r < items.size(); ++r) {  // GETs: a value, nil, a redirect or an error
+        const ReplyRead read = ReadValue(in, *owned, &value, &sum_ok, &error);
+        if (read == ReplyRead::kBroken) {
+          broken(r);
+          break;
+        }
+        if (read == ReplyRead::kValue) {
+          keep(items[r], value, sum_ok);
+        } else if (read == ReplyRead::kError) {
+          Redirect redirect{.item = items[r]};
+          if (ParseRedirect(error, &redirect.ask, &redirect.host, &redirect.port)) {
+            redirects.push_back(std::move(redirect));
+          } else {
+            ++errors_;
+            failed[items[r]] = 1;
+          }
         }
       }
+      if (node.ctx != nullptr && !in.Drained()) Disconnect(lane, node);  // more than was asked for
+      if (node.ctx != nullptr) Served(node);
     }
-    if (node.ctx != nullptr && !in.Drained()) broken(items.size());  // more than was asked for
-    if (node.ctx != nullptr) Served(node);
+    asks = std::move(retry);
   }
   std::vector<Redirect> pending;
   pending.swap(redirects);
