@@ -749,40 +749,35 @@ Status RemoteTier::RefreshSlots(Lane& lane) {
     }
     Served(asked);
     if (reply->type != REDIS_REPLY_ARRAY) continue;
+    // A master or replica entry [host, port, ...]: its node, or kNoNode when malformed (or past
+    // kMaxNodes). A node that does not know its address gives "" or "?": the one asked.
+    const auto node_of = [&](const redisReply* e) {
+      if (e->type != REDIS_REPLY_ARRAY || e->elements < 2 ||
+          e->element[0]->type != REDIS_REPLY_STRING || e->element[1]->type != REDIS_REPLY_INTEGER) {
+        return kNoNode;
+      }
+      std::string_view host(e->element[0]->str, e->element[0]->len);
+      if (host.empty() || host == "?") host = asked.host;
+      return NodeAt(lane, host, static_cast<int>(e->element[1]->integer));
+    };
     std::vector<int16_t> slots(kClusterSlots, -1);
     std::vector<std::pair<int16_t, int16_t>> replicas;  // (master, replica)
     for (size_t r = 0; r < reply->elements; ++r) {
       const redisReply* range = reply->element[r];
       if (range->type != REDIS_REPLY_ARRAY || range->elements < 3 ||
           range->element[0]->type != REDIS_REPLY_INTEGER ||
-          range->element[1]->type != REDIS_REPLY_INTEGER ||
-          range->element[2]->type != REDIS_REPLY_ARRAY || range->element[2]->elements < 2 ||
-          range->element[2]->element[0]->type != REDIS_REPLY_STRING ||
-          range->element[2]->element[1]->type != REDIS_REPLY_INTEGER) {
+          range->element[1]->type != REDIS_REPLY_INTEGER) {
         continue;
       }
-      const redisReply* master = range->element[2];
-      std::string_view host(master->element[0]->str, master->element[0]->len);
-      if (host.empty() || host == "?") host = asked.host;  // the node does not know its address
-      const auto port = static_cast<int>(master->element[1]->integer);
-      const size_t owner = NodeAt(lane, host, port);
+      // [first, last, master, replica...]
+      const size_t owner = node_of(range->element[2]);
       if (owner == kNoNode) continue;  // its slots have no owner: their keys miss
       const auto index = static_cast<int16_t>(owner);
       const auto first = std::max<long long>(range->element[0]->integer, 0);
       const auto last = std::min<long long>(range->element[1]->integer, kClusterSlots - 1);
       for (long long slot = first; slot <= last; ++slot) slots[static_cast<size_t>(slot)] = index;
-      // Then the range's replicas, each [host, port, id, ...].
       for (size_t e = 3; e < range->elements; ++e) {
-        const redisReply* replica = range->element[e];
-        if (replica->type != REDIS_REPLY_ARRAY || replica->elements < 2 ||
-            replica->element[0]->type != REDIS_REPLY_STRING ||
-            replica->element[1]->type != REDIS_REPLY_INTEGER) {
-          continue;
-        }
-        std::string_view replica_host(replica->element[0]->str, replica->element[0]->len);
-        if (replica_host.empty() || replica_host == "?") replica_host = asked.host;
-        const size_t at =
-            NodeAt(lane, replica_host, static_cast<int>(replica->element[1]->integer));
+        const size_t at = node_of(range->element[e]);
         if (at != kNoNode) replicas.emplace_back(index, static_cast<int16_t>(at));
       }
     }
