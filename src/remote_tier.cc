@@ -1053,8 +1053,7 @@ bool RemoteTier::EnsureConnected(Lane& lane, Node& node) {
   }
   if (!ctx.ok()) {
     ++errors_;
-    node.retry_at = now + node.backoff;
-    node.backoff = std::min<std::chrono::milliseconds>(node.backoff * 2, kMaxBackoff);
+    Failed(node, now);
     if (url_.cluster) lane.refresh_needed = true;
     return false;
   }
@@ -1072,8 +1071,7 @@ void RemoteTier::Disconnect(Lane& lane, Node& node) {
   // Not tried again before its backoff, which only an answered command resets: a stalled server
   // (it accepts connections, answers nothing) costs one timeout per backoff, not one per
   // command, and its reads go to a replica meanwhile.
-  node.retry_at = std::chrono::steady_clock::now() + node.backoff;
-  node.backoff = std::min<std::chrono::milliseconds>(node.backoff * 2, kMaxBackoff);
+  Failed(node, std::chrono::steady_clock::now());
   if (url_.cluster) lane.refresh_needed = true;
   UpdateConnected(lane);
 }

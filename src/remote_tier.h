@@ -18,6 +18,7 @@
 // keep serving.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -214,6 +215,11 @@ class RemoteTier {
   };
   // A node's command answered: its next failure waits the first backoff again.
   static void Served(Node& node) { node.backoff = kFirstBackoff; }
+  // A node's connect or command failed at `now`: it is left alone for its backoff, which doubles.
+  static void Failed(Node& node, std::chrono::steady_clock::time_point now) {
+    node.retry_at = now + node.backoff;
+    node.backoff = std::min<std::chrono::milliseconds>(node.backoff * 2, kMaxBackoff);
+  }
   // A command of a fetch or a store batch that got MOVED or ASK.
   struct Redirect {
     size_t item = 0;
