@@ -1191,6 +1191,16 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
   for (int round = 0; round < 2 && !asks.empty(); ++round) {
     std::vector<Ask> sent;
     std::vector<Ask> retry;
+    // `node`'s connection failed with ask's items from `from` on unanswered: a master's go to a
+    // replica in the next round, a replica's (or a standalone server's) miss.
+    const auto lost = [&](const Ask& ask, const Node& node, size_t from) {
+      if (url_.cluster && round == 0 && !node.replica) {
+        retry.push_back(
+            {.master = ask.master, .items = {ask.items.begin() + from, ask.items.end()}});
+      } else {
+        fail(ask.items, from);
+      }
+    };
     for (Ask& ask : asks) {
       Node* node = lane.nodes[ask.master].get();
       if (round > 0 || !EnsureConnected(lane, *node)) {
@@ -1217,11 +1227,7 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
       }
       if (!ok || !Flush(node->ctx)) {
         Disconnect(lane, *node);
-        if (url_.cluster && round == 0 && !node->replica) {
-          retry.push_back(std::move(ask));
-        } else {
-          fail(ask.items, 0);
-        }
+        lost(ask, *node, 0);
         continue;
       }
       ask.node = node;
@@ -1237,11 +1243,7 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
       const auto broken = [&](size_t from) {
         Disconnect(lane, node);
         for (size_t j = from; j < items.size(); ++j) values[items[j]] = {};
-        if (url_.cluster && round == 0 && !node.replica) {
-          retry.push_back({.master = ask.master, .items = {items.begin() + from, items.end()}});
-        } else {
-          fail(items, from);
-        }
+        lost(ask, node, from);
       };
       if (node.ctx->reader->pos != node.ctx->reader->len) {
         broken(0);
