@@ -152,6 +152,12 @@ def test_config_values_copy_pickle_and_errors():
         blockkv.StateManagerConfig(prefix_cache=blockkv.PrefixCacheConfig(), remote_tier="redis://")
     with pytest.raises(ValueError, match="not a redis:// URL"):
         make_manager(blockkv.RemoteTierConfig("http://127.0.0.1:1"))
+    # A queue whose stores could hold more than the host's memory: refused at creation, naming
+    # the value; the same manager with a sane queue is then made as usual.
+    with pytest.raises(blockkv.ResourceExhaustedError, match="max_pending=2147483647"):
+        make_manager(blockkv.RemoteTierConfig("redis://127.0.0.1:1", max_pending=2**31 - 1))
+    sane = make_manager(blockkv.RemoteTierConfig("redis://127.0.0.1:1"))
+    assert not sane.remote_tier_stats()["connected"]  # nothing listens there: the tier waits
 
 
 def test_two_managers_share_blocks_through_redis(redis_server):
