@@ -60,8 +60,8 @@ Status StateManager::Impl::EnableRemoteTier() {
                                      "without a sliding window"));
   }
   // Each queued store holds its block's bytes until it is sent: a stalled server fills the queue.
-  const KVCacheConfig& group = cache_->config(0);
-  const int64_t value_bytes = group.num_caches() * LayerBlockBytes(group);
+  const KVCacheConfig& c = cache_->config(0);
+  const int64_t value_bytes = c.num_caches() * LayerBlockBytes(c);
   const std::optional<int64_t> queue_bytes = internal::CheckedMul(rc.max_pending, value_bytes);
   if (const int64_t available = internal::ReadHostMemory().available;
       !queue_bytes || *queue_bytes > available) {
@@ -87,7 +87,6 @@ Status StateManager::Impl::EnableRemoteTier() {
                remote_->unreachable()));
   }
   // Everything that makes two engines' bytes for one key comparable.
-  const KVCacheConfig& c = group;
   std::string fp = "blockkv-remote";
   Append<uint32_t>(fp, kRemoteLayoutVersion);
   Append<uint64_t>(fp, config_.prefix_cache.hash_seed);
