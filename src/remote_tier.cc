@@ -11,6 +11,7 @@
 #include <iterator>
 #include <limits>
 #include <memory>
+#include <optional>
 
 #include <poll.h>
 #include <sys/socket.h>
@@ -345,7 +346,37 @@ bool ParseRedirect(const redisReply& reply, bool* ask, std::string* host, int* p
          ParseRedirect(std::string_view(reply.str, reply.len), ask, host, port);
 }
 
+// RFC 3986's percent-decoding of a URL's user or password ("p%40ss" is "p@ss"); false on a '%'
+// not followed by two hex digits.
+bool PercentDecode(std::string_view in, std::string* out) {
+  out->clear();
+  const auto hex = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  for (size_t i = 0; i < in.size(); ++i) {
+    if (in[i] != '%') {
+      out->push_back(in[i]);
+      continue;
+    }
+    const int hi = i + 2 < in.size() ? hex(in[i + 1]) : -1;
+    const int lo = i + 2 < in.size() ? hex(in[i + 2]) : -1;
+    if (hi < 0 || lo < 0) return false;
+    out->push_back(static_cast<char>(hi * 16 + lo));
+    i += 2;
+  }
+  return true;
+}
+
 }  // namespace
+
+std::string HostPortText(std::string_view host, int port) {
+  // An IPv6 address in brackets, as URLs write it: [::1]:6379.
+  return host.find(':') != std::string_view::npos ? StrCat("[", host, "]:", port)
+                                                  : StrCat(host, ":", port);
+}
 
 Result<RedisUrl> ParseRedisUrl(std::string_view url) {
   constexpr std::string_view kScheme = "redis://";
@@ -372,6 +403,10 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
     rest = url.substr(kClusterScheme.size());
   } else if (url.starts_with(kScheme)) {
     rest = url.substr(kScheme.size());
+  } else if (url.starts_with("rediss://") || url.starts_with("rediss+cluster://")) {
+    return bad(
+        "TLS is not supported (this hiredis has no TLS); reach a TLS-only server through a local "
+        "TLS proxy (e.g. stunnel) with a redis:// URL");
   } else {
     return bad("not a redis:// URL (nor redis+cluster://)");
   }
@@ -379,11 +414,14 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
     const std::string_view auth = rest.substr(0, at);
     rest = rest.substr(at + 1);
     const size_t colon = auth.find(':');
-    if (colon == std::string_view::npos) {
-      out.password = std::string(auth);
-    } else {
-      out.user = std::string(auth.substr(0, colon));
-      out.password = std::string(auth.substr(colon + 1));
+    // Percent-encoded as URLs are (a password with '@', ':' or '/' in it: %40, %3A, %2F).
+    if (!PercentDecode(colon == std::string_view::npos ? auth : auth.substr(colon + 1),
+                       &out.password)) {
+      return bad("a '%' in the password not followed by two hex digits (write '%' as %25)");
+    }
+    if (colon != std::string_view::npos && !PercentDecode(auth.substr(0, colon), &out.user)) {
+      return bad(StrCat("a '%' in the user \"", auth.substr(0, colon),
+                        "\" not followed by two hex digits (write '%' as %25)"));
     }
     if (out.password.empty()) return bad("an empty password");
   }
@@ -402,12 +440,26 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
     const std::string_view part = rest.substr(0, comma);
     RedisUrl::HostPort hp;
     std::string_view host = part;
-    if (const size_t colon = part.rfind(':'); colon != std::string_view::npos) {
-      if (!ParseInt(part.substr(colon + 1), 1, 65535, &hp.port)) {
-        return bad(
-            StrCat("a bad port \"", part.substr(colon + 1), "\" in \"", part, "\" (1 to 65535)"));
+    std::optional<std::string_view> port;  // what follows the host's ':'
+    if (part.starts_with('[')) {           // an IPv6 address: [::1] or [::1]:6379
+      const size_t close = part.find(']');
+      if (close == std::string_view::npos) return bad(StrCat("no ']' in \"", part, "\""));
+      host = part.substr(1, close - 1);
+      const std::string_view after = part.substr(close + 1);
+      if (after.starts_with(':')) {
+        port = after.substr(1);
+      } else if (!after.empty()) {
+        return bad(StrCat("\"", after, "\" after the address in \"", part, "\""));
+      }
+    } else if (const size_t colon = part.rfind(':'); colon != std::string_view::npos) {
+      if (part.find(':') != colon) {
+        return bad(StrCat("\"", part, "\": an IPv6 address is written in brackets, [::1]:6379"));
       }
       host = part.substr(0, colon);
+      port = part.substr(colon + 1);
+    }
+    if (port && !ParseInt(*port, 1, 65535, &hp.port)) {
+      return bad(StrCat("a bad port \"", *port, "\" in \"", part, "\" (1 to 65535)"));
     }
     if (host.empty()) {
       return bad(part.empty() ? std::string("no host") : StrCat("no host in \"", part, "\""));
@@ -570,7 +622,7 @@ Result<redisContext*> RemoteTier::Connect(const RedisUrl& url, const std::string
   const timeval tv{.tv_sec = timeout_ms / 1000,
                    .tv_usec = static_cast<suseconds_t>(timeout_ms % 1000) * 1000};
   redisContext* ctx = redisConnectWithTimeout(host.c_str(), port, tv);
-  const std::string where = StrCat("redis at ", host, ":", port);
+  const std::string where = StrCat("redis at ", HostPortText(host, port));
   if (ctx == nullptr) return UnavailableError(StrCat(where, ": cannot allocate a connection"));
   const auto fail = [&](StatusCode code, std::string_view why) -> Status {
     Status s(code, StrCat(where, ": ", why));
@@ -693,7 +745,7 @@ Status RemoteTier::Start(Lane& lane, bool connect) {
   if (url_.hosts.size() > 1) {
     std::string seeds;
     for (const RedisUrl::HostPort& seed : url_.hosts) {
-      seeds += StrCat(seeds.empty() ? "" : ", ", seed.host, ":", seed.port);
+      seeds += StrCat(seeds.empty() ? "" : ", ", HostPortText(seed.host, seed.port));
     }
     return UnavailableError(
         StrCat("no seed of the cluster answered (", seeds, "); the last: ", last.message()));
@@ -743,7 +795,7 @@ Status RemoteTier::RefreshSlots(Lane& lane) {
     }
     if (reply->type == REDIS_REPLY_ERROR) {
       return InvalidArgumentError(StrCat(
-          "redis at ", asked.host, ":", asked.port,
+          "redis at ", HostPortText(asked.host, asked.port),
           ": CLUSTER SLOTS refused: ", std::string_view(reply->str, reply->len),
           " (a redis+cluster:// URL needs a Redis Cluster; a standalone server is redis://)"));
     }
@@ -803,7 +855,7 @@ Status RemoteTier::RefreshSlots(Lane& lane) {
     return Status::Ok();
   }
   return UnavailableError(StrCat("no node of the redis cluster answered CLUSTER SLOTS (seed ",
-                                 url_.hosts[0].host, ":", url_.hosts[0].port, ")"));
+                                 HostPortText(url_.hosts[0].host, url_.hosts[0].port), ")"));
 }
 
 void RemoteTier::MaybeRefresh(Lane& lane) {

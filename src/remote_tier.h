@@ -56,8 +56,11 @@ struct RedisUrl {
   int db = 0;
 };
 // redis://[user:password@]host:port[/db] or redis+cluster://[user:password@]host:port[,host:port
-// ...]; kInvalidArgument naming the URL and the part that is wrong.
+// ...]; kInvalidArgument naming the URL and the part that is wrong. The user and password are
+// percent-decoded; an IPv6 host is written in brackets ([::1]:6379) and kept without them.
 Result<RedisUrl> ParseRedisUrl(std::string_view url);
+// "host:port", or "[host]:port" for an IPv6 address: for messages.
+std::string HostPortText(std::string_view host, int port);
 // The cluster slot (0..16383) of `key`: CRC16 (XMODEM) of its hash tag (what is between the first
 // '{' and the next '}', when not empty), else of the whole key, modulo 16384.
 int KeySlot(std::string_view key);

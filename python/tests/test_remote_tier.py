@@ -152,6 +152,10 @@ def test_config_values_copy_pickle_and_errors():
         blockkv.StateManagerConfig(prefix_cache=blockkv.PrefixCacheConfig(), remote_tier="redis://")
     with pytest.raises(ValueError, match="not a redis:// URL"):
         make_manager(blockkv.RemoteTierConfig("http://127.0.0.1:1"))
+    with pytest.raises(ValueError, match="TLS is not supported"):
+        make_manager(blockkv.RemoteTierConfig("rediss://127.0.0.1:1"))
+    with pytest.raises(ValueError, match="IPv6 address is written in brackets"):
+        make_manager(blockkv.RemoteTierConfig("redis://::1:6379"))
     # A queue whose stores could hold more than the host's memory: refused at creation, naming
     # the value; the same manager with a sane queue is then made as usual.
     with pytest.raises(blockkv.ResourceExhaustedError, match="max_pending=2147483647"):

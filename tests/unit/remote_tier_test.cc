@@ -359,6 +359,27 @@ TEST(RemoteTierTest, AWrongPasswordIsAClearErrorWhenTheTierOpens) {
   EXPECT_EQ(other->Prefill(1, prompt), 8);
 }
 
+// URLs as deployments write them: a password with URL delimiters in it, percent-encoded, and a
+// server on an IPv6 address.
+TEST(RemoteTierTest, AnEncodedPasswordAndAnIPv6HostReachTheirServer) {
+  RedisServer server({"--requirepass", "p@ss:w/ord%", "--bind", "127.0.0.1", "::1"});
+  const std::string port = std::to_string(server.port());
+  Status status;
+  auto ipv6 = Engine::Make({.url = "redis://:p%40ss%3Aw%2Ford%25@[::1]:" + port}, &status);
+  ASSERT_NE(ipv6, nullptr) << status;
+  EXPECT_TRUE(ipv6->mgr->remote_tier_stats().connected);
+  const std::vector<TokenId> prompt = Prompt(11, 9);
+  EXPECT_EQ(ipv6->Prefill(1, prompt), 0);
+  ipv6->mgr->FlushRemoteTier();
+  EXPECT_EQ(ipv6->mgr->remote_tier_stats().stored, 2);
+  auto ipv4 = Engine::Make({.url = server.url("default:p%40ss%3Aw%2Ford%25")}, &status);
+  ASSERT_NE(ipv4, nullptr) << status;
+  EXPECT_EQ(ipv4->Prefill(1, prompt), 8);
+  // Not decoded, the same password is refused (it is not what the server has).
+  EXPECT_EQ(Engine::Make({.url = server.url(":p%2540ss")}, &status), nullptr);
+  EXPECT_EQ(status.code(), StatusCode::kPermissionDenied) << status;
+}
+
 TEST(RemoteTierTest, ACorruptedValueIsACountedMissAndNothingWrongIsCached) {
   RedisServer server;
   const std::vector<TokenId> prompt = Prompt(100, 17);
@@ -1463,6 +1484,39 @@ TEST(RemoteTierTest, ClusterUrlsParseAndBadOnesNameTheBadPart) {
   EXPECT_NE(secret.find("bad port \"99999\""), std::string::npos) << secret;
   EXPECT_EQ(secret.find("topsecret"), std::string::npos) << secret;
   EXPECT_NE(secret.find("u:***@h:99999"), std::string::npos) << secret;
+  // The user and password percent-decoded, as URLs encode them; IPv6 addresses in brackets.
+  url = internal::ParseRedisUrl("redis://us%65r:p%40ss%3Aw%2Ford%25@[::1]:7000/2");
+  ASSERT_TRUE(url.ok()) << url.status();
+  EXPECT_EQ(url->user, "user");
+  EXPECT_EQ(url->password, "p@ss:w/ord%");
+  ASSERT_EQ(url->hosts.size(), 1u);
+  EXPECT_EQ(url->hosts[0].host, "::1");
+  EXPECT_EQ(url->hosts[0].port, 7000);
+  EXPECT_EQ(url->db, 2);
+  url = internal::ParseRedisUrl("redis+cluster://[fe80::1],[::1]:7001,h");
+  ASSERT_TRUE(url.ok()) << url.status();
+  ASSERT_EQ(url->hosts.size(), 3u);
+  EXPECT_EQ(url->hosts[0].host, "fe80::1");
+  EXPECT_EQ(url->hosts[0].port, 6379);
+  EXPECT_EQ(url->hosts[1].host, "::1");
+  EXPECT_EQ(url->hosts[1].port, 7001);
+  EXPECT_EQ(internal::HostPortText("::1", 7001), "[::1]:7001");
+  EXPECT_EQ(internal::HostPortText("h", 7001), "h:7001");
+  EXPECT_NE(error("redis://::1:6379").find("an IPv6 address is written in brackets"),
+            std::string::npos);
+  EXPECT_NE(error("redis://[::1:6379").find("no ']' in \"[::1:6379\""), std::string::npos);
+  EXPECT_NE(error("redis://[::1]x").find("\"x\" after the address"), std::string::npos);
+  EXPECT_NE(error("redis://[::1]:").find("bad port \"\""), std::string::npos);
+  EXPECT_NE(error("redis://[]:6379").find("no host"), std::string::npos);
+  EXPECT_NE(error("redis://h:").find("bad port \"\" in \"h:\""), std::string::npos);
+  const std::string escape = error("redis://:top%zzsecret@h:1");
+  EXPECT_NE(escape.find("'%' in the password"), std::string::npos) << escape;
+  EXPECT_EQ(escape.find("top"), std::string::npos) << "the password leaked: " << escape;
+  EXPECT_NE(error("redis://u%4:pw@h").find("in the user \"u%4\""), std::string::npos);
+  EXPECT_NE(error("redis://:pw%@h").find("'%' in the password"), std::string::npos);
+  EXPECT_NE(error("redis://:%@h").find("'%' in the password"), std::string::npos);
+  EXPECT_NE(error("rediss://h:6380").find("TLS is not supported"), std::string::npos);
+  EXPECT_NE(error("rediss+cluster://h:6380").find("TLS is not supported"), std::string::npos);
   // Redis's own CRC16 check value, and the hash tag.
   EXPECT_EQ(internal::KeySlot("123456789"), 0x31C3 % 16384);
   EXPECT_EQ(internal::KeySlot("a{123456789}b"), internal::KeySlot("123456789"));
