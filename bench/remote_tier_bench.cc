@@ -28,6 +28,8 @@
 //                scheduled together (the queued fetches pipelined: one round trip, not 8)
 //   tier_fetch_agreed  the same with AgreeRemotePrefix (a world of one) in place of the wait: what
 //                the tensor-parallel agreement adds (its offer verifies the values once more)
+//   unix_tier_store, unix_raw_set, unix_tier_fetch, unix_raw_mget   as above over the server's
+//                unix socket (unix:// for the tier, redisConnectUnix for raw)
 //   cluster_tier_store, cluster_tier_store_only, cluster_tier_fetch   as above, the tier given
 //                redis+cluster://
 //   cluster_raw_set   the k SETs routed to their slots' masters, one hiredis connection per node:
@@ -80,7 +82,11 @@ namespace {
 
 constexpr int32_t kBlockSize = 16;
 int g_port = 0;
+std::string g_unix_path;           // the standalone server's unix socket
 std::vector<int> g_cluster_ports;  // the cluster's masters
+
+// Where the tier's server is: the standalone one over TCP or over its unix socket, or the cluster.
+enum class Server { kTcp, kUnix, kCluster };
 
 int FreePort() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -97,9 +103,11 @@ int FreePort() {
   return ntohs(addr.sin_port);
 }
 
+// port 0: the standalone server; -1: its unix socket.
 redisContext* Connect(int port = 0) {
   if (port == 0) port = g_port;
-  redisContext* c = redisConnect("127.0.0.1", port);
+  redisContext* c =
+      port < 0 ? redisConnectUnix(g_unix_path.c_str()) : redisConnect("127.0.0.1", port);
   if (c == nullptr || c->err != 0) {
     std::fprintf(stderr, "remote_tier_bench: cannot connect to redis on port %d\n", port);
     std::abort();
@@ -126,17 +134,19 @@ std::string ClusterUrl() {
 }
 
 // layers = 32: 2 MiB blocks; 1: 64 KiB.
-std::unique_ptr<StateManager> MakeManager(int64_t layers, int32_t k, bool cluster = false) {
+std::unique_ptr<StateManager> MakeManager(int64_t layers, int32_t k, Server where = Server::kTcp) {
   StateManagerConfig config;
   config.max_tracked_sequences = 16;
   config.max_ragged_batch_size = 4096;
   config.max_ragged_sequence_count = 16;
   config.memory_config = {.mode = AllocationMode::kAllocate, .size = 2 * k + 4};
   config.prefix_cache.enabled = true;
-  config.remote_tier = RemoteTierConfig{
-      .url = cluster ? ClusterUrl() : "redis://127.0.0.1:" + std::to_string(g_port),
-      .timeout_ms = 10000,
-      .max_pending = 4096};
+  config.remote_tier = RemoteTierConfig{.url = where == Server::kCluster ? ClusterUrl()
+                                               : where == Server::kUnix
+                                                   ? "unix://" + g_unix_path
+                                                   : "redis://127.0.0.1:" + std::to_string(g_port),
+                                        .timeout_ms = 10000,
+                                        .max_pending = 4096};
   auto mgr = StateManager::Create(config,
                                   {KVCacheConfig{.block_size = kBlockSize,
                                                  .cache_shape = {layers, 8, 128},
@@ -174,11 +184,12 @@ void SetBytes(benchmark::State& state, int64_t layers, int32_t k) {
 
 // With `lookup_timed` false (one prompt only), the prompt's AddSequence and Schedule (its lookup:
 // a miss, one round trip) run untimed: what is timed is the write-through alone.
-void TierStoreOn(benchmark::State& state, bool cluster, bool lookup_timed = true) {
+void TierStoreOn(benchmark::State& state, Server where, bool lookup_timed = true) {
+  const bool cluster = where == Server::kCluster;
   const int64_t layers = state.range(0);
   const auto k = static_cast<int32_t>(state.range(1));
   const int64_t prompts = lookup_timed ? state.range(2) : 1;
-  std::unique_ptr<StateManager> mgr = MakeManager(layers, k, cluster);
+  std::unique_ptr<StateManager> mgr = MakeManager(layers, k, where);
   int64_t seed = 0;
   const SeqId uids[] = {1};
   for (auto _ : state) {
@@ -206,10 +217,11 @@ void TierStoreOn(benchmark::State& state, bool cluster, bool lookup_timed = true
   if (cluster && s.nodes != std::ssize(g_cluster_ports)) state.SkipWithError("not every node");
   SetBytes(state, layers, static_cast<int32_t>(k * prompts));
 }
-void TierStore(benchmark::State& state) { TierStoreOn(state, false); }
-void ClusterTierStore(benchmark::State& state) { TierStoreOn(state, true); }
-void TierStoreOnly(benchmark::State& state) { TierStoreOn(state, false, false); }
-void ClusterTierStoreOnly(benchmark::State& state) { TierStoreOn(state, true, false); }
+void TierStore(benchmark::State& state) { TierStoreOn(state, Server::kTcp); }
+void UnixTierStore(benchmark::State& state) { TierStoreOn(state, Server::kUnix); }
+void ClusterTierStore(benchmark::State& state) { TierStoreOn(state, Server::kCluster); }
+void TierStoreOnly(benchmark::State& state) { TierStoreOn(state, Server::kTcp, false); }
+void ClusterTierStoreOnly(benchmark::State& state) { TierStoreOn(state, Server::kCluster, false); }
 
 // k values of the tier's size for these blocks (header + tokens + bytes + checksum), each its own
 // bytes in its own memory, as k blocks are: one value sent k times would be read from the CPU's
@@ -234,11 +246,11 @@ bool WriteAll(redisContext* c) {
 // The SETs of every prompt's blocks, a prompt's written before the next one's are formatted
 // (hiredis would otherwise grow one buffer to all of them, copying it as it grows), every reply
 // read at the end.
-void RawSet(benchmark::State& state) {
+void RawSetOn(benchmark::State& state, Server where) {
   const int64_t layers = state.range(0);
   const auto per_prompt = static_cast<int32_t>(state.range(1));
   const auto k = static_cast<int32_t>(per_prompt * state.range(2));
-  redisContext* c = Connect();
+  redisContext* c = Connect(where == Server::kUnix ? -1 : 0);
   const std::vector<std::string> values = Values(layers, k);
   int64_t seed = 0;
   for (auto _ : state) {
@@ -263,18 +275,20 @@ void RawSet(benchmark::State& state) {
   redisFree(c);
   SetBytes(state, layers, k);
 }
+void RawSet(benchmark::State& state) { RawSetOn(state, Server::kTcp); }
+void UnixRawSet(benchmark::State& state) { RawSetOn(state, Server::kUnix); }
 
-void TierFetchOn(benchmark::State& state, bool cluster) {
+void TierFetchOn(benchmark::State& state, Server where) {
   const int64_t layers = state.range(0);
   const auto k = static_cast<int32_t>(state.range(1));
-  FlushAll(cluster);
+  FlushAll(where == Server::kCluster);
   const std::vector<TokenId> prompt = Prompt(-1, k);
   {
-    std::unique_ptr<StateManager> writer = MakeManager(layers, k, cluster);
+    std::unique_ptr<StateManager> writer = MakeManager(layers, k, where);
     Run(*writer, 1, prompt);
     writer->FlushRemoteTier();
   }
-  std::unique_ptr<StateManager> mgr = MakeManager(layers, k, cluster);
+  std::unique_ptr<StateManager> mgr = MakeManager(layers, k, where);
   for (auto _ : state) {
     if (Run(*mgr, 1, prompt) != int64_t{k} * kBlockSize) state.SkipWithError("not a full hit");
     blockkv_bench::Check(mgr->FlushSequence(1), "FlushSequence");
@@ -284,7 +298,8 @@ void TierFetchOn(benchmark::State& state, bool cluster) {
   }
   SetBytes(state, layers, k);
 }
-void TierFetch(benchmark::State& state) { TierFetchOn(state, false); }
+void TierFetch(benchmark::State& state) { TierFetchOn(state, Server::kTcp); }
+void UnixTierFetch(benchmark::State& state) { TierFetchOn(state, Server::kUnix); }
 
 // A prompt fetched ahead (FetchRemotePrefix, waited for) and then scheduled; with `agree`, the
 // ranks' agreement (AgreeRemotePrefix over a world of one: the offer's wait and verification and
@@ -366,12 +381,12 @@ void TierFetchAheadMany(benchmark::State& state) {
   SetBytes(state, layers, k);
 }
 void TierFetchAgreed(benchmark::State& state) { FetchAheadOn(state, true); }
-void ClusterTierFetch(benchmark::State& state) { TierFetchOn(state, true); }
+void ClusterTierFetch(benchmark::State& state) { TierFetchOn(state, Server::kCluster); }
 
-void RawMget(benchmark::State& state) {
+void RawMgetOn(benchmark::State& state, Server where) {
   const int64_t layers = state.range(0);
   const auto k = static_cast<int32_t>(state.range(1));
-  redisContext* c = Connect();
+  redisContext* c = Connect(where == Server::kUnix ? -1 : 0);
   freeReplyObject(redisCommand(c, "FLUSHALL"));
   const std::string value(static_cast<size_t>(BlockBytes(layers)) + 200, 'x');
   std::vector<std::string> keys;
@@ -398,6 +413,8 @@ void RawMget(benchmark::State& state) {
   redisFree(c);
   SetBytes(state, layers, k);
 }
+void RawMget(benchmark::State& state) { RawMgetOn(state, Server::kTcp); }
+void UnixRawMget(benchmark::State& state) { RawMgetOn(state, Server::kUnix); }
 
 // k keys ("raw:<i>"), each with the connection of its slot's master (CLUSTER KEYSLOT and
 // CLUSTER SLOTS, asked once).
@@ -523,6 +540,10 @@ BENCHMARK(TierFetchAheadMany)
     ->Args({1, 32})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
+BENCHMARK(UnixTierStore)->Apply(StoreArgs);
+BENCHMARK(UnixRawSet)->Apply(StoreArgs);
+BENCHMARK(UnixTierFetch)->Apply(Args);
+BENCHMARK(UnixRawMget)->Apply(Args);
 BENCHMARK(ClusterTierStore)->Apply(StoreArgs);
 BENCHMARK(ClusterTierStoreOnly)->Apply(Args);
 BENCHMARK(ClusterRawSet)->Apply(StoreArgs);
@@ -708,10 +729,25 @@ int main(int argc, char** argv) {
   const std::string dir =
       std::filesystem::temp_directory_path() / ("blockkv-bench-redis-" + std::to_string(getpid()));
   std::filesystem::create_directories(dir);
+  blockkv::g_unix_path = dir + "/redis.sock";
   std::string port = std::to_string(blockkv::g_port);
-  std::vector<std::string> args = {
-      "redis-server", "--port", port,    "--bind", "127.0.0.1",  "--save", "",
-      "--appendonly", "no",     "--dir", dir,      "--loglevel", "warning"};
+  std::vector<std::string> args = {"redis-server",
+                                   "--port",
+                                   port,
+                                   "--bind",
+                                   "127.0.0.1",
+                                   "--save",
+                                   "",
+                                   "--appendonly",
+                                   "no",
+                                   "--dir",
+                                   dir,
+                                   "--loglevel",
+                                   "warning",
+                                   "--unixsocket",
+                                   blockkv::g_unix_path,
+                                   "--unixsocketperm",
+                                   "700"};
   std::vector<char*> cargs;
   cargs.reserve(args.size() + 1);
   for (std::string& a : args) cargs.push_back(a.data());

@@ -373,6 +373,7 @@ bool PercentDecode(std::string_view in, std::string* out) {
 }  // namespace
 
 std::string HostPortText(std::string_view host, int port) {
+  if (port == 0) return std::string(host);  // a unix socket's path
   // An IPv6 address in brackets, as URLs write it: [::1]:6379.
   return host.find(':') != std::string_view::npos ? StrCat("[", host, "]:", port)
                                                   : StrCat(host, ":", port);
@@ -381,6 +382,7 @@ std::string HostPortText(std::string_view host, int port) {
 Result<RedisUrl> ParseRedisUrl(std::string_view url) {
   constexpr std::string_view kScheme = "redis://";
   constexpr std::string_view kClusterScheme = "redis+cluster://";
+  constexpr std::string_view kUnixScheme = "unix://";
   // The URL as errors show it: the password, if any, replaced by "***".
   std::string shown(url);
   if (const size_t at = url.rfind('@'); at != std::string_view::npos) {
@@ -394,7 +396,8 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
     return InvalidArgumentError(StrCat("RemoteTierConfig.url \"", shown, "\": ", why,
                                        " (expected redis://[user:password@]host:port[/db], or "
                                        "redis+cluster://[user:password@]host:port[,host:port...] "
-                                       "for a Redis Cluster)"));
+                                       "for a Redis Cluster, or unix://[user:password@]/path/to/"
+                                       "redis.sock[?db=N] for a server's unix socket)"));
   };
   RedisUrl out;
   std::string_view rest;
@@ -403,6 +406,9 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
     rest = url.substr(kClusterScheme.size());
   } else if (url.starts_with(kScheme)) {
     rest = url.substr(kScheme.size());
+  } else if (url.starts_with(kUnixScheme)) {
+    out.unix_socket = true;
+    rest = url.substr(kUnixScheme.size());
   } else if (url.starts_with("rediss://") || url.starts_with("rediss+cluster://")) {
     return bad(
         "TLS is not supported (this hiredis has no TLS); reach a TLS-only server through a local "
@@ -410,7 +416,12 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
   } else {
     return bad("not a redis:// URL (nor redis+cluster://)");
   }
-  if (const size_t at = rest.rfind('@'); at != std::string_view::npos) {
+  // The credentials end at the last '@' (at the first "@/" for a unix socket, whose path may hold
+  // an '@' of its own).
+  if (const size_t at = out.unix_socket
+                            ? (rest.starts_with('/') ? std::string_view::npos : rest.find("@/"))
+                            : rest.rfind('@');
+      at != std::string_view::npos) {
     const std::string_view auth = rest.substr(0, at);
     rest = rest.substr(at + 1);
     const size_t colon = auth.find(':');
@@ -424,6 +435,24 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
                         "\" not followed by two hex digits (write '%' as %25)"));
     }
     if (out.password.empty()) return bad("an empty password");
+  }
+  if (out.unix_socket) {
+    const size_t query = rest.find('?');
+    const std::string_view path = rest.substr(0, query);
+    if (!path.starts_with('/') || path.size() < 2) {
+      return bad(StrCat("the socket's path \"", path, "\" is not absolute (unix:///path/to/sock)"));
+    }
+    if (query != std::string_view::npos) {
+      const std::string_view q = rest.substr(query + 1);
+      if (!q.starts_with("db=")) {
+        return bad(StrCat("a query \"", q, "\": only db=N is understood"));
+      }
+      if (!ParseInt(q.substr(3), 0, 1 << 20, &out.db)) {
+        return bad(StrCat("a bad database \"", q.substr(3), "\""));
+      }
+    }
+    out.hosts.push_back({.host = std::string(path), .port = 0});
+    return out;
   }
   if (const size_t slash = rest.find('/'); slash != std::string_view::npos) {
     if (out.cluster) {
@@ -621,7 +650,8 @@ Result<redisContext*> RemoteTier::Connect(const RedisUrl& url, const std::string
                                           int32_t timeout_ms) {
   const timeval tv{.tv_sec = timeout_ms / 1000,
                    .tv_usec = static_cast<suseconds_t>(timeout_ms % 1000) * 1000};
-  redisContext* ctx = redisConnectWithTimeout(host.c_str(), port, tv);
+  redisContext* ctx = url.unix_socket ? redisConnectUnixWithTimeout(host.c_str(), tv)
+                                      : redisConnectWithTimeout(host.c_str(), port, tv);
   const std::string where = StrCat("redis at ", HostPortText(host, port));
   if (ctx == nullptr) return UnavailableError(StrCat(where, ": cannot allocate a connection"));
   const auto fail = [&](StatusCode code, std::string_view why) -> Status {

@@ -51,15 +51,18 @@ struct RedisUrl {
   };
   std::vector<HostPort> hosts;  // one for a standalone server; the seeds of a cluster
   bool cluster = false;
-  std::string user;      // "" = the default user
-  std::string password;  // "" = no AUTH
+  bool unix_socket = false;  // unix://: hosts[0].host is the socket's path, its port 0
+  std::string user;          // "" = the default user
+  std::string password;      // "" = no AUTH
   int db = 0;
 };
-// redis://[user:password@]host:port[/db] or redis+cluster://[user:password@]host:port[,host:port
-// ...]; kInvalidArgument naming the URL and the part that is wrong. The user and password are
-// percent-decoded; an IPv6 host is written in brackets ([::1]:6379) and kept without them.
+// redis://[user:password@]host:port[/db], redis+cluster://[user:password@]host:port[,host:port
+// ...] or unix://[user:password@]/path/to/redis.sock[?db=N]; kInvalidArgument naming the URL and
+// the part that is wrong. The user and password are percent-decoded; an IPv6 host is written in
+// brackets ([::1]:6379) and kept without them.
 Result<RedisUrl> ParseRedisUrl(std::string_view url);
-// "host:port", or "[host]:port" for an IPv6 address: for messages.
+// "host:port", "[host]:port" for an IPv6 address, the path alone for a unix socket (port 0): for
+// messages.
 std::string HostPortText(std::string_view host, int port);
 // The cluster slot (0..16383) of `key`: CRC16 (XMODEM) of its hash tag (what is between the first
 // '{' and the next '}', when not empty), else of the whole key, modulo 16384.

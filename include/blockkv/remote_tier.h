@@ -25,7 +25,8 @@ struct RemoteTierConfig {
   // A standalone server: redis://[user:password@]host:port[/db]  (a password alone:
   // redis://:password@host:port). A Redis Cluster: redis+cluster://[user:password@]host:port[,...]
   // (seed nodes; the slot map is read from the first that answers; database 0 only). User and
-  // password are percent-decoded (p%40ss is p@ss); an IPv6 host is bracketed, [::1]:6379. A server
+  // password are percent-decoded (p%40ss is p@ss); an IPv6 host is bracketed, [::1]:6379. A
+  // server's unix socket: unix://[user:password@]/path/to/redis.sock[?db=N]. A server
   // that cannot be reached at Create is no error: the tier is connected in the background once
   // it answers (one warning logged; lookups miss and stores are dropped until then).
   std::string url;

@@ -691,7 +691,8 @@ void BindRemoteTierConfig(py::module_& m) {
           py::arg("max_pending") = 1024, py::arg("tp_rank") = 0, py::arg("tp_size") = 1)
       .def_readonly("url", &R::url,
                     "redis://[user:password@]host:port[/db], or "
-                    "redis+cluster://[user:password@]host:port[,host:port...] for a Redis Cluster")
+                    "redis+cluster://[user:password@]host:port[,host:port...] for a Redis Cluster, "
+                    "or unix://[user:password@]/path/to/redis.sock[?db=N]")
       .def_readonly("model_id", &R::model_id, "The model's identity: part of every key")
       .def_readonly("timeout_ms", &R::timeout_ms, "Connect and command timeout")
       .def_readonly("max_pending", &R::max_pending, "Stores queued at most (more are dropped)")

@@ -380,6 +380,41 @@ TEST(RemoteTierTest, AnEncodedPasswordAndAnIPv6HostReachTheirServer) {
   EXPECT_EQ(status.code(), StatusCode::kPermissionDenied) << status;
 }
 
+// A server on the same machine through its unix socket (no TCP on the way): what one engine
+// stores there, an engine on the server's TCP port reads, and the other way round.
+TEST(RemoteTierTest, AServersUnixSocketIsATierLikeItsPort) {
+  const std::string path = "/tmp/blockkv-test-" + std::to_string(getpid()) + ".sock";
+  {
+    RedisServer server({"--unixsocket", path, "--unixsocketperm", "700", "--requirepass", "pw"});
+    Status status;
+    auto local = Engine::Make({.url = "unix://:pw@" + path + "?db=1"}, &status);
+    ASSERT_NE(local, nullptr) << status;
+    EXPECT_TRUE(local->mgr->remote_tier_stats().connected);
+    const std::vector<TokenId> first = Prompt(21, 9);
+    EXPECT_EQ(local->Prefill(1, first), 0);
+    local->mgr->FlushRemoteTier();
+    EXPECT_EQ(local->mgr->remote_tier_stats().stored, 2);
+    auto tcp = Engine::Make({.url = server.url(":pw") + "/1"}, &status);
+    ASSERT_NE(tcp, nullptr) << status;
+    EXPECT_EQ(tcp->Prefill(1, first), 8);
+    const std::vector<TokenId> second = Prompt(22, 9);
+    EXPECT_EQ(tcp->Prefill(2, second), 0);
+    tcp->mgr->FlushRemoteTier();
+    EXPECT_EQ(local->Prefill(2, second), 8);
+    // Another database of the same socket holds none of them.
+    auto db0 = Engine::Make({.url = "unix://:pw@" + path}, &status);
+    ASSERT_NE(db0, nullptr) << status;
+    EXPECT_EQ(db0->Prefill(1, first), 0);
+  }
+  // No socket there: the tier is off (one warning), the engine runs.
+  Status status;
+  auto none = Engine::Make({.url = "unix://" + path}, &status);
+  ASSERT_NE(none, nullptr) << status;
+  EXPECT_FALSE(none->mgr->remote_tier_stats().connected);
+  EXPECT_EQ(none->Prefill(1, Prompt(21, 9)), 0);
+  std::filesystem::remove(path);
+}
+
 TEST(RemoteTierTest, ACorruptedValueIsACountedMissAndNothingWrongIsCached) {
   RedisServer server;
   const std::vector<TokenId> prompt = Prompt(100, 17);
@@ -1515,6 +1550,26 @@ TEST(RemoteTierTest, ClusterUrlsParseAndBadOnesNameTheBadPart) {
   EXPECT_NE(error("redis://u%4:pw@h").find("in the user \"u%4\""), std::string::npos);
   EXPECT_NE(error("redis://:pw%@h").find("'%' in the password"), std::string::npos);
   EXPECT_NE(error("redis://:%@h").find("'%' in the password"), std::string::npos);
+  // A unix socket: its path (an '@' in it is the path's), credentials and database.
+  url = internal::ParseRedisUrl("unix://u:p%2Fw@/run/redis/a@b.sock?db=3");
+  ASSERT_TRUE(url.ok()) << url.status();
+  EXPECT_TRUE(url->unix_socket);
+  EXPECT_FALSE(url->cluster);
+  ASSERT_EQ(url->hosts.size(), 1u);
+  EXPECT_EQ(url->hosts[0].host, "/run/redis/a@b.sock");
+  EXPECT_EQ(url->hosts[0].port, 0);
+  EXPECT_EQ(url->user, "u");
+  EXPECT_EQ(url->password, "p/w");
+  EXPECT_EQ(url->db, 3);
+  url = internal::ParseRedisUrl("unix:///tmp/r.sock");
+  ASSERT_TRUE(url.ok()) << url.status();
+  EXPECT_EQ(url->hosts[0].host, "/tmp/r.sock");
+  EXPECT_TRUE(url->password.empty());
+  EXPECT_EQ(internal::HostPortText("/tmp/r.sock", 0), "/tmp/r.sock");
+  EXPECT_NE(error("unix://tmp/r.sock").find("\"tmp/r.sock\" is not absolute"), std::string::npos);
+  EXPECT_NE(error("unix://").find("\"\" is not absolute"), std::string::npos);
+  EXPECT_NE(error("unix:///tmp/r.sock?timeout=5").find("only db=N"), std::string::npos);
+  EXPECT_NE(error("unix:///tmp/r.sock?db=x").find("bad database \"x\""), std::string::npos);
   EXPECT_NE(error("rediss://h:6380").find("TLS is not supported"), std::string::npos);
   EXPECT_NE(error("rediss+cluster://h:6380").find("TLS is not supported"), std::string::npos);
   // Redis's own CRC16 check value, and the hash tag.
