@@ -41,11 +41,14 @@
 //   serve_vs_recompute/serve_2048  a cold engine takes the prompt's 128 blocks from the tier (one
 //                MGET, verification, copies) and the model computes the last token; its logits
 //                against the recomputing engine's are the counter logit_max_diff
-// Counter: bytes/s of KV (k × block bytes per iteration). FLUSHALL runs untimed between store
+// Counters: bytes/s of KV (k × block bytes per iteration); the store rows' lookup_us, the mean time
+// of a prompt's Schedule (its lookup, a miss: one round trip, which in a stream of prompts waits
+// behind the servers' work on the previous prompt's SETs). FLUSHALL runs untimed between store
 // iterations so that the server's memory stays bounded.
 #include <hiredis/hiredis.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdint>
@@ -191,6 +194,7 @@ void TierStoreOn(benchmark::State& state, Server where, bool lookup_timed = true
   const int64_t prompts = lookup_timed ? state.range(2) : 1;
   std::unique_ptr<StateManager> mgr = MakeManager(layers, k, where);
   int64_t seed = 0;
+  double lookup_s = 0;  // in Schedule: the prompt's lookup, a miss
   const SeqId uids[] = {1};
   for (auto _ : state) {
     for (int64_t p = 0; p < prompts; ++p) {
@@ -198,7 +202,9 @@ void TierStoreOn(benchmark::State& state, Server where, bool lookup_timed = true
       const int64_t lengths[] = {std::ssize(prompt)};
       if (!lookup_timed) state.PauseTiming();
       blockkv_bench::Check(mgr->AddSequence(1, prompt).status(), "AddSequence");
+      const auto lookup = std::chrono::steady_clock::now();
       blockkv_bench::Check(mgr->Schedule({.uids = uids, .lengths = lengths}), "Schedule");
+      lookup_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - lookup).count();
       if (mgr->GetSequence(1)->cached_prefix_tokens() != 0) state.SkipWithError("a store row hit");
       if (!lookup_timed) state.ResumeTiming();
       blockkv_bench::Check(mgr->PostForward(uids), "PostForward");
@@ -216,6 +222,10 @@ void TierStoreOn(benchmark::State& state, Server where, bool lookup_timed = true
   }
   if (cluster && s.nodes != std::ssize(g_cluster_ports)) state.SkipWithError("not every node");
   SetBytes(state, layers, static_cast<int32_t>(k * prompts));
+  if (lookup_timed) {
+    state.counters["lookup_us"] =
+        1e6 * lookup_s / static_cast<double>(state.iterations() * prompts);
+  }
 }
 void TierStore(benchmark::State& state) { TierStoreOn(state, Server::kTcp); }
 void UnixTierStore(benchmark::State& state) { TierStoreOn(state, Server::kUnix); }
