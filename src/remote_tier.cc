@@ -383,6 +383,7 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
   constexpr std::string_view kScheme = "redis://";
   constexpr std::string_view kClusterScheme = "redis+cluster://";
   constexpr std::string_view kUnixScheme = "unix://";
+  constexpr std::string_view kSentinelScheme = "redis+sentinel://";
   // The URL as errors show it: the password, if any, replaced by "***".
   std::string shown(url);
   if (const size_t at = url.rfind('@'); at != std::string_view::npos) {
@@ -396,7 +397,9 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
     return InvalidArgumentError(StrCat("RemoteTierConfig.url \"", shown, "\": ", why,
                                        " (expected redis://[user:password@]host:port[/db], or "
                                        "redis+cluster://[user:password@]host:port[,host:port...] "
-                                       "for a Redis Cluster, or unix://[user:password@]/path/to/"
+                                       "for a Redis Cluster, redis+sentinel://[user:password@]"
+                                       "host:port[,host:port...]/master_name[/db] for the master "
+                                       "sentinels watch, or unix://[user:password@]/path/to/"
                                        "redis.sock[?db=N] for a server's unix socket)"));
   };
   RedisUrl out;
@@ -409,7 +412,10 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
   } else if (url.starts_with(kUnixScheme)) {
     out.unix_socket = true;
     rest = url.substr(kUnixScheme.size());
-  } else if (url.starts_with("rediss://") || url.starts_with("rediss+cluster://")) {
+  } else if (url.starts_with(kSentinelScheme)) {
+    rest = url.substr(kSentinelScheme.size());
+  } else if (url.starts_with("rediss://") || url.starts_with("rediss+cluster://") ||
+             url.starts_with("rediss+sentinel://")) {
     return bad(
         "TLS is not supported (this hiredis has no TLS); reach a TLS-only server through a local "
         "TLS proxy (e.g. stunnel) with a redis:// URL");
@@ -454,7 +460,23 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
     out.hosts.push_back({.host = std::string(path), .port = 0});
     return out;
   }
-  if (const size_t slash = rest.find('/'); slash != std::string_view::npos) {
+  const bool sentinel = url.starts_with(kSentinelScheme);
+  if (sentinel) {  // host:port[,host:port...]/master_name[/db]
+    const size_t slash = rest.find('/');
+    if (slash == std::string_view::npos || slash + 1 == rest.size()) {
+      return bad("no master name (redis+sentinel://host:port/master_name)");
+    }
+    std::string_view name = rest.substr(slash + 1);
+    if (const size_t db = name.find('/'); db != std::string_view::npos) {
+      if (!ParseInt(name.substr(db + 1), 0, 1 << 20, &out.db)) {
+        return bad(StrCat("a bad database \"", name.substr(db + 1), "\""));
+      }
+      name = name.substr(0, db);
+    }
+    if (name.empty()) return bad("no master name (redis+sentinel://host:port/master_name)");
+    out.sentinel_master = std::string(name);
+    rest = rest.substr(0, slash);
+  } else if (const size_t slash = rest.find('/'); slash != std::string_view::npos) {
     if (out.cluster) {
       return bad(
           StrCat("a database \"", rest.substr(slash), "\": a Redis Cluster has database 0 only"));
@@ -467,7 +489,7 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
   while (true) {
     const size_t comma = rest.find(',');
     const std::string_view part = rest.substr(0, comma);
-    RedisUrl::HostPort hp;
+    RedisUrl::HostPort hp{.host = {}, .port = sentinel ? 26379 : 6379};
     std::string_view host = part;
     std::optional<std::string_view> port;  // what follows the host's ':'
     if (part.starts_with('[')) {           // an IPv6 address: [::1] or [::1]:6379
@@ -498,7 +520,7 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
     if (comma == std::string_view::npos) break;
     rest = rest.substr(comma + 1);
   }
-  if (!out.cluster && out.hosts.size() > 1) {
+  if (!out.cluster && !sentinel && out.hosts.size() > 1) {
     return bad(StrCat(out.hosts.size(),
                       " hosts: a Redis Cluster's seed nodes are given as "
                       "redis+cluster://host:port,host:port"));
@@ -743,21 +765,29 @@ RemoteTier::~RemoteTier() {
 
 Status RemoteTier::Start(Lane& lane, bool connect) {
   Status last = UnavailableError("no host");
+  const bool sentinel = !url_.sentinel_master.empty();
   if (!url_.cluster) {  // the one node, connected now or after its backoff
-    lane.nodes[NodeAt(lane, url_.hosts[0].host, url_.hosts[0].port)]->slots = kClusterSlots;
+    // (The sentinels' master: its address is asked of them at each connect.)
+    lane.nodes[NodeAt(lane, sentinel ? "" : url_.hosts[0].host, sentinel ? 0 : url_.hosts[0].port)]
+        ->slots = kClusterSlots;
     lane.num_nodes = 1;
   } else {
     lane.refresh_needed = true;  // until a slot map is read
   }
   if (!connect) return UnavailableError("left to the worker");
-  for (const RedisUrl::HostPort& seed : url_.hosts) {
+  std::vector<RedisUrl::HostPort> master;  // sentinels: the one they name
+  if (sentinel) {
+    BLOCKKV_RETURN_IF_ERROR(ResolveMaster(*lane.nodes[0]));
+    master.push_back({lane.nodes[0]->host, lane.nodes[0]->port});
+  }
+  for (const RedisUrl::HostPort& seed : sentinel ? master : url_.hosts) {
     Result<redisContext*> ctx = Connect(url_, seed.host, seed.port, config_.timeout_ms);
     if (!ctx.ok()) {
       if (ctx.status().code() != StatusCode::kUnavailable) return ctx.status();
       last = ctx.status();
       continue;
     }
-    Node& node = *lane.nodes[NodeAt(lane, seed.host, seed.port)];
+    Node& node = url_.cluster ? *lane.nodes[NodeAt(lane, seed.host, seed.port)] : *lane.nodes[0];
     node.ctx = *ctx;
     node.ever_connected = true;
     if (!url_.cluster) {
@@ -772,7 +802,7 @@ Status RemoteTier::Start(Lane& lane, bool connect) {
     UpdateConnected(lane);
     return Status::Ok();
   }
-  if (url_.hosts.size() > 1) {
+  if (url_.cluster && url_.hosts.size() > 1) {
     std::string seeds;
     for (const RedisUrl::HostPort& seed : url_.hosts) {
       seeds += StrCat(seeds.empty() ? "" : ", ", HostPortText(seed.host, seed.port));
@@ -1119,11 +1149,68 @@ void RemoteTier::RunStores() {
   }
 }
 
+Status RemoteTier::ResolveMaster(Node& node) {
+  ++refreshes_;
+  const std::string_view name = url_.sentinel_master;
+  Status last = UnavailableError("no sentinel");
+  Status unknown = Status::Ok();  // a sentinel that answered and knows no such master
+  for (const RedisUrl::HostPort& s : url_.hosts) {
+    const std::string where = StrCat("sentinel at ", HostPortText(s.host, s.port));
+    // Asked without AUTH (a sentinel's own password is often unset); one that wants it gets the
+    // URL's user and password.
+    RedisUrl plain;
+    Result<redisContext*> ctx = Connect(plain, s.host, s.port, config_.timeout_ms);
+    Reply reply;
+    if (ctx.ok()) {
+      reply = Command(*ctx, {"SENTINEL", "get-master-addr-by-name", name});
+      if (reply && reply->type == REDIS_REPLY_ERROR &&
+          std::string_view(reply->str, reply->len).starts_with("NOAUTH") &&
+          !url_.password.empty()) {
+        redisFree(*ctx);
+        plain.user = url_.user;
+        plain.password = url_.password;
+        ctx = Connect(plain, s.host, s.port, config_.timeout_ms);
+        if (ctx.ok()) reply = Command(*ctx, {"SENTINEL", "get-master-addr-by-name", name});
+      }
+    }
+    if (!ctx.ok()) {
+      last = ctx.status();
+      continue;
+    }
+    redisFree(*ctx);
+    int port = 0;
+    if (!reply) {
+      last = UnavailableError(StrCat(where, ": no answer"));
+    } else if (reply->type == REDIS_REPLY_NIL) {
+      unknown = InvalidArgumentError(StrCat(where, " knows no master named \"", name,
+                                            "\" (redis+sentinel://host:port/master_name)"));
+    } else if (reply->type == REDIS_REPLY_ERROR) {
+      last = UnavailableError(StrCat(where, ": ", std::string_view(reply->str, reply->len)));
+    } else if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 2 ||
+               reply->element[0]->type != REDIS_REPLY_STRING ||
+               reply->element[1]->type != REDIS_REPLY_STRING ||
+               !ParseInt(std::string_view(reply->element[1]->str, reply->element[1]->len), 1, 65535,
+                         &port)) {
+      last = UnavailableError(StrCat(where,
+                                     ": a malformed answer to SENTINEL "
+                                     "get-master-addr-by-name"));
+    } else {
+      node.host = std::string(reply->element[0]->str, reply->element[0]->len);
+      node.port = port;
+      return Status::Ok();
+    }
+  }
+  return unknown.ok() ? last : unknown;
+}
+
 bool RemoteTier::EnsureConnected(Lane& lane, Node& node) {
   if (node.ctx != nullptr) return true;
   const auto now = std::chrono::steady_clock::now();
   if (now < node.retry_at) return false;
-  Result<redisContext*> ctx = Connect(url_, node.host, node.port, config_.timeout_ms);
+  // Sentinels: the master's address asked again (a failover since moves it).
+  const Status resolved = url_.sentinel_master.empty() ? Status::Ok() : ResolveMaster(node);
+  Result<redisContext*> ctx =
+      resolved.ok() ? Connect(url_, node.host, node.port, config_.timeout_ms) : resolved;
   if (ctx.ok() && node.replica) {
     // A replica serves reads of its master's slots only on a READONLY connection (otherwise
     // MOVED to the master). One that refuses (an ACL without READONLY) is not read from.
@@ -1397,6 +1484,7 @@ bool RemoteTier::DoStores(Lane& lane, std::vector<PendingStore>& batch) {
   bool failed_node = false;
   MaybeRefresh(lane);
   std::vector<Redirect> redirects;
+  bool demoted = false;  // a sentinels' master that became a replica since they were asked
   const auto take = [&](size_t item, const redisReply& reply) {
     Redirect r{.item = item};
     if (url_.cluster && ParseRedirect(reply, &r.ask, &r.host, &r.port)) {
@@ -1404,6 +1492,8 @@ bool RemoteTier::DoStores(Lane& lane, std::vector<PendingStore>& batch) {
     } else if (reply.type == REDIS_REPLY_ERROR) {
       ++errors_;
       ++dropped_;
+      demoted = demoted || (!url_.sentinel_master.empty() &&
+                            std::string_view(reply.str, reply.len).starts_with("READONLY"));
     } else {
       ++stored_;
       stored_bytes_ += static_cast<int64_t>(batch[item].size);
@@ -1470,7 +1560,11 @@ bool RemoteTier::DoStores(Lane& lane, std::vector<PendingStore>& batch) {
       const Reply reply(static_cast<redisReply*>(raw));
       take(items[r], *reply);
     }
-    if (node.ctx != nullptr) Served(node);
+    if (demoted && node.ctx != nullptr) {
+      Disconnect(lane, node);  // the sentinels are asked for the new master at the reconnect
+    } else if (node.ctx != nullptr) {
+      Served(node);
+    }
   }
   std::vector<Redirect> pending;
   pending.swap(redirects);

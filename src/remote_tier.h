@@ -52,14 +52,18 @@ struct RedisUrl {
   std::vector<HostPort> hosts;  // one for a standalone server; the seeds of a cluster
   bool cluster = false;
   bool unix_socket = false;  // unix://: hosts[0].host is the socket's path, its port 0
-  std::string user;          // "" = the default user
-  std::string password;      // "" = no AUTH
+  // redis+sentinel://: the name of the master the sentinels (`hosts`) monitor; the tier serves
+  // from that master, asking them for its address at each connect (following their failovers).
+  std::string sentinel_master;
+  std::string user;      // "" = the default user
+  std::string password;  // "" = no AUTH
   int db = 0;
 };
 // redis://[user:password@]host:port[/db], redis+cluster://[user:password@]host:port[,host:port
-// ...] or unix://[user:password@]/path/to/redis.sock[?db=N]; kInvalidArgument naming the URL and
-// the part that is wrong. The user and password are percent-decoded; an IPv6 host is written in
-// brackets ([::1]:6379) and kept without them.
+// ...], redis+sentinel://[user:password@]host:port[,host:port...]/master_name[/db] (sentinels,
+// port 26379 by default) or unix://[user:password@]/path/to/redis.sock[?db=N]; kInvalidArgument
+// naming the URL and the part that is wrong. The user and password are percent-decoded; an IPv6
+// host is written in brackets ([::1]:6379) and kept without them.
 Result<RedisUrl> ParseRedisUrl(std::string_view url);
 // "host:port", "[host]:port" for an IPv6 address, the path alone for a unix socket (port 0): for
 // messages.
@@ -236,6 +240,9 @@ class RemoteTier {
   RemoteTier(RemoteTierConfig config, RedisUrl url);
   static Result<redisContext*> Connect(const RedisUrl& url, const std::string& host, int port,
                                        int32_t timeout_ms);
+  // Sentinel: asks the sentinels in turn for the master's address and points `node` at it.
+  // kUnavailable when none answers, kInvalidArgument when those that answer know no such master.
+  Status ResolveMaster(Node& node);
   // One worker's connections and slot map: only that worker touches them (and Start, before
   // the workers start).
   struct Lane {

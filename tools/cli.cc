@@ -272,8 +272,8 @@ constexpr FlagSpec kSimulateFlags[] = {
     {"engines", "N",
      "engines (StateManagers) the requests are dealt to, round-robin (default 1, at most 64)"},
     {"remote", "URL",
-     "redis://[user:password@]host:port[/db] (or redis+cluster://host:port[,host:port...], or "
-     "unix:///path/to/redis.sock): a "
+     "redis://[user:password@]host:port[/db] (or redis+cluster://host:port[,host:port...], "
+     "redis+sentinel://host:port[,host:port...]/master_name, unix:///path/to/redis.sock): a "
      "remote prefix tier every engine shares; the report compares the same run without it"},
     {"plot", "FILE", "write an SVG of occupancy and hit rate per step"},
     {"no-progress", nullptr, "no progress bar (it is drawn only when stderr is a terminal)"},

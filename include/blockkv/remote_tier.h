@@ -26,7 +26,8 @@ struct RemoteTierConfig {
   // redis://:password@host:port). A Redis Cluster: redis+cluster://[user:password@]host:port[,...]
   // (seed nodes; the slot map is read from the first that answers; database 0 only). User and
   // password are percent-decoded (p%40ss is p@ss); an IPv6 host is bracketed, [::1]:6379. A
-  // server's unix socket: unix://[user:password@]/path/to/redis.sock[?db=N]. A server
+  // server's unix socket: unix://[user:password@]/path/to/redis.sock[?db=N]. The master that
+  // sentinels watch: redis+sentinel://[user:password@]host:port[,...]/master_name[/db]. A server
   // that cannot be reached at Create is no error: the tier is connected in the background once
   // it answers (one warning logged; lookups miss and stores are dropped until then).
   std::string url;

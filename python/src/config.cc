@@ -692,7 +692,9 @@ void BindRemoteTierConfig(py::module_& m) {
       .def_readonly("url", &R::url,
                     "redis://[user:password@]host:port[/db], or "
                     "redis+cluster://[user:password@]host:port[,host:port...] for a Redis Cluster, "
-                    "or unix://[user:password@]/path/to/redis.sock[?db=N]")
+                    "redis+sentinel://[user:password@]host:port[,host:port...]/master_name[/db] "
+                    "for the master sentinels watch, or "
+                    "unix://[user:password@]/path/to/redis.sock[?db=N]")
       .def_readonly("model_id", &R::model_id, "The model's identity: part of every key")
       .def_readonly("timeout_ms", &R::timeout_ms, "Connect and command timeout")
       .def_readonly("max_pending", &R::max_pending, "Stores queued at most (more are dropped)")

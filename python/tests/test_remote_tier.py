@@ -154,6 +154,8 @@ def test_config_values_copy_pickle_and_errors():
         make_manager(blockkv.RemoteTierConfig("http://127.0.0.1:1"))
     with pytest.raises(ValueError, match="TLS is not supported"):
         make_manager(blockkv.RemoteTierConfig("rediss://127.0.0.1:1"))
+    with pytest.raises(ValueError, match="no master name"):
+        make_manager(blockkv.RemoteTierConfig("redis+sentinel://127.0.0.1:26379"))
     with pytest.raises(ValueError, match="IPv6 address is written in brackets"):
         make_manager(blockkv.RemoteTierConfig("redis://::1:6379"))
     # A queue whose stores could hold more than the host's memory: refused at creation, naming

@@ -9,6 +9,7 @@
 #include <hiredis/hiredis.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
@@ -56,6 +57,25 @@ class RedisServer {
     std::filesystem::create_directories(dir_);
     Start();
   }
+  // A sentinel (redis-server --sentinel, its config file in its directory) watching the master
+  // at 127.0.0.1:master_port as `name`, quorum 1: it fails the master over to a replica once it
+  // has not answered for down_after_ms.
+  struct SentinelOf {
+    std::string name;
+    int master_port = 0;
+    int down_after_ms = 1000;
+  };
+  explicit RedisServer(const SentinelOf& s) : port_(FreePort()) {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("blockkv-sentinel-" + std::to_string(getpid()) + "-" + std::to_string(port_));
+    std::filesystem::create_directories(dir_);
+    const std::string m = std::to_string(s.master_port);
+    sentinel_conf_ = "sentinel monitor " + s.name + " 127.0.0.1 " + m + " 1\n" +
+                     "sentinel down-after-milliseconds " + s.name + " " +
+                     std::to_string(s.down_after_ms) + "\n" + "sentinel failover-timeout " +
+                     s.name + " 10000\n";
+    Start();
+  }
   ~RedisServer() {
     Kill();
     std::error_code ec;
@@ -89,6 +109,18 @@ class RedisServer {
                                      "--loglevel",
                                      "warning"};
     args.insert(args.end(), extra_.begin(), extra_.end());
+    if (!sentinel_conf_.empty()) {  // the file a sentinel rewrites (kept across restarts)
+      const std::filesystem::path conf = dir_ / "sentinel.conf";
+      if (!std::filesystem::exists(conf)) {
+        std::FILE* f = std::fopen(conf.c_str(), "w");
+        ASSERT_NE(f, nullptr) << conf;
+        std::fputs(sentinel_conf_.c_str(), f);
+        std::fclose(f);
+      }
+      args = {"redis-server", conf.string(), "--sentinel", "--port",      std::to_string(port_),
+              "--bind",       "127.0.0.1",   "--dir",      dir_.string(), "--daemonize",
+              "no",           "--loglevel",  "warning"};
+    }
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -171,6 +203,7 @@ class RedisServer {
 
  private:
   std::vector<std::string> extra_;
+  std::string sentinel_conf_;  // a sentinel's config file ("" for a server)
   int port_;
   std::filesystem::path dir_;
   pid_t pid_ = -1;

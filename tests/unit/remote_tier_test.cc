@@ -415,6 +415,124 @@ TEST(RemoteTierTest, AServersUnixSocketIsATierLikeItsPort) {
   std::filesystem::remove(path);
 }
 
+// Waits up to `seconds` for `done`; whether it came.
+template <typename F>
+bool WaitUntil(F done, int seconds) {
+  for (int i = 0; i < seconds * 20; ++i) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return done();
+}
+
+// The port of the master `sentinel` names as `name` ("" when it names none).
+std::string SentinelsMaster(const RedisServer& sentinel, const std::string& name) {
+  const auto r = sentinel.Command({"SENTINEL", "get-master-addr-by-name", name});
+  if (r == nullptr || r->type != REDIS_REPLY_ARRAY || r->elements != 2) return "";
+  return std::string(r->element[1]->str, r->element[1]->len);
+}
+
+// A master and two replicas watched by a sentinel (the high availability of a standalone Redis):
+// the tier serves from the master the sentinel names and follows it through a failover after
+// the master dies, then through a planned one (SENTINEL FAILOVER) that demotes a live master.
+TEST(RemoteTierTest, ASentinelsMasterIsServedThenFollowedThroughItsFailovers) {
+  RedisServer master;
+  std::vector<std::unique_ptr<RedisServer>> replicas;
+  for (int i = 0; i < 2; ++i) {
+    replicas.push_back(std::make_unique<RedisServer>(
+        std::vector<std::string>{"--replicaof", "127.0.0.1", std::to_string(master.port())}));
+  }
+  const auto role = [](const RedisServer& s) { return s.Text({"INFO", "replication"}); };
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        return std::all_of(replicas.begin(), replicas.end(), [&](const auto& r) {
+          return role(*r).find("master_link_status:up") != std::string::npos;
+        });
+      },
+      10));
+  RedisServer sentinel(RedisServer::SentinelOf{.name = "kv", .master_port = master.port()});
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        const auto r = sentinel.Command({"SENTINEL", "replicas", "kv"});
+        return r != nullptr && r->type == REDIS_REPLY_ARRAY && r->elements == 2;
+      },
+      15))
+      << "the sentinel did not learn of the replicas";
+  const std::string url = "redis+sentinel://127.0.0.1:" + std::to_string(sentinel.port()) + "/kv";
+  Status status;
+  auto a = Engine::Make({.url = url}, &status);
+  ASSERT_NE(a, nullptr) << status;
+  EXPECT_TRUE(a->mgr->remote_tier_stats().connected);
+  const std::vector<TokenId> first = Prompt(31, 9);
+  EXPECT_EQ(a->Prefill(1, first), 0);
+  a->mgr->FlushRemoteTier();
+  EXPECT_EQ(a->mgr->remote_tier_stats().stored, 2);
+  EXPECT_EQ(master.Text({"DBSIZE"}), "2");  // on the master the sentinel named
+  EXPECT_EQ(Engine::Make({.url = url})->Prefill(1, first), 8);
+  ASSERT_EQ(master.Text({"WAIT", "2", "5000"}), "2");  // on the replicas too
+
+  // Engine a stores prompts until one is stored whole (those before are dropped, counted: its
+  // connection to the old master failed, and it asks the sentinel again after its backoff);
+  // then a fresh engine reads it, and the first prompt, from the master the sentinel names.
+  int next = 100;
+  const auto follow = [&](const std::string& port) {
+    std::vector<TokenId> landed;
+    for (int i = 0; i < 100 && landed.empty(); ++i) {
+      const int64_t before = a->mgr->remote_tier_stats().stored;
+      const std::vector<TokenId> prompt = Prompt(next++, 9);
+      a->Prefill(2, prompt);
+      a->mgr->FlushRemoteTier();
+      EXPECT_TRUE(a->mgr->FlushSequence(2).ok());
+      if (a->mgr->remote_tier_stats().stored == before + 2) landed = prompt;
+      if (landed.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ASSERT_FALSE(landed.empty()) << "no store reached the master on port " << port;
+    auto reader = Engine::Make({.url = url});
+    ASSERT_NE(reader, nullptr);
+    EXPECT_EQ(reader->Prefill(1, landed), 8);
+    EXPECT_EQ(reader->Prefill(2, first), 8);  // stored before the failovers, replicated
+  };
+  master.Kill();
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        const std::string now = SentinelsMaster(sentinel, "kv");
+        return !now.empty() && now != std::to_string(master.port());
+      },
+      30))
+      << "the sentinel did not fail over";
+  const std::string promoted = SentinelsMaster(sentinel, "kv");
+  follow(promoted);
+  EXPECT_GE(a->mgr->remote_tier_stats().topology_refreshes, 3);  // the sentinel asked again
+
+  // Planned: the live master is demoted to a replica of the other; until the sentinel has made
+  // it one, it takes writes that its resync then drops (Redis's own window in a failover), so
+  // the stores are checked from then on.
+  ASSERT_TRUE(WaitUntil([&] { return sentinel.Text({"SENTINEL", "FAILOVER", "kv"}) == "OK"; }, 15));
+  ASSERT_TRUE(WaitUntil(
+      [&] {
+        const std::string now = SentinelsMaster(sentinel, "kv");
+        if (now.empty() || now == promoted) return false;
+        for (const auto& r : replicas) {
+          if (std::to_string(r->port()) == promoted &&
+              role(*r).find("role:slave") == std::string::npos) {
+            return false;
+          }
+        }
+        return true;
+      },
+      30))
+      << "the planned failover did not happen";
+  follow(SentinelsMaster(sentinel, "kv"));
+
+  // A master name the sentinel does not know is a clear error at Create.
+  EXPECT_EQ(Engine::Make({.url = "redis+sentinel://127.0.0.1:" + std::to_string(sentinel.port()) +
+                                 "/nosuch"},
+                         &status),
+            nullptr);
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find("knows no master named \"nosuch\""), std::string::npos) << status;
+}
+
 TEST(RemoteTierTest, ACorruptedValueIsACountedMissAndNothingWrongIsCached) {
   RedisServer server;
   const std::vector<TokenId> prompt = Prompt(100, 17);
@@ -1570,6 +1688,22 @@ TEST(RemoteTierTest, ClusterUrlsParseAndBadOnesNameTheBadPart) {
   EXPECT_NE(error("unix://").find("\"\" is not absolute"), std::string::npos);
   EXPECT_NE(error("unix:///tmp/r.sock?timeout=5").find("only db=N"), std::string::npos);
   EXPECT_NE(error("unix:///tmp/r.sock?db=x").find("bad database \"x\""), std::string::npos);
+  // Sentinels and the master they watch.
+  url = internal::ParseRedisUrl("redis+sentinel://:pw@s1,s2:26380,[::1]/mymaster/4");
+  ASSERT_TRUE(url.ok()) << url.status();
+  EXPECT_FALSE(url->cluster);
+  EXPECT_EQ(url->sentinel_master, "mymaster");
+  EXPECT_EQ(url->db, 4);
+  EXPECT_EQ(url->password, "pw");
+  ASSERT_EQ(url->hosts.size(), 3u);
+  EXPECT_EQ(url->hosts[0].port, 26379);
+  EXPECT_EQ(url->hosts[1].port, 26380);
+  EXPECT_EQ(url->hosts[2].host, "::1");
+  EXPECT_NE(error("redis+sentinel://s1:26379").find("no master name"), std::string::npos);
+  EXPECT_NE(error("redis+sentinel://s1:26379/").find("no master name"), std::string::npos);
+  EXPECT_NE(error("redis+sentinel://s1:26379//2").find("no master name"), std::string::npos);
+  EXPECT_NE(error("redis+sentinel://s1/m/x").find("bad database \"x\""), std::string::npos);
+  EXPECT_NE(error("rediss+sentinel://s1/m").find("TLS is not supported"), std::string::npos);
   EXPECT_NE(error("rediss://h:6380").find("TLS is not supported"), std::string::npos);
   EXPECT_NE(error("rediss+cluster://h:6380").find("TLS is not supported"), std::string::npos);
   // Redis's own CRC16 check value, and the hash tag.
