@@ -275,6 +275,9 @@ constexpr FlagSpec kSimulateFlags[] = {
      "redis://[user:password@]host:port[/db] (or redis+cluster://host:port[,host:port...], "
      "redis+sentinel://host:port[,host:port...]/master_name, unix:///path/to/redis.sock): a "
      "remote prefix tier every engine shares; the report compares the same run without it"},
+    {"max-pending", "N",
+     "with --remote: stores each engine queues at most, those past it dropped and counted "
+     "(default 1024; 0: no write-through)"},
     {"plot", "FILE", "write an SVG of occupancy and hit rate per step"},
     {"no-progress", nullptr, "no progress bar (it is drawn only when stderr is a terminal)"},
     {"json", nullptr, "print JSON"},
@@ -313,12 +316,17 @@ int RunSimulate(const Command& c, Flags& flags, const CliOptions& cli) {
     return BadArguments(c, "--trace replays a file: the generator's flags do not apply");
   }
   options.engine.prefix_cache = !flags.Has("no-prefix-cache");
+  if (flags.Has("max-pending") && !flags.Has("remote")) {
+    return BadArguments(c, "--max-pending sizes the remote tier's store queue: it needs --remote");
+  }
   if (flags.Has("remote")) {
     if (!options.engine.prefix_cache) {
       return BadArguments(c, "--remote needs prefix caching: drop --no-prefix-cache");
     }
     RemoteTierConfig remote;
     flags.String("remote", &remote.url);
+    flags.Int("max-pending", 0, &remote.max_pending);
+    if (!flags.error().ok()) return BadArguments(c, flags.error().message());
     // Part of every key: only another `blockkv simulate` (whose NullRunner writes no KV) shares
     // these blocks; the fingerprint adds the cache's shape, dtype and block size.
     remote.model_id = "blockkv-simulate-null-runner";

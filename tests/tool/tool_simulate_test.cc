@@ -10,6 +10,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -190,8 +191,9 @@ TEST(SimulateRemote, UnreachableServerRunsWithoutTheTierAndSaysSo) {
       << text;
 }
 
-// `blockkv simulate ARGS...`: its exit code, and what it wrote on stderr.
-std::pair<int, std::string> RunSimulateCli(std::vector<std::string> args) {
+// `blockkv simulate ARGS...`: its exit code, and what it wrote on stderr (on stdout: *stdout_text).
+std::pair<int, std::string> RunSimulateCli(std::vector<std::string> args,
+                                           std::string* stdout_text = nullptr) {
   args.insert(args.begin(), {"blockkv", "simulate", "--no-progress"});
   std::vector<char*> argv;
   argv.reserve(args.size());
@@ -199,12 +201,16 @@ std::pair<int, std::string> RunSimulateCli(std::vector<std::string> args) {
   char* err_buffer = nullptr;
   size_t err_size = 0;
   std::FILE* err = open_memstream(&err_buffer, &err_size);
-  std::FILE* out = std::fopen("/dev/null", "w");
+  char* out_buffer = nullptr;
+  size_t out_size = 0;
+  std::FILE* out = open_memstream(&out_buffer, &out_size);
   const int code = RunCli(argv, CliOptions{.out = out, .err = err});
   std::fclose(out);
   std::fclose(err);
   std::string message(err_buffer, err_size);
+  if (stdout_text != nullptr) *stdout_text = std::string(out_buffer, out_size);
   std::free(err_buffer);
+  std::free(out_buffer);
   return {code, message};
 }
 
@@ -221,6 +227,42 @@ TEST(SimulateRemote, BadEnginesCountsExitTwoNamingTheValueAndLimit) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(r.status().message().find("65"), std::string::npos) << r.status();
+}
+
+// --max-pending sizes each engine's store queue; 0 stores nothing (every store dropped, counted),
+// so no engine hits another's blocks. Bad values and the flag without --remote exit 2.
+TEST(SimulateRemote, MaxPendingSizesTheStoreQueue) {
+  blockkv::testing::RedisServer server;
+  ASSERT_TRUE(server.running());
+  const std::vector<std::string> run = {"--requests",        "8",          "--prefix-groups", "1",
+                                        "--shared-fraction", "0.9",        "--engines",       "2",
+                                        "--remote",          server.url(), "--json"};
+  std::string out;
+  std::vector<std::string> none = run;
+  none.insert(none.end(), {"--max-pending", "0"});
+  auto [code, message] = RunSimulateCli(none, &out);
+  ASSERT_EQ(code, 0) << message;
+  nlohmann::json j = nlohmann::json::parse(out);
+  EXPECT_EQ(j["remote"]["stored_bytes"], 0) << out;
+  EXPECT_GT(j["remote"]["dropped"], 0) << out;
+  EXPECT_EQ(j["remote"]["hits"], 0) << out;
+  std::tie(code, message) = RunSimulateCli(run, &out);  // the default queue
+  ASSERT_EQ(code, 0) << message;
+  j = nlohmann::json::parse(out);
+  EXPECT_GT(j["remote"]["stored_bytes"], 0) << out;
+  EXPECT_EQ(j["remote"]["dropped"], 0) << out;
+  for (const char* bad : {"-1", "2147483648", "many"}) {
+    std::tie(code, message) =
+        RunSimulateCli({"--requests", "4", "--remote", server.url(), "--max-pending", bad});
+    EXPECT_EQ(code, 2) << bad;
+    EXPECT_NE(message.find("--max-pending"), std::string::npos) << message;
+    EXPECT_NE(message.find("[0, 2147483647]"), std::string::npos) << message;
+  }
+  std::tie(code, message) = RunSimulateCli({"--requests", "4", "--max-pending", "5"});
+  EXPECT_EQ(code, 2);
+  EXPECT_NE(message.find("--max-pending sizes the remote tier's store queue: it needs --remote"),
+            std::string::npos)
+      << message;
 }
 
 TEST(SimulateRemote, UnparsableUrlAndNoPrefixCacheAreClearErrors) {
