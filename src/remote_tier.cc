@@ -17,6 +17,7 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
+#include "blockkv/log.h"
 #include "internal/checksum.h"
 #include "internal/strings.h"
 
@@ -1327,6 +1328,9 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
     } else {
       ++errors_;
       failed[item] = 1;
+      if (reply->type == REDIS_REPLY_ERROR) {
+        WarnRefused("GET", nullptr, std::string_view(reply->str, reply->len));
+      }
     }
   };
   // Group the keys by node; write every node's commands, then read every node's replies.
@@ -1428,6 +1432,7 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
         if (got && line[0] == '-' && in.Drained()) {
           ++errors_;  // refused (an ACL, say): the reply was read whole, the connection is fine
           fail(items, 0);
+          WarnRefused("MGET", &node, line.substr(1));
         } else if (!got || line[0] != '*' ||
                    !ParseInt(line.substr(1), 0, std::numeric_limits<int>::max(), &count) ||
                    static_cast<size_t>(count) != items.size()) {
@@ -1459,6 +1464,7 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
           } else {
             ++errors_;
             failed[items[r]] = 1;
+            WarnRefused("GET", &node, error);
           }
         }
       }
@@ -1480,18 +1486,49 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
   job.fetched.reply = std::move(owned);
 }
 
+void RemoteTier::WarnRefused(std::string_view command, const Node* node, std::string_view reply) {
+  const std::string_view kind = reply.substr(0, reply.find(' '));
+  {
+    const std::string once = StrCat(command, " ", kind);
+    const std::lock_guard lock(mu_);
+    if (std::find(warned_.begin(), warned_.end(), once) != warned_.end()) return;
+    warned_.push_back(once);
+  }
+  std::string_view hint;
+  if (kind == "OOM") {
+    hint =
+        "; a cache server wants a maxmemory-policy that evicts (allkeys-lru or allkeys-lfu), "
+        "not noeviction";
+  } else if (kind == "NOPERM") {
+    hint =
+        "; the ACL user needs +get +mget +set on the tier's keys (~blockkv:*), and "
+        "+cluster|slots +readonly for a cluster";
+  } else if (kind == "MISCONF") {
+    hint =
+        "; the server stops writes after a failed RDB save: fix its disk or set "
+        "stop-writes-on-bgsave-error no (or save \"\" for a cache)";
+  }
+  Log(LogLevel::kWarning,
+      StrCat(
+          "remote tier: redis at ",
+          node != nullptr ? HostPortText(node->host, node->port) : std::string("a node"),
+          " refused ", command, ": ", reply, hint,
+          " (logged once; each refused command counts in errors, its blocks missed or dropped)"));
+}
+
 bool RemoteTier::DoStores(Lane& lane, std::vector<PendingStore>& batch) {
   bool failed_node = false;
   MaybeRefresh(lane);
   std::vector<Redirect> redirects;
   bool demoted = false;  // a sentinels' master that became a replica since they were asked
-  const auto take = [&](size_t item, const redisReply& reply) {
+  const auto take = [&](size_t item, const redisReply& reply, const Node* node) {
     Redirect r{.item = item};
     if (url_.cluster && ParseRedirect(reply, &r.ask, &r.host, &r.port)) {
       redirects.push_back(std::move(r));
     } else if (reply.type == REDIS_REPLY_ERROR) {
       ++errors_;
       ++dropped_;
+      WarnRefused("SET", node, std::string_view(reply.str, reply.len));
       demoted = demoted || (!url_.sentinel_master.empty() &&
                             std::string_view(reply.str, reply.len).starts_with("READONLY"));
     } else {
@@ -1558,7 +1595,7 @@ bool RemoteTier::DoStores(Lane& lane, std::vector<PendingStore>& batch) {
         break;
       }
       const Reply reply(static_cast<redisReply*>(raw));
-      take(items[r], *reply);
+      take(items[r], *reply, &node);
     }
     if (demoted && node.ctx != nullptr) {
       Disconnect(lane, node);  // the sentinels are asked for the new master at the reconnect
@@ -1573,7 +1610,7 @@ bool RemoteTier::DoStores(Lane& lane, std::vector<PendingStore>& batch) {
     if (reply == nullptr) {
       ++dropped_;
     } else {
-      take(r.item, *reply);
+      take(r.item, *reply, nullptr);
     }
   }
   return failed_node;

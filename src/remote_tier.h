@@ -278,6 +278,10 @@ class RemoteTier {
   redisReply* FollowRedirect(Lane& lane, Redirect r, std::string_view cmd, std::string_view key,
                              std::string_view value);
   void DoFetch(Lane& lane, FetchJob& job);
+  // A command `node` (null: a node a redirect named) refused with `reply` ("OOM ...", "NOPERM
+  // ...", "READONLY ..."): a setting of the server, so every later one is refused too. Logged
+  // once per command and kind (the reply's first word), with what to change where it is known.
+  void WarnRefused(std::string_view command, const Node* node, std::string_view reply);
   // Whether a node of the batch could not be reached, written or read (its stores dropped).
   bool DoStores(Lane& lane, std::vector<PendingStore>& batch);
 
@@ -298,6 +302,7 @@ class RemoteTier {
   std::deque<PendingStore> stores_;
   bool storing_ = false;
   bool stop_ = false;
+  std::vector<std::string> warned_;  // WarnRefused's kinds logged, under mu_
 
   std::atomic<int64_t> hits_{0}, misses_{0}, not_found_{0}, verify_failed_{0}, miss_error_{0},
       late_{0}, other_rank_{0}, fetched_bytes_{0}, stored_{0}, stored_bytes_{0}, dropped_{0},

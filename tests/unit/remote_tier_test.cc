@@ -533,6 +533,65 @@ TEST(RemoteTierTest, ASentinelsMasterIsServedThenFollowedThroughItsFailovers) {
   EXPECT_NE(status.message().find("knows no master named \"nosuch\""), std::string::npos) << status;
 }
 
+// A server set up in a way that refuses the tier's commands (full under noeviction, an ACL user
+// without SET or GET) makes every store or fetch fail; each is counted, and each engine warns
+// once per command and kind of refusal, saying what to change.
+TEST(RemoteTierTest, AServerRefusingCommandsIsCountedAndNamedOnceWithTheFix) {
+  RedisServer server({"--maxmemory", "1", "--maxmemory-policy", "noeviction"});
+  ASSERT_EQ(
+      server.Text({"ACL", "SETUSER", "reader", "on", ">pw", "~*", "+@connection", "+get", "+mget"}),
+      "OK");
+  ASSERT_EQ(server.Text({"ACL", "SETUSER", "writer", "on", ">pw", "~*", "+@connection", "+set"}),
+            "OK");
+  std::vector<std::string> lines;
+  std::mutex mu;
+  SetLogSink([&](LogLevel level, std::string_view line) {
+    std::lock_guard lock(mu);
+    if (level == LogLevel::kWarning) lines.emplace_back(line);
+  });
+  auto full = Engine::Make({.url = server.url()});
+  ASSERT_NE(full, nullptr);
+  for (int p = 0; p < 3; ++p) {
+    EXPECT_EQ(full->Prefill(p + 1, Prompt(40 + p, 9)), 0);
+    full->mgr->FlushRemoteTier();
+  }
+  RemoteTierStats s = full->mgr->remote_tier_stats();
+  EXPECT_EQ(s.stored, 0);
+  EXPECT_EQ(s.dropped, 6);
+  EXPECT_EQ(s.errors, 6);
+  const auto logged = [&] {
+    std::lock_guard lock(mu);
+    return lines.size();
+  };
+  EXPECT_EQ(logged(), 1u);  // one for the six
+  // The reader may not SET (NOPERM); the writer may not GET: its lookups are error misses.
+  auto reader = Engine::Make({.url = server.url("reader:pw")});
+  ASSERT_NE(reader, nullptr);
+  EXPECT_EQ(reader->Prefill(1, Prompt(50, 9)), 0);
+  reader->mgr->FlushRemoteTier();
+  EXPECT_EQ(reader->mgr->remote_tier_stats().dropped, 2);
+  EXPECT_EQ(logged(), 2u);
+  auto writer = Engine::Make({.url = server.url("writer:pw")});
+  ASSERT_NE(writer, nullptr);
+  EXPECT_EQ(writer->Prefill(1, Prompt(51, 9)), 0);
+  EXPECT_EQ(writer->Prefill(2, Prompt(52, 9)), 0);
+  writer->mgr->FlushRemoteTier();
+  s = writer->mgr->remote_tier_stats();
+  EXPECT_EQ(s.misses_error, 2);
+  SetLogSink(nullptr);
+  // Each line names the server, the command, the reply and what to change.
+  std::string all;
+  for (const std::string& line : lines) all += line + "\n";
+  ASSERT_EQ(lines.size(), 4u) << all;
+  EXPECT_NE(lines[0].find("refused SET: OOM"), std::string::npos) << all;
+  EXPECT_NE(lines[0].find("allkeys-lru"), std::string::npos) << all;
+  EXPECT_NE(lines[0].find(std::to_string(server.port())), std::string::npos) << all;
+  EXPECT_NE(lines[1].find("refused SET: NOPERM"), std::string::npos) << all;
+  EXPECT_NE(lines[1].find("+get +mget +set"), std::string::npos) << all;
+  EXPECT_NE(lines[2].find("refused MGET: NOPERM"), std::string::npos) << all;
+  EXPECT_NE(lines[3].find("refused SET: OOM"), std::string::npos) << all;
+}
+
 TEST(RemoteTierTest, ACorruptedValueIsACountedMissAndNothingWrongIsCached) {
   RedisServer server;
   const std::vector<TokenId> prompt = Prompt(100, 17);
