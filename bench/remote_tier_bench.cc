@@ -740,67 +740,41 @@ int main(int argc, char** argv) {
       std::filesystem::temp_directory_path() / ("blockkv-bench-redis-" + std::to_string(getpid()));
   std::filesystem::create_directories(dir);
   blockkv::g_unix_path = dir + "/redis.sock";
-  std::string port = std::to_string(blockkv::g_port);
-  std::vector<std::string> args = {"redis-server",
-                                   "--port",
-                                   port,
-                                   "--bind",
-                                   "127.0.0.1",
-                                   "--save",
-                                   "",
-                                   "--appendonly",
-                                   "no",
-                                   "--dir",
-                                   dir,
-                                   "--loglevel",
-                                   "warning",
-                                   "--unixsocket",
-                                   blockkv::g_unix_path,
-                                   "--unixsocketperm",
-                                   "700"};
-  std::vector<char*> cargs;
-  cargs.reserve(args.size() + 1);
-  for (std::string& a : args) cargs.push_back(a.data());
-  cargs.push_back(nullptr);
-  pid_t pid = 0;
-  if (posix_spawnp(&pid, "redis-server", nullptr, nullptr, cargs.data(), environ) != 0) {
+  // The standalone server (also on a unix socket), then the cluster's nodes: no persistence.
+  const auto server_args = [](int port, const std::string& where) {
+    return std::vector<std::string>{"redis-server",
+                                    "--port",
+                                    std::to_string(port),
+                                    "--bind",
+                                    "127.0.0.1",
+                                    "--save",
+                                    "",
+                                    "--appendonly",
+                                    "no",
+                                    "--dir",
+                                    where,
+                                    "--loglevel",
+                                    "warning"};
+  };
+  std::vector<std::string> args = server_args(blockkv::g_port, dir);
+  args.insert(args.end(), {"--unixsocket", blockkv::g_unix_path, "--unixsocketperm", "700"});
+  std::vector<pid_t> pids;  // every server started, killed at the end
+  if (Spawn(args, &pids) != 0) {
     std::fprintf(stderr, "remote_tier_bench: cannot start redis-server\n");
     return 1;
   }
-  for (int i = 0; i < 200; ++i) {
-    redisContext* c = redisConnect("127.0.0.1", blockkv::g_port);
-    const bool up = c != nullptr && c->err == 0;
-    if (c != nullptr) redisFree(c);
-    if (up) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  WaitUp(blockkv::g_port);
   // The cluster: 3 masters (free ports and bus ports), joined by redis-cli --cluster create.
-  std::vector<pid_t> cluster_pids;
   std::vector<std::string> create = {"redis-cli", "--cluster", "create"};
   for (int i = 0; i < 3; ++i) {
     const int node_port = blockkv::FreePort();
     const std::string node_dir = dir + "/node" + std::to_string(i);
     std::filesystem::create_directories(node_dir);
-    std::vector<std::string> node_args = {"redis-server",
-                                          "--port",
-                                          std::to_string(node_port),
-                                          "--bind",
-                                          "127.0.0.1",
-                                          "--save",
-                                          "",
-                                          "--appendonly",
-                                          "no",
-                                          "--dir",
-                                          node_dir,
-                                          "--loglevel",
-                                          "warning",
-                                          "--cluster-enabled",
-                                          "yes",
-                                          "--cluster-port",
-                                          std::to_string(blockkv::FreePort()),
-                                          "--cluster-require-full-coverage",
-                                          "no"};
-    if (Spawn(node_args, &cluster_pids) != 0) {
+    std::vector<std::string> node_args = server_args(node_port, node_dir);
+    node_args.insert(node_args.end(), {"--cluster-enabled", "yes", "--cluster-port",
+                                       std::to_string(blockkv::FreePort()),
+                                       "--cluster-require-full-coverage", "no"});
+    if (Spawn(node_args, &pids) != 0) {
       std::fprintf(stderr, "remote_tier_bench: cannot start a cluster redis-server\n");
       return 1;
     }
@@ -820,8 +794,7 @@ int main(int argc, char** argv) {
     status = 0;
   }
   benchmark::Shutdown();
-  cluster_pids.push_back(pid);
-  for (const pid_t p : cluster_pids) {
+  for (const pid_t p : pids) {
     kill(p, SIGKILL);
     waitpid(p, nullptr, 0);
   }
