@@ -404,7 +404,13 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
                                        "redis.sock[?db=N] for a server's unix socket)"));
   };
   RedisUrl out;
+  // The database number, after the path's '/' or a socket's "db=".
+  const auto parse_db = [&](std::string_view text) -> Status {
+    if (ParseInt(text, 0, 1 << 20, &out.db)) return Status::Ok();
+    return bad(StrCat("a bad database \"", text, "\""));
+  };
   std::string_view rest;
+  bool sentinel = false;
   if (url.starts_with(kClusterScheme)) {
     out.cluster = true;
     rest = url.substr(kClusterScheme.size());
@@ -414,6 +420,7 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
     out.unix_socket = true;
     rest = url.substr(kUnixScheme.size());
   } else if (url.starts_with(kSentinelScheme)) {
+    sentinel = true;
     rest = url.substr(kSentinelScheme.size());
   } else if (url.starts_with("rediss://") || url.starts_with("rediss+cluster://") ||
              url.starts_with("rediss+sentinel://")) {
@@ -454,14 +461,11 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
       if (!q.starts_with("db=")) {
         return bad(StrCat("a query \"", q, "\": only db=N is understood"));
       }
-      if (!ParseInt(q.substr(3), 0, 1 << 20, &out.db)) {
-        return bad(StrCat("a bad database \"", q.substr(3), "\""));
-      }
+      BLOCKKV_RETURN_IF_ERROR(parse_db(q.substr(3)));
     }
     out.hosts.push_back({.host = std::string(path), .port = 0});
     return out;
   }
-  const bool sentinel = url.starts_with(kSentinelScheme);
   if (sentinel) {  // host:port[,host:port...]/master_name[/db]
     const size_t slash = rest.find('/');
     if (slash == std::string_view::npos || slash + 1 == rest.size()) {
@@ -469,9 +473,7 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
     }
     std::string_view name = rest.substr(slash + 1);
     if (const size_t db = name.find('/'); db != std::string_view::npos) {
-      if (!ParseInt(name.substr(db + 1), 0, 1 << 20, &out.db)) {
-        return bad(StrCat("a bad database \"", name.substr(db + 1), "\""));
-      }
+      BLOCKKV_RETURN_IF_ERROR(parse_db(name.substr(db + 1)));
       name = name.substr(0, db);
     }
     if (name.empty()) return bad("no master name (redis+sentinel://host:port/master_name)");
@@ -482,9 +484,7 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
       return bad(
           StrCat("a database \"", rest.substr(slash), "\": a Redis Cluster has database 0 only"));
     }
-    if (!ParseInt(rest.substr(slash + 1), 0, 1 << 20, &out.db)) {
-      return bad(StrCat("a bad database \"", rest.substr(slash + 1), "\""));
-    }
+    BLOCKKV_RETURN_IF_ERROR(parse_db(rest.substr(slash + 1)));
     rest = rest.substr(0, slash);
   }
   while (true) {
