@@ -28,6 +28,9 @@ if(NOT BLOCKKV_HIREDIS_INCLUDE_DIR OR NOT BLOCKKV_HIREDIS_LIBRARY)
   message(FATAL_ERROR "hiredis not found: apt-get install libhiredis-dev (scripts/deps.sh does)")
 endif()
 
+# OpenSSL (libssl-dev) for the remote tier's TLS connections (rediss://).
+find_package(OpenSSL 3 REQUIRED)
+
 # UCX (libucx-dev) for sequence transfer between engines (docs/transfer.md): its ucp API,
 # through pkg-config. BLOCKKV_UCX=OFF builds without it (ExportSequence / ImportSequence then
 # say kUnimplemented).

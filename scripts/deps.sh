@@ -12,7 +12,7 @@ packages=(cmake ninja-build g++ pkg-config libgtest-dev libgmock-dev libbenchmar
           pybind11-dev python3-dev python3-numpy python3-pytest python3-torch python3-pydantic
           libdlpack-dev
           libhwy-dev libxxhash-dev nlohmann-json3-dev
-          libhiredis-dev redis-server redis-tools
+          libhiredis-dev redis-server redis-tools libssl-dev openssl
           libzmq3-dev cppzmq-dev python3-zmq python3-msgpack
           libucx-dev ucx-utils)
 for arg in "$@"; do

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "remote_tier.h"
 
-#include <hiredis/hiredis.h>
+#include <hiredis/hiredis.h>  // redisReply (hiredis parses; RedisConnection reads and writes)
 
 #include <algorithm>
 #include <array>
@@ -76,60 +76,21 @@ bool ParseInt(std::string_view s, T lo, T hi, T* out) {
   return true;
 }
 
-struct ReplyDeleter {
-  void operator()(redisReply* r) const { freeReplyObject(r); }
-};
-using Reply = std::unique_ptr<redisReply, ReplyDeleter>;
-
-Reply Command(redisContext* ctx, const std::vector<std::string_view>& args) {
-  std::vector<const char*> argv;
-  std::vector<size_t> lens;
-  for (const std::string_view a : args) {
-    argv.push_back(a.data());
-    lens.push_back(a.size());
-  }
-  return Reply(static_cast<redisReply*>(
-      redisCommandArgv(ctx, static_cast<int>(argv.size()), argv.data(), lens.data())));
-}
-
-// Queues a command on `ctx` for a pipelined send (redisBufferWrite / redisGetReply send it).
-bool Append(redisContext* ctx, std::initializer_list<std::string_view> args) {
-  const char* argv[3];
-  size_t lens[3];
-  size_t n = 0;
-  for (const std::string_view a : args) {
-    argv[n] = a.data();
-    lens[n++] = a.size();
-  }
-  return redisAppendCommandArgv(ctx, static_cast<int>(n), argv, lens) == REDIS_OK;
-}
-
-// Writes everything queued on `ctx` (so that every node's commands are out before any reply is
-// read: one round trip for all of them).
-bool Flush(redisContext* ctx) {
-  int done = 0;
-  while (done == 0) {
-    if (redisBufferWrite(ctx, &done) != REDIS_OK) return false;
-  }
-  return true;
-}
-
-constexpr size_t kMaxIov = 1024;  // IOV_MAX on Linux
-
-// One node's SETs written straight to its socket (sendmsg), where redisAppendCommandArgv would
-// first copy every value into hiredis's output buffer: a store of 2 MiB blocks spends its time
-// copying bytes, so this saves one copy of each. The output buffer is empty here (every command
-// before was flushed), so the commands go out in order; the replies are read with redisGetReply
-// as usual. Built in place and never moved (the iovecs point into `heads`).
+// One node's SETs written straight from their buffers (RedisConnection::WriteNow: sendmsg, or TLS
+// records), where formatting them as commands would first copy every value into an output buffer:
+// a store of 2 MiB blocks spends its time copying bytes, so this saves one copy of each. Nothing
+// is queued on the connection here (every command before was flushed), so the commands go out
+// in order; the replies are read with GetReply as usual. Built in place and never moved (the
+// iovecs point into `heads`).
 class SetWriter {
  public:
   SetWriter() = default;
   SetWriter(const SetWriter&) = delete;
   SetWriter& operator=(const SetWriter&) = delete;
 
-  void Start(int fd, std::span<const RemoteTier::PendingStore* const> items) {
+  void Start(RedisConnection* conn, std::span<const RemoteTier::PendingStore* const> items) {
     static constexpr char kCrlf[] = "\r\n";
-    fd_ = fd;
+    conn_ = conn;
     heads_.reserve(items.size());
     iov_.reserve(items.size() * 3);
     for (const RemoteTier::PendingStore* item : items) {
@@ -143,20 +104,15 @@ class SetWriter {
       iov_.push_back({.iov_base = const_cast<char*>(kCrlf), .iov_len = 2});
     }
   }
-  bool done() const { return at_ == iov_.size(); }
-  int fd() const { return fd_; }
-  // Writes what the socket takes now, without waiting; false when the socket failed.
+  bool done() const { return at_ == iov_.size() && !conn_->WritePending(); }
+  int fd() const { return conn_->fd(); }
+  short events() const { return conn_->Events(); }
+  // Writes what the connection takes now, without waiting; false when it failed.
   bool WriteSome() {
     while (!done()) {
-      // MSG_NOSIGNAL: a server gone is an error here, never a SIGPIPE.
-      msghdr msg{};
-      msg.msg_iov = &iov_[at_];
-      msg.msg_iovlen = std::min<size_t>(iov_.size() - at_, kMaxIov);
-      const ssize_t n = sendmsg(fd_, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        return errno == EAGAIN || errno == EWOULDBLOCK;
-      }
+      const ssize_t n = conn_->WriteNow(std::span<const iovec>(iov_).subspan(at_));
+      if (n < 0) return false;
+      if (n == 0) return true;  // full: poll
       for (auto left = static_cast<size_t>(n); left > 0;) {
         if (left >= iov_[at_].iov_len) {
           left -= iov_[at_].iov_len;
@@ -167,13 +123,13 @@ class SetWriter {
           left = 0;
         }
       }
-      while (!done() && iov_[at_].iov_len == 0) ++at_;
+      while (at_ < iov_.size() && iov_[at_].iov_len == 0) ++at_;
     }
     return true;
   }
 
  private:
-  int fd_ = -1;
+  RedisConnection* conn_ = nullptr;
   std::vector<std::string> heads_;
   std::vector<iovec> iov_;
   size_t at_ = 0;
@@ -191,7 +147,7 @@ void WriteAllSets(std::span<SetWriter*> writers, int32_t timeout_ms, std::vector
     which.clear();
     for (size_t i = 0; i < writers.size(); ++i) {
       if (failed[i] != 0 || writers[i]->done()) continue;
-      fds.push_back({.fd = writers[i]->fd(), .events = POLLOUT, .revents = 0});
+      fds.push_back({.fd = writers[i]->fd(), .events = writers[i]->events(), .revents = 0});
       which.push_back(i);
     }
     if (fds.empty()) return;
@@ -205,7 +161,7 @@ void WriteAllSets(std::span<SetWriter*> writers, int32_t timeout_ms, std::vector
   }
 }
 
-// What a fetch's values point into: hiredis replies (redirects followed), and the buffers that
+// What a fetch's values point into: parsed replies (redirects followed), and the buffers that
 // ReadValue read values into, given back to the tier's ValueBuffers when the last view goes.
 struct FetchedBuffers {
   std::vector<Reply> replies;
@@ -219,13 +175,13 @@ struct FetchedBuffers {
   }
 };
 
-// Reads a RESP reply from a socket through a staging buffer for its framing; a bulk string's
-// bytes go from the socket straight to where they are kept (hiredis reads everything into its
-// buffer and copies each value out of it again: one copy of every fetched byte saved). recv's
-// timeout is the connection's (redisSetTimeout's SO_RCVTIMEO).
+// Reads a RESP reply from a connection through a staging buffer for its framing; a bulk string's
+// bytes go from the connection straight to where they are kept (a reply parser reads everything
+// into its buffer and copies each value out of it again: one copy of every fetched byte saved).
+// Each read waits the connection's timeout at most.
 class SocketReader {
  public:
-  explicit SocketReader(int fd) : fd_(fd) {}
+  explicit SocketReader(RedisConnection& conn) : conn_(conn) {}
   // The next line, without its CRLF; false when the socket fails, closes or times out, or the
   // line runs past the staging buffer.
   bool Line(std::string_view* line) {
@@ -251,8 +207,7 @@ class SocketReader {
     begin_ += staged;
     feed(0, staged);
     for (size_t at = staged; at < n;) {
-      const ssize_t got = recv(fd_, dst + at, std::min(n - at, kPiece), 0);
-      if (got < 0 && errno == EINTR) continue;
+      const ssize_t got = conn_.Read(dst + at, std::min(n - at, kPiece));
       if (got <= 0) return false;
       feed(at, at + static_cast<size_t>(got));
       at += static_cast<size_t>(got);
@@ -270,8 +225,7 @@ class SocketReader {
       begin_ = 0;
     }
     while (end_ < buf_.size()) {
-      const ssize_t got = recv(fd_, buf_.data() + end_, buf_.size() - end_, 0);
-      if (got < 0 && errno == EINTR) continue;
+      const ssize_t got = conn_.Read(buf_.data() + end_, buf_.size() - end_);
       if (got <= 0) return false;
       end_ += static_cast<size_t>(got);
       return true;
@@ -279,7 +233,7 @@ class SocketReader {
     return false;  // a line longer than the buffer: not a reply of ours
   }
   static constexpr size_t kPiece = size_t{256} << 10;  // the most one recv reads into a value
-  int fd_;
+  RedisConnection& conn_;
   std::vector<char> buf_ = std::vector<char>(size_t{64} << 10);
   size_t begin_ = 0;
   size_t end_ = 0;
@@ -373,18 +327,7 @@ bool PercentDecode(std::string_view in, std::string* out) {
 
 }  // namespace
 
-std::string HostPortText(std::string_view host, int port) {
-  if (port == 0) return std::string(host);  // a unix socket's path
-  // An IPv6 address in brackets, as URLs write it: [::1]:6379.
-  return host.find(':') != std::string_view::npos ? StrCat("[", host, "]:", port)
-                                                  : StrCat(host, ":", port);
-}
-
 Result<RedisUrl> ParseRedisUrl(std::string_view url) {
-  constexpr std::string_view kScheme = "redis://";
-  constexpr std::string_view kClusterScheme = "redis+cluster://";
-  constexpr std::string_view kUnixScheme = "unix://";
-  constexpr std::string_view kSentinelScheme = "redis+sentinel://";
   // The URL as errors show it: the password, if any, replaced by "***".
   std::string shown(url);
   if (const size_t at = url.rfind('@'); at != std::string_view::npos) {
@@ -401,7 +344,8 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
                                        "for a Redis Cluster, redis+sentinel://[user:password@]"
                                        "host:port[,host:port...]/master_name[/db] for the master "
                                        "sentinels watch, or unix://[user:password@]/path/to/"
-                                       "redis.sock[?db=N] for a server's unix socket)"));
+                                       "redis.sock[?db=N] for a server's unix socket; "
+                                       "rediss for redis over TLS)"));
   };
   RedisUrl out;
   // The database number, after the path's '/' or a socket's "db=".
@@ -409,26 +353,77 @@ Result<RedisUrl> ParseRedisUrl(std::string_view url) {
     if (ParseInt(text, 0, 1 << 20, &out.db)) return Status::Ok();
     return bad(StrCat("a bad database \"", text, "\""));
   };
-  std::string_view rest;
-  bool sentinel = false;
-  if (url.starts_with(kClusterScheme)) {
-    out.cluster = true;
-    rest = url.substr(kClusterScheme.size());
-  } else if (url.starts_with(kScheme)) {
-    rest = url.substr(kScheme.size());
-  } else if (url.starts_with(kUnixScheme)) {
-    out.unix_socket = true;
-    rest = url.substr(kUnixScheme.size());
-  } else if (url.starts_with(kSentinelScheme)) {
-    sentinel = true;
-    rest = url.substr(kSentinelScheme.size());
-  } else if (url.starts_with("rediss://") || url.starts_with("rediss+cluster://") ||
-             url.starts_with("rediss+sentinel://")) {
-    return bad(
-        "TLS is not supported (this hiredis has no TLS); reach a TLS-only server through a local "
-        "TLS proxy (e.g. stunnel) with a redis:// URL");
-  } else {
-    return bad("not a redis:// URL (nor redis+cluster://)");
+  // "rediss" for "redis": the same form over TLS.
+  struct Scheme {
+    std::string_view prefix;
+    bool tls = false;
+    bool cluster = false;
+    bool sentinel = false;
+    bool unix_socket = false;
+  };
+  static constexpr Scheme kSchemes[] = {
+      {.prefix = "redis://"},
+      {.prefix = "rediss://", .tls = true},
+      {.prefix = "redis+cluster://", .cluster = true},
+      {.prefix = "rediss+cluster://", .tls = true, .cluster = true},
+      {.prefix = "redis+sentinel://", .sentinel = true},
+      {.prefix = "rediss+sentinel://", .tls = true, .sentinel = true},
+      {.prefix = "unix://", .unix_socket = true},
+  };
+  const auto scheme = std::find_if(std::begin(kSchemes), std::end(kSchemes),
+                                   [&](const Scheme& s) { return url.starts_with(s.prefix); });
+  if (scheme == std::end(kSchemes)) return bad("not a redis:// URL (nor redis+cluster://)");
+  out.tls = scheme->tls;
+  out.cluster = scheme->cluster;
+  out.unix_socket = scheme->unix_socket;
+  const bool sentinel = scheme->sentinel;
+  std::string_view rest = url.substr(scheme->prefix.size());
+  // rediss: the query of TLS settings, from the first '?' on (as RFC 3986 and redis-py have it: a
+  // '?' in a password is written %3F).
+  if (const size_t q = out.unix_socket ? std::string_view::npos : rest.find('?');
+      q != std::string_view::npos) {
+    std::string_view query = rest.substr(q + 1);
+    rest = rest.substr(0, q);
+    while (!query.empty()) {
+      const std::string_view item = query.substr(0, query.find('&'));
+      query = item.size() == query.size() ? std::string_view() : query.substr(item.size() + 1);
+      const size_t eq = item.find('=');
+      const std::string_view name = item.substr(0, eq);
+      std::string value;
+      if (eq == std::string_view::npos || !PercentDecode(item.substr(eq + 1), &value)) {
+        return bad(StrCat("a query item \"", item, "\" that is not name=value"));
+      }
+      if (!out.tls && name.starts_with("ssl_")) {
+        return bad(StrCat("\"", name, "\" is for TLS: a rediss:// URL"));
+      }
+      const auto flag = [&](std::string_view yes, std::string_view no, bool* v) -> Status {
+        if (value == yes || value == no) {
+          *v = value == yes;
+          return Status::Ok();
+        }
+        return bad(StrCat(name, "=", value, ": ", yes, " or ", no));
+      };
+      TlsOptions& tls = out.tls_options;
+      if (name == "ssl_ca_certs") {
+        tls.ca_file = value;
+      } else if (name == "ssl_certfile") {
+        tls.cert_file = value;
+      } else if (name == "ssl_keyfile") {
+        tls.key_file = value;
+      } else if (name == "ssl_server_name") {
+        tls.server_name = value;
+      } else if (name == "ssl_cert_reqs") {
+        if (value == "optional") value = "required";  // a client's "optional" checks as required
+        BLOCKKV_RETURN_IF_ERROR(flag("required", "none", &tls.verify));
+        if (!tls.verify) tls.check_hostname = false;
+      } else if (name == "ssl_check_hostname") {
+        BLOCKKV_RETURN_IF_ERROR(flag("true", "false", &tls.check_hostname));
+      } else {
+        return bad(StrCat("an unknown query item \"", name,
+                          "\" (rediss:// takes ssl_ca_certs, ssl_certfile, ssl_keyfile, "
+                          "ssl_cert_reqs, ssl_check_hostname, ssl_server_name)"));
+      }
+    }
   }
   // The credentials end at the last '@' (at the first "@/" for a unix socket, whose path may hold
   // an '@' of its own).
@@ -669,47 +664,34 @@ void ValueBuffers::Give(Buffer b) {
   free_.emplace(b.capacity, std::move(b.data));
 }
 
-Result<redisContext*> RemoteTier::Connect(const RedisUrl& url, const std::string& host, int port,
-                                          int32_t timeout_ms) {
-  const timeval tv{.tv_sec = timeout_ms / 1000,
-                   .tv_usec = static_cast<suseconds_t>(timeout_ms % 1000) * 1000};
-  redisContext* ctx = url.unix_socket ? redisConnectUnixWithTimeout(host.c_str(), tv)
-                                      : redisConnectWithTimeout(host.c_str(), port, tv);
+Result<std::unique_ptr<RedisConnection>> RemoteTier::Connect(const RedisUrl& url,
+                                                             const std::string& host,
+                                                             int port) const {
+  BLOCKKV_ASSIGN_OR_RETURN(std::unique_ptr<RedisConnection> conn,
+                           RedisConnection::Open(host, port, config_.timeout_ms, tls_.get()));
   const std::string where = StrCat("redis at ", HostPortText(host, port));
-  if (ctx == nullptr) return UnavailableError(StrCat(where, ": cannot allocate a connection"));
-  const auto fail = [&](StatusCode code, std::string_view why) -> Status {
-    Status s(code, StrCat(where, ": ", why));
-    redisFree(ctx);
-    return s;
-  };
-  if (ctx->err != 0) return fail(StatusCode::kUnavailable, ctx->errstr);
-  // Keep the reader's buffer between replies: by default hiredis frees it whenever it is empty
-  // with over 16 KiB spare, so every MB-sized reply grows a new one again.
-  ctx->reader->maxbuf = 0;
-  if (redisSetTimeout(ctx, tv) != REDIS_OK) return fail(StatusCode::kUnavailable, ctx->errstr);
   if (!url.password.empty()) {
     std::vector<std::string_view> args = {"AUTH"};
     if (!url.user.empty()) args.emplace_back(url.user);
     args.emplace_back(url.password);
-    const Reply reply = Command(ctx, args);
-    if (!reply) return fail(StatusCode::kUnavailable, StrCat("AUTH: ", ctx->errstr));
+    const Reply reply = conn->Command(args);
+    if (!reply) return UnavailableError(StrCat(where, ": AUTH: ", conn->error()));
     if (reply->type == REDIS_REPLY_ERROR) {
-      return fail(StatusCode::kPermissionDenied,
-                  StrCat("AUTH as user \"", url.user.empty() ? "default" : url.user,
-                         "\" refused: ", std::string_view(reply->str, reply->len)));
+      return PermissionDeniedError(
+          StrCat(where, ": AUTH as user \"", url.user.empty() ? "default" : url.user,
+                 "\" refused: ", std::string_view(reply->str, reply->len)));
     }
   }
   if (url.db != 0) {
     const std::string db = std::to_string(url.db);
-    const Reply reply = Command(ctx, {"SELECT", db});
-    if (!reply) return fail(StatusCode::kUnavailable, StrCat("SELECT: ", ctx->errstr));
+    const Reply reply = conn->Command({"SELECT", db});
+    if (!reply) return UnavailableError(StrCat(where, ": SELECT: ", conn->error()));
     if (reply->type == REDIS_REPLY_ERROR) {
-      return fail(
-          StatusCode::kInvalidArgument,
-          StrCat("SELECT ", url.db, " refused: ", std::string_view(reply->str, reply->len)));
+      return InvalidArgumentError(StrCat(where, ": SELECT ", url.db,
+                                         " refused: ", std::string_view(reply->str, reply->len)));
     }
   }
-  return ctx;
+  return conn;
 }
 
 Result<std::unique_ptr<RemoteTier>> RemoteTier::Open(const RemoteTierConfig& config) {
@@ -726,7 +708,12 @@ Result<std::unique_ptr<RemoteTier>> RemoteTier::Open(const RemoteTierConfig& con
                                        " is outside [0, tp_size=", config.tp_size, ")"));
   }
   BLOCKKV_ASSIGN_OR_RETURN(RedisUrl url, ParseRedisUrl(config.url));
+  std::shared_ptr<TlsContext> tls;
+  if (url.tls) {
+    BLOCKKV_ASSIGN_OR_RETURN(tls, TlsContext::Create(url.tls_options));
+  }
   std::unique_ptr<RemoteTier> tier(new RemoteTier(config, std::move(url)));
+  tier->tls_ = std::move(tls);
   // A server that cannot be reached now is connected later by the worker that needs it (after a
   // backoff), as one that went away is; only one that answers and refuses fails here.
   if (const Status s = tier->Start(tier->fetch_lane_, /*connect=*/true); !s.ok()) {
@@ -757,11 +744,6 @@ RemoteTier::~RemoteTier() {
   store_cv_.notify_all();
   if (fetch_worker_.joinable()) fetch_worker_.join();
   if (store_worker_.joinable()) store_worker_.join();
-  for (Lane* lane : {&fetch_lane_, &store_lane_}) {
-    for (const std::unique_ptr<Node>& node : lane->nodes) {
-      if (node->ctx != nullptr) redisFree(node->ctx);
-    }
-  }
 }
 
 Status RemoteTier::Start(Lane& lane, bool connect) {
@@ -782,14 +764,14 @@ Status RemoteTier::Start(Lane& lane, bool connect) {
     master.push_back({lane.nodes[0]->host, lane.nodes[0]->port});
   }
   for (const RedisUrl::HostPort& seed : sentinel ? master : url_.hosts) {
-    Result<redisContext*> ctx = Connect(url_, seed.host, seed.port, config_.timeout_ms);
-    if (!ctx.ok()) {
-      if (ctx.status().code() != StatusCode::kUnavailable) return ctx.status();
-      last = ctx.status();
+    Result<std::unique_ptr<RedisConnection>> conn = Connect(url_, seed.host, seed.port);
+    if (!conn.ok()) {
+      if (conn.status().code() != StatusCode::kUnavailable) return conn.status();
+      last = conn.status();
       continue;
     }
     Node& node = url_.cluster ? *lane.nodes[NodeAt(lane, seed.host, seed.port)] : *lane.nodes[0];
-    node.ctx = *ctx;
+    node.conn = std::move(*conn);
     node.ever_connected = true;
     if (!url_.cluster) {
       lane.connected = true;
@@ -837,10 +819,10 @@ Status RemoteTier::RefreshSlots(Lane& lane) {
   // Ask a connected node first, then every other known node and the seeds.
   std::vector<size_t> order;
   for (size_t i = 0; i < lane.nodes.size(); ++i) {
-    if (lane.nodes[i]->ctx != nullptr) order.push_back(i);
+    if (lane.nodes[i]->conn != nullptr) order.push_back(i);
   }
   for (size_t i = 0; i < lane.nodes.size(); ++i) {
-    if (lane.nodes[i]->ctx == nullptr) order.push_back(i);
+    if (lane.nodes[i]->conn == nullptr) order.push_back(i);
   }
   for (const RedisUrl::HostPort& seed : url_.hosts) {
     const size_t i = NodeAt(lane, seed.host, seed.port);
@@ -849,7 +831,7 @@ Status RemoteTier::RefreshSlots(Lane& lane) {
   for (const size_t i : order) {
     Node& asked = *lane.nodes[i];
     if (!EnsureConnected(lane, asked)) continue;
-    const Reply reply = Command(asked.ctx, {"CLUSTER", "SLOTS"});
+    const Reply reply = asked.conn->Command({"CLUSTER", "SLOTS"});
     if (!reply) {
       Disconnect(lane, asked);
       continue;
@@ -939,7 +921,7 @@ void RemoteTier::MaybeRefresh(Lane& lane) {
 void RemoteTier::UpdateConnected(Lane& lane) {
   bool all = lane.num_nodes > 0;
   for (const std::unique_ptr<Node>& n : lane.nodes) {
-    if (n->slots > 0 && n->ctx == nullptr) all = false;
+    if (n->slots > 0 && n->conn == nullptr) all = false;
   }
   lane.connected = all;
 }
@@ -1160,25 +1142,23 @@ Status RemoteTier::ResolveMaster(Node& node) {
     // Asked without AUTH (a sentinel's own password is often unset); one that wants it gets the
     // URL's user and password.
     RedisUrl plain;
-    Result<redisContext*> ctx = Connect(plain, s.host, s.port, config_.timeout_ms);
+    Result<std::unique_ptr<RedisConnection>> conn = Connect(plain, s.host, s.port);
     Reply reply;
-    if (ctx.ok()) {
-      reply = Command(*ctx, {"SENTINEL", "get-master-addr-by-name", name});
+    if (conn.ok()) {
+      reply = (*conn)->Command({"SENTINEL", "get-master-addr-by-name", name});
       if (reply && reply->type == REDIS_REPLY_ERROR &&
           std::string_view(reply->str, reply->len).starts_with("NOAUTH") &&
           !url_.password.empty()) {
-        redisFree(*ctx);
         plain.user = url_.user;
         plain.password = url_.password;
-        ctx = Connect(plain, s.host, s.port, config_.timeout_ms);
-        if (ctx.ok()) reply = Command(*ctx, {"SENTINEL", "get-master-addr-by-name", name});
+        conn = Connect(plain, s.host, s.port);
+        if (conn.ok()) reply = (*conn)->Command({"SENTINEL", "get-master-addr-by-name", name});
       }
     }
-    if (!ctx.ok()) {
-      last = ctx.status();
+    if (!conn.ok()) {
+      last = conn.status();
       continue;
     }
-    redisFree(*ctx);
     int port = 0;
     if (!reply) {
       last = UnavailableError(StrCat(where, ": no answer"));
@@ -1205,29 +1185,26 @@ Status RemoteTier::ResolveMaster(Node& node) {
 }
 
 bool RemoteTier::EnsureConnected(Lane& lane, Node& node) {
-  if (node.ctx != nullptr) return true;
+  if (node.conn != nullptr) return true;
   const auto now = std::chrono::steady_clock::now();
   if (now < node.retry_at) return false;
   // Sentinels: the master's address asked again (a failover since moves it).
   const Status resolved = url_.sentinel_master.empty() ? Status::Ok() : ResolveMaster(node);
-  Result<redisContext*> ctx =
-      resolved.ok() ? Connect(url_, node.host, node.port, config_.timeout_ms) : resolved;
-  if (ctx.ok() && node.replica) {
+  Result<std::unique_ptr<RedisConnection>> conn =
+      resolved.ok() ? Connect(url_, node.host, node.port) : resolved;
+  if (conn.ok() && node.replica) {
     // A replica serves reads of its master's slots only on a READONLY connection (otherwise
     // MOVED to the master). One that refuses (an ACL without READONLY) is not read from.
-    const Reply reply = Command(*ctx, {"READONLY"});
-    if (!reply || reply->type == REDIS_REPLY_ERROR) {
-      redisFree(*ctx);
-      ctx = UnavailableError("READONLY refused");
-    }
+    const Reply reply = (*conn)->Command({"READONLY"});
+    if (!reply || reply->type == REDIS_REPLY_ERROR) conn = UnavailableError("READONLY refused");
   }
-  if (!ctx.ok()) {
+  if (!conn.ok()) {
     ++errors_;
     Failed(node, now);
     if (url_.cluster) lane.refresh_needed = true;
     return false;
   }
-  node.ctx = *ctx;  // the backoff stays until a command is answered (Served)
+  node.conn = std::move(*conn);  // the backoff stays until a command is answered (Served)
   if (node.ever_connected) ++reconnects_;
   node.ever_connected = true;
   UpdateConnected(lane);
@@ -1236,8 +1213,7 @@ bool RemoteTier::EnsureConnected(Lane& lane, Node& node) {
 
 void RemoteTier::Disconnect(Lane& lane, Node& node) {
   ++errors_;
-  redisFree(node.ctx);
-  node.ctx = nullptr;
+  node.conn.reset();
   // Not tried again before its backoff, which only an answered command resets: a stalled server
   // (it accepts connections, answers nothing) costs one timeout per backoff, not one per
   // command, and its reads go to a replica meanwhile.
@@ -1249,7 +1225,7 @@ void RemoteTier::Disconnect(Lane& lane, Node& node) {
 RemoteTier::Node* RemoteTier::ConnectedReplica(Lane& lane, const Node& master) {
   for (const int16_t r : master.replicas) {
     Node& replica = *lane.nodes[static_cast<size_t>(r)];
-    if (replica.replica && replica.ctx != nullptr) return &replica;
+    if (replica.replica && replica.conn != nullptr) return &replica;
   }
   // None connected: one attempt (a connect can wait timeout_ms), the next replica next time.
   const auto now = std::chrono::steady_clock::now();
@@ -1262,8 +1238,8 @@ RemoteTier::Node* RemoteTier::ConnectedReplica(Lane& lane, const Node& master) {
   return nullptr;
 }
 
-redisReply* RemoteTier::FollowRedirect(Lane& lane, Redirect r, std::string_view cmd,
-                                       std::string_view key, std::string_view value) {
+Reply RemoteTier::FollowRedirect(Lane& lane, Redirect r, std::string_view cmd, std::string_view key,
+                                 std::string_view value) {
   for (int hop = 0; hop < kMaxRedirects; ++hop) {
     ++redirects_;
     const size_t index = NodeAt(lane, r.host, r.port);
@@ -1276,21 +1252,21 @@ redisReply* RemoteTier::FollowRedirect(Lane& lane, Redirect r, std::string_view 
     }
     Node& node = *lane.nodes[index];
     if (!EnsureConnected(lane, node)) return nullptr;
-    bool sent = !r.ask || Append(node.ctx, {"ASKING"});
-    sent = sent &&
-           (value.empty() ? Append(node.ctx, {cmd, key}) : Append(node.ctx, {cmd, key, value}));
-    void* raw = nullptr;
-    if (sent && r.ask) {
-      sent = redisGetReply(node.ctx, &raw) == REDIS_OK;
-      freeReplyObject(raw);
-      raw = nullptr;
+    if (r.ask) node.conn->Append({"ASKING"});
+    if (value.empty()) {
+      node.conn->Append({cmd, key});
+    } else {
+      node.conn->Append({cmd, key, value});
     }
-    if (!sent || redisGetReply(node.ctx, &raw) != REDIS_OK) {
+    Reply reply;
+    if (node.conn->Flush() && (!r.ask || node.conn->GetReply() != nullptr)) {
+      reply = node.conn->GetReply();
+    }
+    if (reply == nullptr) {
       Disconnect(lane, node);
       return nullptr;
     }
-    Reply reply(static_cast<redisReply*>(raw));
-    if (!ParseRedirect(*reply, &r.ask, &r.host, &r.port)) return reply.release();
+    if (!ParseRedirect(*reply, &r.ask, &r.host, &r.port)) return reply;
   }
   ++errors_;
   return nullptr;
@@ -1384,21 +1360,15 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
         }
         replica_reads_ += std::ssize(ask.items);
       }
-      bool ok = true;
       if (url_.cluster) {
         // MGET across slots is refused by a cluster (and each block has its own slot): GETs.
-        for (const size_t i : ask.items) ok = ok && Append(node->ctx, {"GET", job.keys[i]});
+        for (const size_t i : ask.items) node->conn->Append({"GET", job.keys[i]});
       } else {
-        std::vector<const char*> argv = {"MGET"};
-        std::vector<size_t> lens = {4};
-        for (const size_t i : ask.items) {
-          argv.push_back(job.keys[i].data());
-          lens.push_back(job.keys[i].size());
-        }
-        ok = redisAppendCommandArgv(node->ctx, static_cast<int>(argv.size()), argv.data(),
-                                    lens.data()) == REDIS_OK;
+        std::vector<std::string_view> args = {"MGET"};
+        for (const size_t i : ask.items) args.emplace_back(job.keys[i]);
+        node->conn->Append(args);
       }
-      if (!ok || !Flush(node->ctx)) {
+      if (!node->conn->Flush()) {
         Disconnect(lane, *node);
         lost(ask, *node, 0);
         continue;
@@ -1406,19 +1376,19 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
       ask.node = node;
       sent.push_back(std::move(ask));
     }
-    // The replies are read from the socket by us, each value straight into a buffer of its own
-    // (hiredis would read them into its buffer and copy each out again). hiredis holds nothing
-    // unread here: every reply before was read whole.
+    // The replies are read from the connection by us, each value straight into a buffer of its
+    // own (the reply parser would read them into its buffer and copy each out again). The parser
+    // holds nothing unread here: every reply before was read whole.
     for (const Ask& ask : sent) {
       const std::vector<size_t>& items = ask.items;
       Node& node = *ask.node;
-      SocketReader in(node.ctx->fd);
+      SocketReader in(*node.conn);
       const auto broken = [&](size_t from) {
         Disconnect(lane, node);
         for (size_t j = from; j < items.size(); ++j) values[items[j]] = {};
         lost(ask, node, from);
       };
-      if (node.ctx->reader->pos != node.ctx->reader->len) {
+      if (node.conn->Buffered()) {
         broken(0);
         continue;
       }
@@ -1446,7 +1416,7 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
           }
           if (!whole || !in.Drained()) broken(0);
         }
-        if (node.ctx != nullptr) Served(node);
+        if (node.conn != nullptr) Served(node);
         continue;
       }
       for (size_t r = 0; r < items.size(); ++r) {  // GETs: a value, nil, a redirect or an error
@@ -1468,19 +1438,19 @@ void RemoteTier::DoFetch(Lane& lane, FetchJob& job) {
           }
         }
       }
-      if (node.ctx != nullptr && !in.Drained()) Disconnect(lane, node);  // more than was asked for
-      if (node.ctx != nullptr) Served(node);
+      if (node.conn != nullptr && !in.Drained()) Disconnect(lane, node);  // more than was asked for
+      if (node.conn != nullptr) Served(node);
     }
     asks = std::move(retry);
   }
   std::vector<Redirect> pending;
   pending.swap(redirects);
   for (const Redirect& r : pending) {
-    redisReply* reply = FollowRedirect(lane, r, "GET", job.keys[r.item], {});
+    Reply reply = FollowRedirect(lane, r, "GET", job.keys[r.item], {});
     if (reply == nullptr) {
       failed[r.item] = 1;
     } else {
-      take(r.item, Reply(reply));  // never a redirect: FollowRedirect followed those
+      take(r.item, std::move(reply));  // never a redirect: FollowRedirect followed those
     }
   }
   job.fetched.reply = std::move(owned);
@@ -1567,7 +1537,7 @@ bool RemoteTier::DoStores(Lane& lane, std::vector<PendingStore>& batch) {
       store.size += kRemoteChecksumBytes;
       sets.push_back(&store);
     }
-    writers[g].Start(node.ctx->fd, sets);
+    writers[g].Start(node.conn.get(), sets);
     sent.push_back(g);
     started.push_back(&writers[g]);
     writers[g].WriteSome();  // a failure shows again in WriteAllSets
@@ -1587,26 +1557,25 @@ bool RemoteTier::DoStores(Lane& lane, std::vector<PendingStore>& batch) {
     const std::vector<size_t>& items = groups[g];
     Node& node = *lane.nodes[g];
     for (size_t r = 0; r < items.size(); ++r) {
-      void* raw = nullptr;
-      if (redisGetReply(node.ctx, &raw) != REDIS_OK) {
+      const Reply reply = node.conn->GetReply();
+      if (reply == nullptr) {
         dropped_ += static_cast<int64_t>(items.size() - r);
         Disconnect(lane, node);
         failed_node = true;
         break;
       }
-      const Reply reply(static_cast<redisReply*>(raw));
       take(items[r], *reply, &node);
     }
-    if (demoted && node.ctx != nullptr) {
+    if (demoted && node.conn != nullptr) {
       Disconnect(lane, node);  // the sentinels are asked for the new master at the reconnect
-    } else if (node.ctx != nullptr) {
+    } else if (node.conn != nullptr) {
       Served(node);
     }
   }
   std::vector<Redirect> pending;
   pending.swap(redirects);
   for (const Redirect& r : pending) {
-    const Reply reply(FollowRedirect(lane, r, "SET", batch[r.item].key, batch[r.item].bytes()));
+    const Reply reply = FollowRedirect(lane, r, "SET", batch[r.item].key, batch[r.item].bytes());
     if (reply == nullptr) {
       ++dropped_;
     } else {

@@ -38,6 +38,7 @@
 #include "blockkv/prefix_cache.h"
 #include "blockkv/remote_tier.h"
 #include "blockkv/status.h"
+#include "redis_connection.h"
 
 struct redisContext;
 struct redisReply;
@@ -58,16 +59,17 @@ struct RedisUrl {
   std::string user;      // "" = the default user
   std::string password;  // "" = no AUTH
   int db = 0;
+  bool tls = false;        // rediss://, rediss+cluster://, rediss+sentinel://: every connection TLS
+  TlsOptions tls_options;  // their ?ssl_...= query
 };
 // redis://[user:password@]host:port[/db], redis+cluster://[user:password@]host:port[,host:port
 // ...], redis+sentinel://[user:password@]host:port[,host:port...]/master_name[/db] (sentinels,
-// port 26379 by default) or unix://[user:password@]/path/to/redis.sock[?db=N]; kInvalidArgument
-// naming the URL and the part that is wrong. The user and password are percent-decoded; an IPv6
-// host is written in brackets ([::1]:6379) and kept without them.
+// port 26379 by default) or unix://[user:password@]/path/to/redis.sock[?db=N]; rediss (TLS) for
+// any of the first three, with an optional query of ssl_ca_certs, ssl_certfile, ssl_keyfile,
+// ssl_cert_reqs (none, optional, required), ssl_check_hostname and ssl_server_name;
+// kInvalidArgument naming the URL and the part that is wrong. The user and password are
+// percent-decoded; an IPv6 host is written in brackets ([::1]:6379) and kept without them.
 Result<RedisUrl> ParseRedisUrl(std::string_view url);
-// "host:port", "[host]:port" for an IPv6 address, the path alone for a unix socket (port 0): for
-// messages.
-std::string HostPortText(std::string_view host, int port);
 // The cluster slot (0..16383) of `key`: CRC16 (XMODEM) of its hash tag (what is between the first
 // '{' and the next '}', when not empty), else of the whole key, modulo 16384.
 int KeySlot(std::string_view key);
@@ -213,7 +215,7 @@ class RemoteTier {
   struct Node {
     std::string host;
     int port = 0;
-    redisContext* ctx = nullptr;
+    std::unique_ptr<RedisConnection> conn;  // null: not connected
     bool ever_connected = false;
     int32_t slots = 0;  // slots it owns (cluster)
     // Cluster: whether the map names it a replica (its connection is READONLY), and a master's
@@ -238,8 +240,10 @@ class RemoteTier {
     int port = 0;
   };
   RemoteTier(RemoteTierConfig config, RedisUrl url);
-  static Result<redisContext*> Connect(const RedisUrl& url, const std::string& host, int port,
-                                       int32_t timeout_ms);
+  // A connection to host:port with the URL's credentials (AUTH) and database (SELECT), over TLS
+  // when the URL is rediss.
+  Result<std::unique_ptr<RedisConnection>> Connect(const RedisUrl& url, const std::string& host,
+                                                   int port) const;
   // Sentinel: asks the sentinels in turn for the master's address and points `node` at it.
   // kUnavailable when none answers, kInvalidArgument when those that answer know no such master.
   Status ResolveMaster(Node& node);
@@ -275,8 +279,8 @@ class RemoteTier {
   void UpdateConnected(Lane& lane);
   // Sends `cmd` (GET or SET) for item i of `keys` to host:port after MOVED / ASK, following up to
   // a few redirects more; the reply, or null when it failed (counted).
-  redisReply* FollowRedirect(Lane& lane, Redirect r, std::string_view cmd, std::string_view key,
-                             std::string_view value);
+  Reply FollowRedirect(Lane& lane, Redirect r, std::string_view cmd, std::string_view key,
+                       std::string_view value);
   void DoFetch(Lane& lane, FetchJob& job);
   // A command `node` (null: a node a redirect named) refused with `reply` ("OOM ...", "NOPERM
   // ...", "READONLY ..."): a setting of the server, so every later one is refused too. Logged
@@ -287,7 +291,8 @@ class RemoteTier {
 
   const RemoteTierConfig config_;
   const RedisUrl url_;
-  std::string unreachable_;  // set by Open
+  std::shared_ptr<TlsContext> tls_;  // rediss: made by Open, used by every connection
+  std::string unreachable_;          // set by Open
   Lane fetch_lane_;
   Lane store_lane_;
   // Kept value buffers: enough for a fetch or a store batch of 64 blocks of 2 MiB (Llama-3-8B's).

@@ -152,8 +152,10 @@ def test_config_values_copy_pickle_and_errors():
         blockkv.StateManagerConfig(prefix_cache=blockkv.PrefixCacheConfig(), remote_tier="redis://")
     with pytest.raises(ValueError, match="not a redis:// URL"):
         make_manager(blockkv.RemoteTierConfig("http://127.0.0.1:1"))
-    with pytest.raises(ValueError, match="TLS is not supported"):
-        make_manager(blockkv.RemoteTierConfig("rediss://127.0.0.1:1"))
+    with pytest.raises(ValueError, match="ssl_cert_reqs=maybe: required or none"):
+        make_manager(blockkv.RemoteTierConfig("rediss://127.0.0.1:1?ssl_cert_reqs=maybe"))
+    with pytest.raises(ValueError, match="ssl_ca_certs .*/nonexistent.pem.* does not load"):
+        make_manager(blockkv.RemoteTierConfig("rediss://127.0.0.1:1?ssl_ca_certs=/nonexistent.pem"))
     with pytest.raises(ValueError, match="no master name"):
         make_manager(blockkv.RemoteTierConfig("redis+sentinel://127.0.0.1:26379"))
     with pytest.raises(ValueError, match="IPv6 address is written in brackets"):

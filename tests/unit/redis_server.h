@@ -16,6 +16,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <fcntl.h>
@@ -209,8 +210,9 @@ class RedisServer {
   pid_t pid_ = -1;
 };
 
-// Runs a program to its end, its stdout discarded; its exit status (-1 when it cannot start).
-inline int RunProgram(std::vector<std::string> args) {
+// Runs a program to its end, its stdout (and with `quiet`, its stderr) discarded; its exit status
+// (-1 when it cannot start).
+inline int RunProgram(std::vector<std::string> args, bool quiet_stderr = false) {
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -218,6 +220,9 @@ inline int RunProgram(std::vector<std::string> args) {
   posix_spawn_file_actions_t quiet;
   posix_spawn_file_actions_init(&quiet);
   posix_spawn_file_actions_addopen(&quiet, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
+  if (quiet_stderr) {
+    posix_spawn_file_actions_addopen(&quiet, STDERR_FILENO, "/dev/null", O_WRONLY, 0);
+  }
   const int spawned = posix_spawnp(&pid, argv[0], &quiet, nullptr, argv.data(), environ);
   posix_spawn_file_actions_destroy(&quiet);
   if (spawned != 0) return -1;
@@ -225,6 +230,76 @@ inline int RunProgram(std::vector<std::string> args) {
   if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status)) return -1;
   return WEXITSTATUS(status);
 }
+
+// Certificates for TLS tests, made with the openssl tool in a scratch directory: a CA, a server
+// certificate it signed for 127.0.0.1, ::1 and localhost, a client certificate it signed, and a
+// second CA that signed neither. Fails the test when they cannot be made.
+class TlsFiles {
+ public:
+  TlsFiles()
+      : dir_(std::filesystem::temp_directory_path() /
+             ("blockkv-tls-" + std::to_string(getpid()) + "-" + std::to_string(FreePort()))) {
+    std::filesystem::create_directories(dir_);
+    Make();
+  }
+  ~TlsFiles() {
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  TlsFiles(const TlsFiles&) = delete;
+  TlsFiles& operator=(const TlsFiles&) = delete;
+
+  // ca.pem, other_ca.pem, server.pem / server.key, client.pem / client.key
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  // redis-server arguments adding a TLS port (its plain port stays, for the tests' own checks);
+  // with `client_certs`, a TLS client must show a certificate the CA signed.
+  std::vector<std::string> ServerArgs(int tls_port, bool client_certs = false) const {
+    return {
+        "--tls-port",         std::to_string(tls_port),   "--tls-cert-file",    path("server.pem"),
+        "--tls-key-file",     path("server.key"),         "--tls-ca-cert-file", path("ca.pem"),
+        "--tls-auth-clients", client_certs ? "yes" : "no"};
+  }
+
+ private:
+  void Make() {
+    const auto ec_key = [&](const std::string& name) {
+      return std::vector<std::string>{
+          "-newkey", "ec",      "-pkeyopt",         "ec_paramgen_curve:prime256v1",
+          "-nodes",  "-keyout", path(name + ".key")};
+    };
+    const auto run = [&](std::vector<std::string> args) {
+      ASSERT_EQ(RunProgram(args, /*quiet_stderr=*/true), 0)
+          << "openssl " << args[1] << " failed (apt-get install openssl; scripts/deps.sh does)";
+    };
+    for (const std::string ca : {"ca", "other_ca"}) {
+      std::vector<std::string> args = {
+          "openssl",        "req", "-x509", "-days", "2", "-subj", "/CN=blockkv test " + ca, "-out",
+          path(ca + ".pem")};
+      const std::vector<std::string> key = ec_key(ca);
+      args.insert(args.end(), key.begin(), key.end());
+      run(args);
+    }
+    for (const auto& [name, ext] :
+         {std::pair<std::string, std::string>{"server",
+                                              "subjectAltName=IP:127.0.0.1,IP:::1,DNS:localhost"},
+          {"client", "extendedKeyUsage=clientAuth"}}) {
+      std::vector<std::string> req = {"openssl",     "req",  "-subj",
+                                      "/CN=" + name, "-out", path(name + ".csr")};
+      const std::vector<std::string> key = ec_key(name);
+      req.insert(req.end(), key.begin(), key.end());
+      run(req);
+      std::FILE* f = std::fopen(path(name + ".ext").c_str(), "w");
+      ASSERT_NE(f, nullptr);
+      std::fputs((ext + "\n").c_str(), f);
+      std::fclose(f);
+      run({"openssl", "x509", "-req", "-in", path(name + ".csr"), "-CA", path("ca.pem"), "-CAkey",
+           path("ca.key"), "-CAcreateserial", "-days", "2", "-extfile", path(name + ".ext"), "-out",
+           path(name + ".pem")});
+    }
+  }
+
+  std::filesystem::path dir_;
+};
 
 // A Redis Cluster of `masters` redis-servers, each with `replicas` replicas, on 127.0.0.1, each on
 // a free port with a free cluster bus port, persistence off, `cluster-require-full-coverage no`

@@ -415,6 +415,91 @@ TEST(RemoteTierTest, AServersUnixSocketIsATierLikeItsPort) {
   std::filesystem::remove(path);
 }
 
+// rediss://: the tier over TLS to a server's tls-port, its certificate checked against the CA the
+// URL names; what it stores is read over the server's plain port, and the other way round. A
+// certificate that does not verify (another CA's, not in the system's CAs, for another name),
+// TLS to a plain port, or no client certificate where the server wants one fail Create, naming
+// the cause; a bad file named in the URL too.
+TEST(RemoteTierTest, ATlsServerIsATierWithItsCertificateChecked) {
+  const testing::TlsFiles files;
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  const int tls_port = testing::FreePort();
+  std::vector<std::string> args = files.ServerArgs(tls_port);
+  args.insert(args.end(), {"--requirepass", "pw"});
+  RedisServer server(args);
+  const std::string port = std::to_string(tls_port);
+  const std::string tls = "rediss://:pw@127.0.0.1:" + port;
+  const std::string ca = "?ssl_ca_certs=" + files.path("ca.pem");
+  Status status;
+  auto secure = Engine::Make({.url = tls + ca}, &status);
+  ASSERT_NE(secure, nullptr) << status;
+  EXPECT_TRUE(secure->mgr->remote_tier_stats().connected);
+  const std::vector<TokenId> first = Prompt(31, 9);
+  EXPECT_EQ(secure->Prefill(1, first), 0);
+  secure->mgr->FlushRemoteTier();
+  EXPECT_EQ(secure->mgr->remote_tier_stats().stored, 2);
+  auto plain = Engine::Make({.url = server.url(":pw")}, &status);
+  ASSERT_NE(plain, nullptr) << status;
+  EXPECT_EQ(plain->Prefill(1, first), 8);
+  plain->ExpectPrefixData(1, first, 2);
+  const std::vector<TokenId> second = Prompt(32, 9);
+  EXPECT_EQ(plain->Prefill(2, second), 0);
+  plain->mgr->FlushRemoteTier();
+  EXPECT_EQ(secure->Prefill(2, second), 8);
+  secure->ExpectPrefixData(2, second, 2);
+  EXPECT_EQ(secure->mgr->remote_tier_stats().errors, 0);
+  // The certificate is for 127.0.0.1 and localhost; not checked at all with
+  // ssl_cert_reqs=none; checked for the chain only with ssl_check_hostname=false.
+  for (const std::string& url :
+       {"rediss://:pw@localhost:" + port + ca, tls + "?ssl_cert_reqs=none",
+        tls + ca + "&ssl_server_name=redis.example&ssl_check_hostname=false"}) {
+    auto other = Engine::Make({.url = url}, &status);
+    ASSERT_NE(other, nullptr) << url << ": " << status;
+    EXPECT_EQ(other->Prefill(1, first), 8) << url;
+  }
+  const auto refused = [&](const std::string& url, StatusCode code, std::string_view why) {
+    Status s;
+    EXPECT_EQ(Engine::Make({.url = url}, &s), nullptr) << url;
+    EXPECT_EQ(s.code(), code) << url << ": " << s;
+    EXPECT_NE(s.message().find(why), std::string::npos) << url << ": " << s;
+  };
+  refused(tls + "?ssl_ca_certs=" + files.path("other_ca.pem"), StatusCode::kPermissionDenied,
+          "certificate does not verify");
+  refused(tls, StatusCode::kPermissionDenied, "does not verify");  // the system's CAs
+  refused(tls + ca + "&ssl_server_name=redis.example", StatusCode::kPermissionDenied,
+          "does not verify: hostname mismatch");
+  refused(tls + "?ssl_ca_certs=/nonexistent/ca.pem", StatusCode::kInvalidArgument,
+          "ssl_ca_certs \"/nonexistent/ca.pem\" does not load");
+  refused(tls + ca + "&ssl_certfile=" + files.path("client.pem"), StatusCode::kInvalidArgument,
+          "ssl_certfile and ssl_keyfile go together");
+  refused(tls + ca + "&ssl_certfile=" + files.path("client.pem") +
+              "&ssl_keyfile=" + files.path("server.key"),
+          StatusCode::kInvalidArgument, "ssl_keyfile");
+  // A plain client at the TLS port, or TLS at the plain port (which waits for a command's end
+  // and answers nothing): the tier is off, the engine runs.
+  for (const std::string& url : {"redis://:pw@127.0.0.1:" + port,
+                                 "rediss://:pw@127.0.0.1:" + std::to_string(server.port()) + ca}) {
+    auto lost = Engine::Make({.url = url, .timeout_ms = 300}, &status);
+    ASSERT_NE(lost, nullptr) << url << ": " << status;
+    EXPECT_FALSE(lost->mgr->remote_tier_stats().connected) << url;
+    EXPECT_EQ(lost->Prefill(1, first), 0) << url;
+  }
+
+  // A server that wants a client certificate signed by its CA (tls-auth-clients yes).
+  const int mutual_port = testing::FreePort();
+  RedisServer mutual(files.ServerArgs(mutual_port, /*client_certs=*/true));
+  const std::string mutual_url = "rediss://127.0.0.1:" + std::to_string(mutual_port) + ca;
+  refused(mutual_url, StatusCode::kPermissionDenied, "ssl_certfile and ssl_keyfile?");
+  auto shown = Engine::Make({.url = mutual_url + "&ssl_certfile=" + files.path("client.pem") +
+                                    "&ssl_keyfile=" + files.path("client.key")},
+                            &status);
+  ASSERT_NE(shown, nullptr) << status;
+  EXPECT_EQ(shown->Prefill(1, first), 0);
+  shown->mgr->FlushRemoteTier();
+  EXPECT_EQ(shown->mgr->remote_tier_stats().stored, 2);
+  EXPECT_EQ(shown->Prefill(2, first), 8);
+}
+
 // Waits up to `seconds` for `done`; whether it came.
 template <typename F>
 bool WaitUntil(F done, int seconds) {
@@ -763,7 +848,13 @@ TEST(RemoteTierTest, ClosingWithAStalledServerDropsTheQueueAfterOneFailedBatch) 
 TEST(RemoteTierTest, ValuesOfEverySizeArriveSealedWhole) {
   RedisServer server;
   RedisCluster cluster;
-  for (const std::string& url : {server.url(), cluster.url()}) {
+  // And over TLS (records of 16 KiB, writes gathered 256 KiB at a time, partial TLS writes).
+  const testing::TlsFiles files;
+  const int tls_port = testing::FreePort();
+  RedisServer tls_server(files.ServerArgs(tls_port));
+  const std::string tls_url =
+      "rediss://127.0.0.1:" + std::to_string(tls_port) + "?ssl_ca_certs=" + files.path("ca.pem");
+  for (const std::string& url : {server.url(), cluster.url(), tls_url}) {
     SCOPED_TRACE(url);
     auto tier = internal::RemoteTier::Open({.url = url, .timeout_ms = 5000});
     ASSERT_TRUE(tier.ok()) << tier.status();
@@ -1762,9 +1853,46 @@ TEST(RemoteTierTest, ClusterUrlsParseAndBadOnesNameTheBadPart) {
   EXPECT_NE(error("redis+sentinel://s1:26379/").find("no master name"), std::string::npos);
   EXPECT_NE(error("redis+sentinel://s1:26379//2").find("no master name"), std::string::npos);
   EXPECT_NE(error("redis+sentinel://s1/m/x").find("bad database \"x\""), std::string::npos);
-  EXPECT_NE(error("rediss+sentinel://s1/m").find("TLS is not supported"), std::string::npos);
-  EXPECT_NE(error("rediss://h:6380").find("TLS is not supported"), std::string::npos);
-  EXPECT_NE(error("rediss+cluster://h:6380").find("TLS is not supported"), std::string::npos);
+  // TLS: "rediss" for "redis" in each TCP form, its settings in the query (redis-py's names).
+  url = internal::ParseRedisUrl(
+      "rediss://u:p%3Fw@h:6380/2?ssl_ca_certs=/etc/ca%20dir/ca.pem&ssl_certfile=/c.pem"
+      "&ssl_keyfile=/k.pem&ssl_server_name=redis.internal");
+  ASSERT_TRUE(url.ok()) << url.status();
+  EXPECT_TRUE(url->tls);
+  EXPECT_FALSE(url->cluster);
+  EXPECT_EQ(url->password, "p?w");
+  EXPECT_EQ(url->db, 2);
+  EXPECT_EQ(url->hosts[0].port, 6380);
+  EXPECT_EQ(url->tls_options.ca_file, "/etc/ca dir/ca.pem");
+  EXPECT_EQ(url->tls_options.cert_file, "/c.pem");
+  EXPECT_EQ(url->tls_options.key_file, "/k.pem");
+  EXPECT_EQ(url->tls_options.server_name, "redis.internal");
+  EXPECT_TRUE(url->tls_options.verify);
+  EXPECT_TRUE(url->tls_options.check_hostname);
+  url = internal::ParseRedisUrl("rediss+cluster://a:7000,b:7001?ssl_cert_reqs=none");
+  ASSERT_TRUE(url.ok()) << url.status();
+  EXPECT_TRUE(url->tls && url->cluster);
+  ASSERT_EQ(url->hosts.size(), 2u);
+  EXPECT_EQ(url->hosts[1].port, 7001);
+  EXPECT_FALSE(url->tls_options.verify);
+  url = internal::ParseRedisUrl("rediss+sentinel://s1/m/3?ssl_check_hostname=false");
+  ASSERT_TRUE(url.ok()) << url.status();
+  EXPECT_TRUE(url->tls);
+  EXPECT_EQ(url->sentinel_master, "m");
+  EXPECT_EQ(url->db, 3);
+  EXPECT_TRUE(url->tls_options.verify);
+  EXPECT_FALSE(url->tls_options.check_hostname);
+  EXPECT_FALSE(internal::ParseRedisUrl("redis://h:6379")->tls);
+  EXPECT_NE(error("redis://h?ssl_ca_certs=/ca.pem").find("\"ssl_ca_certs\" is for TLS"),
+            std::string::npos);
+  EXPECT_NE(error("rediss://h?ssl_cert_reqs=maybe").find("ssl_cert_reqs=maybe: required or none"),
+            std::string::npos);
+  EXPECT_NE(error("rediss://h?timeout=5").find("unknown query item \"timeout\""),
+            std::string::npos);
+  EXPECT_NE(error("rediss://h?ssl_ca_certs").find("\"ssl_ca_certs\" that is not name=value"),
+            std::string::npos);
+  EXPECT_NE(error("redisx://h").find("not a redis:// URL"), std::string::npos);
+  EXPECT_NE(error("rediss+unix:///tmp/s").find("not a redis:// URL"), std::string::npos);
   // Redis's own CRC16 check value, and the hash tag.
   EXPECT_EQ(internal::KeySlot("123456789"), 0x31C3 % 16384);
   EXPECT_EQ(internal::KeySlot("a{123456789}b"), internal::KeySlot("123456789"));
