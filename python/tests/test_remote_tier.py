@@ -257,6 +257,65 @@ def test_wrong_password_is_a_permission_error(redis_server):
         make_manager(blockkv.RemoteTierConfig(f"redis://:nope@127.0.0.1:{redis_server}"))
 
 
+@pytest.fixture
+def redis_tls_server(tmp_path):
+    """A redis-server with a TLS port (a certificate for 127.0.0.1 signed by a CA made here with
+    the openssl tool) beside its plain port; (plain port, TLS port, the CA's file, another CA's)."""
+    def openssl(*args):
+        subprocess.run(["openssl", *args], check=True, capture_output=True)
+    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout"]
+    for ca in ("ca", "other_ca"):
+        openssl("req", "-x509", "-days", "2", "-subj", f"/CN={ca}", *key, tmp_path / f"{ca}.key",
+                "-out", tmp_path / f"{ca}.pem")
+    openssl("req", "-subj", "/CN=server", *key, tmp_path / "server.key",
+            "-out", tmp_path / "server.csr")
+    (tmp_path / "server.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", tmp_path / "server.csr", "-CA", tmp_path / "ca.pem",
+            "-CAkey", tmp_path / "ca.key", "-CAcreateserial", "-days", "2",
+            "-extfile", tmp_path / "server.ext", "-out", tmp_path / "server.pem")
+    port, tls_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", tmp_path, "--requirepass", "pw",
+         "--tls-port", str(tls_port), "--tls-cert-file", tmp_path / "server.pem",
+         "--tls-key-file", tmp_path / "server.key", "--tls-ca-cert-file", tmp_path / "ca.pem",
+         "--tls-auth-clients", "no"],
+        stdout=subprocess.DEVNULL)
+    try:
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None, "redis-server exited at start"
+                time.sleep(0.05)
+        else:
+            pytest.fail(f"redis-server did not answer on port {port}")
+        yield port, tls_port, tmp_path / "ca.pem", tmp_path / "other_ca.pem"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_tls_server_is_a_tier_with_its_certificate_checked(redis_tls_server):
+    port, tls_port, ca, other_ca = redis_tls_server
+    prompt = list(range(900, 900 + 2 * BLOCK + 1))  # 2 full blocks
+    secure = make_manager(blockkv.RemoteTierConfig(
+        f"rediss://:pw@127.0.0.1:{tls_port}?ssl_ca_certs={ca}"))
+    assert secure.remote_tier_stats()["connected"]
+    prefill(secure, 1, prompt, lambda b: 40 + b)
+    secure.flush_remote_tier()
+    assert secure.remote_tier_stats()["stored"] == 2
+    plain = make_manager(blockkv.RemoteTierConfig(f"redis://:pw@127.0.0.1:{port}"))
+    seq = prefill(plain, 1, prompt, lambda b: -1)
+    assert seq.cached_prefix_tokens == 2 * BLOCK
+    for layer in caches(plain):
+        assert torch.all(layer[seq.block_table()[1]] == 41)
+    with pytest.raises(PermissionError, match="certificate does not verify"):
+        make_manager(blockkv.RemoteTierConfig(
+            f"rediss://:pw@127.0.0.1:{tls_port}?ssl_ca_certs={other_ca}"))
+
+
 def test_no_server_at_start_leaves_the_tier_unconnected():
     m = make_manager(blockkv.RemoteTierConfig(f"redis://127.0.0.1:{free_port()}"))
     prefill(m, 1, list(range(40)), lambda b: 1)

@@ -309,7 +309,10 @@ class TlsFiles {
 // master is up.
 class RedisCluster {
  public:
-  explicit RedisCluster(int masters = 3, int replicas = 0) : replicas_(replicas) {
+  // With `tls`, each node also has a TLS port and the cluster bus is TLS (tls-cluster yes): a TLS
+  // client is given the nodes' TLS ports (CLUSTER SLOTS, MOVED), a plain one their plain ports.
+  explicit RedisCluster(int masters = 3, int replicas = 0, const TlsFiles* tls = nullptr)
+      : replicas_(replicas), tls_(tls) {
     Create(masters, replicas);
   }
 
@@ -320,6 +323,11 @@ class RedisCluster {
     return "redis+cluster://" + (auth.empty() ? "" : auth + "@") +
            "127.0.0.1:" + std::to_string(nodes_[0]->port()) +
            ",127.0.0.1:" + std::to_string(nodes_[1]->port());
+  }
+  // rediss+cluster://127.0.0.1:<TLS port of node 0>,127.0.0.1:<of node 1>?ssl_ca_certs=<the CA>
+  std::string tls_url() const {
+    return "rediss+cluster://127.0.0.1:" + std::to_string(tls_ports_[0]) +
+           ",127.0.0.1:" + std::to_string(tls_ports_[1]) + "?ssl_ca_certs=" + tls_->path("ca.pem");
   }
   std::string id(size_t i) const { return nodes_[i]->Text({"CLUSTER", "MYID"}); }
   int slot(const std::string& key) const {
@@ -368,12 +376,29 @@ class RedisCluster {
       // their offsets moving (a node lists a replica once gossip says its offset is not 0; with
       // no writes, only the master's pings move it: every 10 s by default), and gossip among all
       // nodes every node timeout / 2.
-      nodes_.push_back(std::make_unique<RedisServer>(std::vector<std::string>{
-          "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-port",
-          std::to_string(bus), "--cluster-require-full-coverage", "no", "--cluster-node-timeout",
-          replicas > 0 ? "3000" : "60000", "--cluster-replica-no-failover",
-          replicas > 0 ? "yes" : "no", "--repl-diskless-sync-delay", "0",
-          "--repl-ping-replica-period", "1"}));
+      std::vector<std::string> args = {"--cluster-enabled",
+                                       "yes",
+                                       "--cluster-config-file",
+                                       "nodes.conf",
+                                       "--cluster-port",
+                                       std::to_string(bus),
+                                       "--cluster-require-full-coverage",
+                                       "no",
+                                       "--cluster-node-timeout",
+                                       replicas > 0 ? "3000" : "60000",
+                                       "--cluster-replica-no-failover",
+                                       replicas > 0 ? "yes" : "no",
+                                       "--repl-diskless-sync-delay",
+                                       "0",
+                                       "--repl-ping-replica-period",
+                                       "1"};
+      if (tls_ != nullptr) {
+        tls_ports_.push_back(FreePort());
+        const std::vector<std::string> more = tls_->ServerArgs(tls_ports_.back());
+        args.insert(args.end(), more.begin(), more.end());
+        args.insert(args.end(), {"--tls-cluster", "yes", "--tls-replication", "yes"});
+      }
+      nodes_.push_back(std::make_unique<RedisServer>(std::move(args)));
       if (::testing::Test::HasFatalFailure()) return;
       create.push_back("127.0.0.1:" + std::to_string(nodes_.back()->port()));
     }
@@ -414,6 +439,8 @@ class RedisCluster {
 
  private:
   int replicas_;  // per master
+  const TlsFiles* tls_;
+  std::vector<int> tls_ports_;
   std::vector<std::unique_ptr<RedisServer>> nodes_;
 };
 

@@ -848,13 +848,15 @@ TEST(RemoteTierTest, ClosingWithAStalledServerDropsTheQueueAfterOneFailedBatch) 
 TEST(RemoteTierTest, ValuesOfEverySizeArriveSealedWhole) {
   RedisServer server;
   RedisCluster cluster;
-  // And over TLS (records of 16 KiB, writes gathered 256 KiB at a time, partial TLS writes).
+  // And over TLS, to a server and a cluster (records of 16 KiB, writes gathered 256 KiB at a
+  // time, partial TLS writes, the slot map over TLS).
   const testing::TlsFiles files;
   const int tls_port = testing::FreePort();
   RedisServer tls_server(files.ServerArgs(tls_port));
   const std::string tls_url =
       "rediss://127.0.0.1:" + std::to_string(tls_port) + "?ssl_ca_certs=" + files.path("ca.pem");
-  for (const std::string& url : {server.url(), cluster.url(), tls_url}) {
+  RedisCluster tls_cluster(3, 0, &files);
+  for (const std::string& url : {server.url(), cluster.url(), tls_url, tls_cluster.tls_url()}) {
     SCOPED_TRACE(url);
     auto tier = internal::RemoteTier::Open({.url = url, .timeout_ms = 5000});
     ASSERT_TRUE(tier.ok()) << tier.status();
