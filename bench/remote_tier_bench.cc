@@ -30,6 +30,12 @@
 //                the tensor-parallel agreement adds (its offer verifies the values once more)
 //   unix_tier_store, unix_raw_set, unix_tier_fetch, unix_raw_mget   as above over the server's
 //                unix socket (unix:// for the tier, redisConnectUnix for raw)
+//   tls_tier_store, tls_tier_fetch   as above over TLS to the same server's tls-port (rediss://,
+//                its certificate checked; a CA and certificate made with the openssl tool at
+//                start): against tier_store / tier_fetch over TCP, what TLS costs
+//   tls_raw_set, tls_raw_mget   the raw rows over TLS with OpenSSL alone (hiredis 0.14 has no
+//                TLS): each prompt's SETs formatted into one buffer and written, or the MGET
+//                written, then the replies' bytes read, counted, not parsed
 //   cluster_tier_store, cluster_tier_store_only, cluster_tier_fetch   as above, the tier given
 //                redis+cluster://
 //   cluster_raw_set   the k SETs routed to their slots' masters, one hiredis connection per node:
@@ -46,6 +52,8 @@
 // behind the servers' work on the previous prompt's SETs). FLUSHALL runs untimed between store
 // iterations so that the server's memory stays bounded.
 #include <hiredis/hiredis.h>
+#include <openssl/ssl.h>
+#include <openssl/x509v3.h>
 
 #include <algorithm>
 #include <chrono>
@@ -65,6 +73,7 @@
 
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <spawn.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -86,10 +95,12 @@ namespace {
 constexpr int32_t kBlockSize = 16;
 int g_port = 0;
 std::string g_unix_path;           // the standalone server's unix socket
+int g_tls_port = 0;                // the standalone server's TLS port
+std::string g_tls_ca;              // the CA that signed its certificate
 std::vector<int> g_cluster_ports;  // the cluster's masters
 
-// Where the tier's server is: the standalone one over TCP or over its unix socket, or the cluster.
-enum class Server { kTcp, kUnix, kCluster };
+// Where the tier's server is: the standalone one over TCP, its unix socket or TLS, or the cluster.
+enum class Server { kTcp, kUnix, kTls, kCluster };
 
 int FreePort() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -144,12 +155,13 @@ std::unique_ptr<StateManager> MakeManager(int64_t layers, int32_t k, Server wher
   config.max_ragged_sequence_count = 16;
   config.memory_config = {.mode = AllocationMode::kAllocate, .size = 2 * k + 4};
   config.prefix_cache.enabled = true;
-  config.remote_tier = RemoteTierConfig{.url = where == Server::kCluster ? ClusterUrl()
-                                               : where == Server::kUnix
-                                                   ? "unix://" + g_unix_path
-                                                   : "redis://127.0.0.1:" + std::to_string(g_port),
-                                        .timeout_ms = 10000,
-                                        .max_pending = 4096};
+  std::string url = "redis://127.0.0.1:" + std::to_string(g_port);
+  if (where == Server::kCluster) url = ClusterUrl();
+  if (where == Server::kUnix) url = "unix://" + g_unix_path;
+  if (where == Server::kTls) {
+    url = "rediss://127.0.0.1:" + std::to_string(g_tls_port) + "?ssl_ca_certs=" + g_tls_ca;
+  }
+  config.remote_tier = RemoteTierConfig{.url = url, .timeout_ms = 10000, .max_pending = 4096};
   auto mgr = StateManager::Create(config,
                                   {KVCacheConfig{.block_size = kBlockSize,
                                                  .cache_shape = {layers, 8, 128},
@@ -229,6 +241,7 @@ void TierStoreOn(benchmark::State& state, Server where, bool lookup_timed = true
 }
 void TierStore(benchmark::State& state) { TierStoreOn(state, Server::kTcp); }
 void UnixTierStore(benchmark::State& state) { TierStoreOn(state, Server::kUnix); }
+void TlsTierStore(benchmark::State& state) { TierStoreOn(state, Server::kTls); }
 void ClusterTierStore(benchmark::State& state) { TierStoreOn(state, Server::kCluster); }
 void TierStoreOnly(benchmark::State& state) { TierStoreOn(state, Server::kTcp, false); }
 void ClusterTierStoreOnly(benchmark::State& state) { TierStoreOn(state, Server::kCluster, false); }
@@ -310,6 +323,125 @@ void TierFetchOn(benchmark::State& state, Server where) {
 }
 void TierFetch(benchmark::State& state) { TierFetchOn(state, Server::kTcp); }
 void UnixTierFetch(benchmark::State& state) { TierFetchOn(state, Server::kUnix); }
+void TlsTierFetch(benchmark::State& state) { TierFetchOn(state, Server::kTls); }
+
+// A TLS connection to the standalone server's TLS port with OpenSSL alone, its certificate
+// checked against the bench's CA: the raw rows' client over TLS.
+class RawTls {
+ public:
+  RawTls() {
+    ctx_ = SSL_CTX_new(TLS_client_method());
+    SSL_CTX_set_verify(ctx_, SSL_VERIFY_PEER, nullptr);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(g_tls_port));
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    const int one = 1;
+    setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    ssl_ = SSL_new(ctx_);
+    if (SSL_CTX_load_verify_locations(ctx_, g_tls_ca.c_str(), nullptr) != 1 ||
+        connect(fd_, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0 ||
+        SSL_set_fd(ssl_, fd_) != 1 ||
+        X509_VERIFY_PARAM_set1_ip_asc(SSL_get0_param(ssl_), "127.0.0.1") != 1 ||
+        SSL_connect(ssl_) != 1) {
+      std::fprintf(stderr, "remote_tier_bench: no TLS connection to port %d\n", g_tls_port);
+      std::abort();
+    }
+  }
+  ~RawTls() {
+    SSL_free(ssl_);
+    close(fd_);
+    SSL_CTX_free(ctx_);
+  }
+  RawTls(const RawTls&) = delete;
+  RawTls& operator=(const RawTls&) = delete;
+
+  bool Write(std::string_view bytes) {
+    while (!bytes.empty()) {
+      const int n = SSL_write(ssl_, bytes.data(), static_cast<int>(bytes.size()));
+      if (n <= 0) return false;
+      bytes.remove_prefix(static_cast<size_t>(n));
+    }
+    return true;
+  }
+  // Reads n bytes (into one buffer, overwritten: a raw client's least work).
+  bool Read(size_t n) {
+    while (n > 0) {
+      const int got = SSL_read(ssl_, buffer_.data(), static_cast<int>(std::min(n, buffer_.size())));
+      if (got <= 0) return false;
+      n -= static_cast<size_t>(got);
+    }
+    return true;
+  }
+
+ private:
+  SSL_CTX* ctx_ = nullptr;
+  SSL* ssl_ = nullptr;
+  int fd_ = -1;
+  std::vector<char> buffer_ = std::vector<char>(size_t{1} << 20);
+};
+
+// "*3\r\n$3\r\nSET\r\n$<len>\r\n<key>\r\n$<len>\r\n<value>\r\n" appended to `out`.
+void AppendSet(std::string& out, std::string_view key, std::string_view value) {
+  out.append("*3\r\n$3\r\nSET\r\n$").append(std::to_string(key.size())).append("\r\n");
+  out.append(key).append("\r\n$").append(std::to_string(value.size())).append("\r\n");
+  out.append(value).append("\r\n");
+}
+
+void TlsRawSet(benchmark::State& state) {
+  const int64_t layers = state.range(0);
+  const auto per_prompt = static_cast<int32_t>(state.range(1));
+  const auto k = static_cast<int32_t>(per_prompt * state.range(2));
+  RawTls tls;
+  redisContext* c = Connect();
+  const std::vector<std::string> values = Values(layers, k);
+  std::string commands;
+  int64_t seed = 0;
+  for (auto _ : state) {
+    ++seed;
+    for (int32_t i = 0; i < k; ++i) {
+      AppendSet(commands, "raw:" + std::to_string(seed) + ":" + std::to_string(i),
+                values[static_cast<size_t>(i)]);
+      if ((i + 1) % per_prompt == 0) {
+        if (!tls.Write(commands)) state.SkipWithError("SET failed");
+        commands.clear();
+      }
+    }
+    if (!tls.Read(5 * static_cast<size_t>(k))) state.SkipWithError("SET failed");  // "+OK\r\n"
+    state.PauseTiming();
+    freeReplyObject(redisCommand(c, "FLUSHALL"));
+    state.ResumeTiming();
+  }
+  redisFree(c);
+  SetBytes(state, layers, k);
+}
+
+void TlsRawMget(benchmark::State& state) {
+  const int64_t layers = state.range(0);
+  const auto k = static_cast<int32_t>(state.range(1));
+  RawTls tls;
+  redisContext* c = Connect();
+  freeReplyObject(redisCommand(c, "FLUSHALL"));
+  const std::string value(static_cast<size_t>(BlockBytes(layers)) + 200, 'x');
+  std::string mget = "*";
+  mget.append(std::to_string(k + 1)).append("\r\n$4\r\nMGET\r\n");
+  // The reply: "*<k>\r\n", then "$<len>\r\n<value>\r\n" for each key.
+  size_t reply = 3 + std::to_string(k).size();
+  const size_t per_value = 3 + std::to_string(value.size()).size() + value.size() + 2;
+  for (int32_t i = 0; i < k; ++i) {
+    const std::string key = "raw:" + std::to_string(i);
+    freeReplyObject(
+        redisCommand(c, "SET %b %b", key.data(), key.size(), value.data(), value.size()));
+    mget.append("$").append(std::to_string(key.size())).append("\r\n").append(key).append("\r\n");
+    reply += per_value;
+  }
+  redisFree(c);
+  for (auto _ : state) {
+    if (!tls.Write(mget) || !tls.Read(reply)) state.SkipWithError("MGET failed");
+  }
+  SetBytes(state, layers, k);
+}
 
 // A prompt fetched ahead (FetchRemotePrefix, waited for) and then scheduled; with `agree`, the
 // ranks' agreement (AgreeRemotePrefix over a world of one: the offer's wait and verification and
@@ -554,6 +686,10 @@ BENCHMARK(UnixTierStore)->Apply(StoreArgs);
 BENCHMARK(UnixRawSet)->Apply(StoreArgs);
 BENCHMARK(UnixTierFetch)->Apply(Args);
 BENCHMARK(UnixRawMget)->Apply(Args);
+BENCHMARK(TlsTierStore)->Apply(StoreArgs);
+BENCHMARK(TlsRawSet)->Apply(StoreArgs);
+BENCHMARK(TlsTierFetch)->Apply(Args);
+BENCHMARK(TlsRawMget)->Apply(Args);
 BENCHMARK(ClusterTierStore)->Apply(StoreArgs);
 BENCHMARK(ClusterTierStoreOnly)->Apply(Args);
 BENCHMARK(ClusterRawSet)->Apply(StoreArgs);
@@ -687,7 +823,8 @@ BENCHMARK(ServePrefixFromTier)
 namespace {
 
 // Starts `args` (stdout to /dev/null), its pid appended to `pids`; 0 or the error.
-int Spawn(std::vector<std::string> args, std::vector<pid_t>* pids) {
+// Starts a program, its stdout (and with `quiet_stderr` its stderr) discarded; 0 or the error.
+int Spawn(std::vector<std::string> args, std::vector<pid_t>* pids, bool quiet_stderr = false) {
   std::vector<char*> argv;
   argv.reserve(args.size() + 1);
   for (std::string& a : args) argv.push_back(a.data());
@@ -695,6 +832,9 @@ int Spawn(std::vector<std::string> args, std::vector<pid_t>* pids) {
   posix_spawn_file_actions_t quiet;
   posix_spawn_file_actions_init(&quiet);
   posix_spawn_file_actions_addopen(&quiet, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
+  if (quiet_stderr) {
+    posix_spawn_file_actions_addopen(&quiet, STDERR_FILENO, "/dev/null", O_WRONLY, 0);
+  }
   pid_t pid = 0;
   const int err = posix_spawnp(&pid, argv[0], &quiet, nullptr, argv.data(), environ);
   posix_spawn_file_actions_destroy(&quiet);
@@ -756,13 +896,43 @@ int main(int argc, char** argv) {
                                     "--loglevel",
                                     "warning"};
   };
-  std::vector<std::string> args = server_args(blockkv::g_port, dir);
-  args.insert(args.end(), {"--unixsocket", blockkv::g_unix_path, "--unixsocketperm", "700"});
   std::vector<pid_t> pids;  // every server started, killed at the end
-  if (Spawn(args, &pids) != 0) {
-    std::fprintf(stderr, "remote_tier_bench: cannot start redis-server\n");
-    return 1;
+  // Kills every server and removes their files; 1 with `why` said, 0 without.
+  const auto stop = [&](const char* why) {
+    if (why != nullptr) std::fprintf(stderr, "remote_tier_bench: %s\n", why);
+    for (const pid_t p : pids) {
+      kill(p, SIGKILL);
+      waitpid(p, nullptr, 0);
+    }
+    std::filesystem::remove_all(dir);
+    return why != nullptr ? 1 : 0;
+  };
+  // A CA and a certificate it signed for 127.0.0.1, for the server's TLS port.
+  blockkv::g_tls_ca = dir + "/ca.pem";
+  const std::string key_args = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout ";
+  for (const std::string& command :
+       {"openssl req -x509 -days 2 -subj /CN=ca " + key_args + dir + "/ca.key -out " + dir +
+            "/ca.pem",
+        "openssl req -subj /CN=server " + key_args + dir + "/server.key -out " + dir +
+            "/server.csr",
+        "printf 'subjectAltName=IP:127.0.0.1\\n' > " + dir + "/server.ext",
+        "openssl x509 -req -in " + dir + "/server.csr -CA " + dir + "/ca.pem -CAkey " + dir +
+            "/ca.key -CAcreateserial -days 2 -extfile " + dir + "/server.ext -out " + dir +
+            "/server.pem"}) {
+    std::vector<pid_t> openssl;
+    int status = 1;
+    if (Spawn({"sh", "-c", command}, &openssl, /*quiet_stderr=*/true) != 0 ||
+        waitpid(openssl[0], &status, 0) != openssl[0] || status != 0) {
+      return stop("cannot make a TLS certificate with the openssl tool");
+    }
   }
+  blockkv::g_tls_port = blockkv::FreePort();
+  std::vector<std::string> args = server_args(blockkv::g_port, dir);
+  args.insert(args.end(), {"--unixsocket", blockkv::g_unix_path, "--unixsocketperm", "700",
+                           "--tls-port", std::to_string(blockkv::g_tls_port), "--tls-cert-file",
+                           dir + "/server.pem", "--tls-key-file", dir + "/server.key",
+                           "--tls-ca-cert-file", dir + "/ca.pem", "--tls-auth-clients", "no"});
+  if (Spawn(args, &pids) != 0) return stop("cannot start redis-server");
   WaitUp(blockkv::g_port);
   // The cluster: 3 masters (free ports and bus ports), joined by redis-cli --cluster create.
   std::vector<std::string> create = {"redis-cli", "--cluster", "create"};
@@ -774,10 +944,7 @@ int main(int argc, char** argv) {
     node_args.insert(node_args.end(), {"--cluster-enabled", "yes", "--cluster-port",
                                        std::to_string(blockkv::FreePort()),
                                        "--cluster-require-full-coverage", "no"});
-    if (Spawn(node_args, &pids) != 0) {
-      std::fprintf(stderr, "remote_tier_bench: cannot start a cluster redis-server\n");
-      return 1;
-    }
+    if (Spawn(node_args, &pids) != 0) return stop("cannot start a cluster redis-server");
     blockkv::g_cluster_ports.push_back(node_port);
     create.push_back("127.0.0.1:" + std::to_string(node_port));
     WaitUp(node_port);
@@ -787,17 +954,9 @@ int main(int argc, char** argv) {
   int status = 1;
   if (Spawn(create, &cli) != 0 || waitpid(cli[0], &status, 0) != cli[0] || status != 0 ||
       !WaitClusterOk()) {
-    std::fprintf(stderr, "remote_tier_bench: redis-cli --cluster create failed\n");
-    status = 1;
-  } else {
-    benchmark::RunSpecifiedBenchmarks();
-    status = 0;
+    return stop("redis-cli --cluster create failed");
   }
+  benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
-  for (const pid_t p : pids) {
-    kill(p, SIGKILL);
-    waitpid(p, nullptr, 0);
-  }
-  std::filesystem::remove_all(dir);
-  return status;
+  return stop(nullptr);
 }
