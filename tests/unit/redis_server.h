@@ -65,8 +65,9 @@ class RedisServer {
     std::string name;
     int master_port = 0;
     int down_after_ms = 1000;
+    std::vector<std::string> extra = {};  // more arguments (a TLS port: TlsFiles::ServerArgs)
   };
-  explicit RedisServer(const SentinelOf& s) : port_(FreePort()) {
+  explicit RedisServer(const SentinelOf& s) : extra_(s.extra), port_(FreePort()) {
     dir_ = std::filesystem::temp_directory_path() /
            ("blockkv-sentinel-" + std::to_string(getpid()) + "-" + std::to_string(port_));
     std::filesystem::create_directories(dir_);
@@ -121,6 +122,7 @@ class RedisServer {
       args = {"redis-server", conf.string(), "--sentinel", "--port",      std::to_string(port_),
               "--bind",       "127.0.0.1",   "--dir",      dir_.string(), "--daemonize",
               "no",           "--loglevel",  "warning"};
+      args.insert(args.end(), extra_.begin(), extra_.end());
     }
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());

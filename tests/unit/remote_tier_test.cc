@@ -500,6 +500,36 @@ TEST(RemoteTierTest, ATlsServerIsATierWithItsCertificateChecked) {
   EXPECT_EQ(shown->Prefill(2, first), 8);
 }
 
+// rediss+sentinel://: the sentinels asked over TLS, and the master they name (its TLS port: a
+// sentinel with tls-replication yes watches it there) served over TLS.
+TEST(RemoteTierTest, ASentinelAndItsMasterAreReachedOverTls) {
+  const testing::TlsFiles files;
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  const int master_tls = testing::FreePort();
+  RedisServer master(files.ServerArgs(master_tls));
+  const int sentinel_tls = testing::FreePort();
+  std::vector<std::string> extra = files.ServerArgs(sentinel_tls);
+  extra.insert(extra.end(), {"--tls-replication", "yes"});
+  RedisServer sentinel(
+      RedisServer::SentinelOf{.name = "kv", .master_port = master_tls, .extra = extra});
+  Status status;
+  auto secure = Engine::Make({.url = "rediss+sentinel://127.0.0.1:" + std::to_string(sentinel_tls) +
+                                     "/kv?ssl_ca_certs=" + files.path("ca.pem")},
+                             &status);
+  ASSERT_NE(secure, nullptr) << status;
+  const RemoteTierStats stats = secure->mgr->remote_tier_stats();
+  EXPECT_TRUE(stats.connected);
+  EXPECT_GE(stats.topology_refreshes, 1);  // the sentinel asked
+  const std::vector<TokenId> prompt = Prompt(41, 9);
+  EXPECT_EQ(secure->Prefill(1, prompt), 0);
+  secure->mgr->FlushRemoteTier();
+  EXPECT_EQ(secure->mgr->remote_tier_stats().stored, 2);
+  auto plain = Engine::Make({.url = master.url()}, &status);  // the master's plain port
+  ASSERT_NE(plain, nullptr) << status;
+  EXPECT_EQ(plain->Prefill(1, prompt), 8);
+  plain->ExpectPrefixData(1, prompt, 2);
+}
+
 // Waits up to `seconds` for `done`; whether it came.
 template <typename F>
 bool WaitUntil(F done, int seconds) {
