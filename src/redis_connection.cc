@@ -130,6 +130,47 @@ int ConnectSocket(const std::string& host, int port, int32_t timeout_ms, std::st
   return fd;
 }
 
+// OpenSSL's own socket BIO writes with write(), which raises SIGPIPE (killing a process that has
+// not ignored it) when the server has closed the connection. This one sends with MSG_NOSIGNAL,
+// and with MSG_DONTWAIT while the connection's `dontwait` is set (WriteNow); reads are recv's.
+int BioWrite(BIO* bio, const char* data, int n) {
+  const auto* socket = static_cast<const RedisConnection::BioSocket*>(BIO_get_data(bio));
+  BIO_clear_retry_flags(bio);
+  const ssize_t put = send(socket->fd, data, static_cast<size_t>(n),
+                           MSG_NOSIGNAL | (socket->dontwait ? MSG_DONTWAIT : 0));
+  if (put < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+    BIO_set_retry_write(bio);
+  }
+  return static_cast<int>(put);
+}
+
+int BioRead(BIO* bio, char* data, int n) {
+  const auto* socket = static_cast<const RedisConnection::BioSocket*>(BIO_get_data(bio));
+  BIO_clear_retry_flags(bio);
+  const ssize_t got = recv(socket->fd, data, static_cast<size_t>(n), 0);
+  if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+    BIO_set_retry_read(bio);
+  }
+  return static_cast<int>(got);
+}
+
+long BioCtrl(BIO* /*bio*/, int cmd, long /*num*/, void* /*ptr*/) {
+  return cmd == BIO_CTRL_FLUSH ? 1 : 0;  // nothing buffered here
+}
+
+const BIO_METHOD* SocketBio() {
+  static BIO_METHOD* const method = [] {
+    BIO_METHOD* m = BIO_meth_new(BIO_get_new_index() | BIO_TYPE_SOURCE_SINK, "blockkv socket");
+    if (m != nullptr) {
+      BIO_meth_set_write(m, BioWrite);
+      BIO_meth_set_read(m, BioRead);
+      BIO_meth_set_ctrl(m, BioCtrl);
+    }
+    return m;
+  }();
+  return method;
+}
+
 }  // namespace
 
 // ---- TLS -------------------------------------------------------------------------------------
@@ -219,7 +260,12 @@ Result<std::unique_ptr<RedisConnection>> RedisConnection::Open(const std::string
   SSL* ssl = SSL_new(tls->get());
   if (ssl == nullptr) return InternalError(StrCat(where, ": ", TlsErrors("SSL_new failed")));
   conn->ssl_ = ssl;
-  SSL_set_fd(ssl, fd);
+  conn->bio_socket_.fd = fd;
+  BIO* bio = SocketBio() != nullptr ? BIO_new(SocketBio()) : nullptr;
+  if (bio == nullptr) return InternalError(StrCat(where, ": ", TlsErrors("BIO_new failed")));
+  BIO_set_data(bio, &conn->bio_socket_);
+  BIO_set_init(bio, 1);
+  SSL_set_bio(ssl, bio, bio);  // the SSL owns it
   const TlsOptions& options = tls->options();
   const std::string& name = options.server_name.empty() ? host : options.server_name;
   if (!IsIpAddress(name)) SSL_set_tlsext_host_name(ssl, name.c_str());  // SNI: names only
@@ -384,8 +430,7 @@ ssize_t RedisConnection::WriteNow(std::span<const iovec> iov) {
   // once gathered. A write OpenSSL could not finish is offered again first with the same bytes, as
   // it requires: tls_out_'s rest, or (taken 0) the same piece, which the caller offers again.
   static constexpr size_t kRecord = size_t{16} << 10;
-  const int flags = fcntl(fd_, F_GETFL);
-  fcntl(fd_, F_SETFL, flags | O_NONBLOCK);
+  bio_socket_.dontwait = true;
   // > 0: written; 0: the socket is full (or TLS wants to read); -1: failed.
   const auto write = [&](const char* data, size_t n) -> int {
     ERR_clear_error();
@@ -423,7 +468,7 @@ ssize_t RedisConnection::WriteNow(std::span<const iovec> iov) {
     taken = std::ssize(tls_out_);
     state = flush();
   }
-  fcntl(fd_, F_SETFL, flags);
+  bio_socket_.dontwait = false;
   return state < 0 ? -1 : taken;
 }
 

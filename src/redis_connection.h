@@ -75,6 +75,12 @@ class RedisConnection {
   RedisConnection(const RedisConnection&) = delete;
   RedisConnection& operator=(const RedisConnection&) = delete;
 
+  // What the connection's OpenSSL BIO writes to and reads from (redis_connection.cc).
+  struct BioSocket {
+    int fd = -1;
+    bool dontwait = false;  // writes do not wait (WriteNow)
+  };
+
   int fd() const { return fd_; }
   bool tls() const { return ssl_ != nullptr; }
   // Why the last read or write failed ("" when none did).
@@ -115,6 +121,7 @@ class RedisConnection {
 
   int fd_;
   int32_t timeout_ms_;
+  BioSocket bio_socket_;  // before ssl_: the SSL's BIO points here until SSL_free
   ssl_st* ssl_ = nullptr;
   redisReader* reader_ = nullptr;
   std::string out_;      // commands queued by Append

@@ -500,6 +500,39 @@ TEST(RemoteTierTest, ATlsServerIsATierWithItsCertificateChecked) {
   EXPECT_EQ(shown->Prefill(2, first), 8);
 }
 
+// A TLS server killed while the store worker writes to it: the writes fail (EPIPE), the stores
+// are dropped, and the engine's process lives on. OpenSSL writes a socket with write(), which
+// raises SIGPIPE on a connection the peer closed: the tier's connections write with
+// send(MSG_NOSIGNAL) instead, as its plain ones always did.
+TEST(RemoteTierTest, ATlsServerKilledMidStoreIsDroppedStoresNotASignal) {
+  const testing::TlsFiles files;
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  const int tls_port = testing::FreePort();
+  RedisServer server(files.ServerArgs(tls_port));
+  auto tier = internal::RemoteTier::Open({.url = "rediss://127.0.0.1:" + std::to_string(tls_port) +
+                                                 "?ssl_ca_certs=" + files.path("ca.pem"),
+                                          .timeout_ms = 2000,
+                                          .max_pending = 1 << 20});
+  ASSERT_TRUE(tier.ok()) << tier.status();
+  for (int round = 0; round < 2; ++round) {  // the second: the connection found dead, or not
+    std::vector<internal::RemoteTier::PendingStore> stores;
+    for (int i = 0; i < 64; ++i) {
+      stores.push_back((*tier)->NewStore("big:" + std::to_string(i), size_t{2} << 20));
+      std::fill_n(stores.back().value.data.get(), size_t{2} << 20, static_cast<char>(i));
+    }
+    (*tier)->Store(stores);
+    if (round == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));  // the worker is writing
+      server.Kill();
+    }
+    (*tier)->Drain();
+  }
+  const RemoteTierStats stats = (*tier)->stats();
+  EXPECT_EQ(stats.stored + stats.dropped, 128) << stats.stored;
+  EXPECT_GE(stats.dropped, 64);
+  EXPECT_GE(stats.errors, 1);
+}
+
 // rediss+sentinel://: the sentinels asked over TLS, and the master they name (its TLS port: a
 // sentinel with tls-replication yes watches it there) served over TLS.
 TEST(RemoteTierTest, ASentinelAndItsMasterAreReachedOverTls) {
