@@ -5,6 +5,7 @@ start one fails), a second OS process hitting what the first stored, remote_tier
 errors. Run as `python3 test_remote_tier.py store URL PROMPT_JSON` it is that second process's
 child: it stores PROMPT through its own StateManager and prints what it stored."""
 
+import contextlib
 import copy
 import json
 import os
@@ -31,14 +32,15 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def redis_server():
-    """A redis-server on 127.0.0.1 on a free port, persistence off; its port."""
+@contextlib.contextmanager
+def started_redis(*extra):
+    """A redis-server on 127.0.0.1 on a free port, persistence off, password "pw", `extra` more
+    arguments, until the block ends; its port."""
     port = free_port()
     scratch = tempfile.mkdtemp(prefix="blockkv-redis-")
     proc = subprocess.Popen(
         ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", scratch, "--requirepass", "pw"],
+         "--appendonly", "no", "--dir", scratch, "--requirepass", "pw", *map(str, extra)],
         stdout=subprocess.DEVNULL)
     try:
         for _ in range(200):
@@ -55,6 +57,13 @@ def redis_server():
         proc.kill()
         proc.wait()
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+@pytest.fixture
+def redis_server():
+    """A redis-server on 127.0.0.1 on a free port, persistence off; its port."""
+    with started_redis() as port:
+        yield port
 
 
 @pytest.fixture
@@ -273,28 +282,12 @@ def redis_tls_server(tmp_path):
     openssl("x509", "-req", "-in", tmp_path / "server.csr", "-CA", tmp_path / "ca.pem",
             "-CAkey", tmp_path / "ca.key", "-CAcreateserial", "-days", "2",
             "-extfile", tmp_path / "server.ext", "-out", tmp_path / "server.pem")
-    port, tls_port = free_port(), free_port()
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", tmp_path, "--requirepass", "pw",
-         "--tls-port", str(tls_port), "--tls-cert-file", tmp_path / "server.pem",
-         "--tls-key-file", tmp_path / "server.key", "--tls-ca-cert-file", tmp_path / "ca.pem",
-         "--tls-auth-clients", "no"],
-        stdout=subprocess.DEVNULL)
-    try:
-        for _ in range(200):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert proc.poll() is None, "redis-server exited at start"
-                time.sleep(0.05)
-        else:
-            pytest.fail(f"redis-server did not answer on port {port}")
+    tls_port = free_port()
+    with started_redis("--tls-port", tls_port, "--tls-cert-file", tmp_path / "server.pem",
+                       "--tls-key-file", tmp_path / "server.key",
+                       "--tls-ca-cert-file", tmp_path / "ca.pem",
+                       "--tls-auth-clients", "no") as port:
         yield port, tls_port, tmp_path / "ca.pem", tmp_path / "other_ca.pem"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_a_tls_server_is_a_tier_with_its_certificate_checked(redis_tls_server):
