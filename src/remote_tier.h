@@ -2,20 +2,19 @@
 // The remote prefix tier's Redis client and value format (docs/remote_tier.md). Internal to the
 // StateManager, which keys, verifies and places the blocks.
 //
-// Two worker threads, one for fetches and one for stores, each with its own lane: one hiredis
-// connection per server (one for a standalone server, one per master of a Redis Cluster, and for
-// fetches one per replica read from while its master is down) and its own slot map (CLUSTER
-// SLOTS, read at open and again after a MOVED or a connection error), so a fetch never waits
-// behind a batch of SETs being sent. Stores are queued (bounded; a full queue drops and counts)
-// and sent pipelined, up to kStoreBatch SETs per batch, grouped per node; a fetch (waited for at
-// most timeout_ms) is one MGET on a standalone server and pipelined GETs per node on a cluster,
-// every node's commands written before any reply is read, so k blocks cost one round trip per
-// node; the fetches queued while one runs go together in the next pipeline.
-// MOVED / ASK are followed (ASK with ASKING). A failed command or connect closes that node's
-// connection and leaves the node alone for a backoff (50 ms doubling to 2 s while it keeps
-// failing, reset by an answered command) during which its commands fail at once (stores dropped,
-// fetched keys missing, or, on a cluster, read from the master's replica) while the other nodes
-// keep serving.
+// Two worker threads, one for fetches and one for stores, each with its own lane: one connection
+// (RedisConnection: TCP, unix socket or TLS) per server (one for a standalone server, one per
+// master of a Redis Cluster, and for fetches one per replica read from while its master is down)
+// and its own slot map (CLUSTER SLOTS, read at open and again after a MOVED or a connection error),
+// so a fetch never waits behind a batch of SETs being sent. Stores are queued (bounded; a full
+// queue drops and counts) and sent pipelined, up to kStoreBatch SETs per batch, grouped per node; a
+// fetch (waited for at most timeout_ms) is one MGET on a standalone server and pipelined GETs per
+// node on a cluster, every node's commands written before any reply is read, so k blocks cost one
+// round trip per node; the fetches queued while one runs go together in the next pipeline. MOVED /
+// ASK are followed (ASK with ASKING). A failed command or connect closes that node's connection and
+// leaves the node alone for a backoff (50 ms doubling to 2 s while it keeps failing, reset by an
+// answered command) during which its commands fail at once (stores dropped, fetched keys missing,
+// or, on a cluster, read from the master's replica) while the other nodes keep serving.
 #pragma once
 
 #include <algorithm>
@@ -40,7 +39,6 @@
 #include "blockkv/status.h"
 #include "redis_connection.h"
 
-struct redisContext;
 struct redisReply;
 
 namespace blockkv::internal {
@@ -184,8 +182,8 @@ class RemoteTier {
   // under one lock and one wake-up, so that a prompt's blocks go out in one pipeline; those past
   // max_pending are dropped and counted. Leaves `stores` empty.
   void Store(std::vector<PendingStore>& stores);
-  // What a fetch got: the values of its keys ("" for a key with none), views into `reply`
-  // (hiredis's own buffers: no copy), which the caller keeps as long as it reads them.
+  // What a fetch got: the values of its keys ("" for a key with none), views into `reply` (the
+  // buffers they were read into: no copy), which the caller keeps as long as it reads them.
   using Fetched = RemoteFetchJob::Fetched;
   using FetchJob = RemoteFetchJob;
   // The values of `keys`, waiting at most timeout_ms: all "" on a timeout or an error (counted).
