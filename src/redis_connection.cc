@@ -181,7 +181,8 @@ Result<std::shared_ptr<TlsContext>> TlsContext::Create(const TlsOptions& options
   if (ctx == nullptr) return InternalError(StrCat("TLS: ", TlsErrors("SSL_CTX_new failed")));
   std::shared_ptr<TlsContext> out(new TlsContext(ctx, options));
   SSL_CTX_set_min_proto_version(ctx, TLS1_2_VERSION);
-  // WriteNow's writes: a record at a time, retried from a buffer that may move (tls_out_).
+  // WriteNow's writes: a record at a time, a write that could not finish retried from tls_out_ or
+  // from the value itself (the same bytes at another address).
   SSL_CTX_set_mode(ctx, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER);
   // Records read many at a time (read-ahead into a 256 KiB buffer): without it each 16 KiB record
   // is two read calls, its header and its body (2,048 for a fetch of 8 × 2 MiB).
@@ -226,8 +227,7 @@ TlsContext::~TlsContext() { SSL_CTX_free(ctx_); }
 
 // ---- the connection --------------------------------------------------------------------------
 
-RedisConnection::RedisConnection(int fd, int32_t timeout_ms)
-    : fd_(fd), timeout_ms_(timeout_ms), reader_(redisReaderCreate()) {
+RedisConnection::RedisConnection(int fd) : fd_(fd), reader_(redisReaderCreate()) {
   // Keep the parser's buffer between replies: by default hiredis frees it whenever it is empty
   // with over 16 KiB spare, so every MB-sized reply grows a new one again.
   if (reader_ != nullptr) reader_->maxbuf = 0;
@@ -246,7 +246,7 @@ Result<std::unique_ptr<RedisConnection>> RedisConnection::Open(const std::string
   std::string why;
   const int fd = ConnectSocket(host, port, timeout_ms, &why);
   if (fd < 0) return UnavailableError(StrCat(where, ": ", why));
-  std::unique_ptr<RedisConnection> conn(new RedisConnection(fd, timeout_ms));
+  std::unique_ptr<RedisConnection> conn(new RedisConnection(fd));
   if (conn->reader_ == nullptr) return InternalError(StrCat(where, ": cannot allocate a parser"));
   const timeval tv{.tv_sec = timeout_ms / 1000,
                    .tv_usec = static_cast<suseconds_t>(timeout_ms % 1000) * 1000};
@@ -268,11 +268,12 @@ Result<std::unique_ptr<RedisConnection>> RedisConnection::Open(const std::string
   SSL_set_bio(ssl, bio, bio);  // the SSL owns it
   const TlsOptions& options = tls->options();
   const std::string& name = options.server_name.empty() ? host : options.server_name;
-  if (!IsIpAddress(name)) SSL_set_tlsext_host_name(ssl, name.c_str());  // SNI: names only
+  const bool ip = IsIpAddress(name);
+  if (!ip) SSL_set_tlsext_host_name(ssl, name.c_str());  // SNI: names only
   if (options.verify && options.check_hostname) {
     X509_VERIFY_PARAM* param = SSL_get0_param(ssl);
-    const int set = IsIpAddress(name) ? X509_VERIFY_PARAM_set1_ip_asc(param, name.c_str())
-                                      : X509_VERIFY_PARAM_set1_host(param, name.c_str(), 0);
+    const int set = ip ? X509_VERIFY_PARAM_set1_ip_asc(param, name.c_str())
+                       : X509_VERIFY_PARAM_set1_host(param, name.c_str(), 0);
     if (set != 1) return InternalError(StrCat(where, ": ", TlsErrors("cannot set the host name")));
   }
   // The socket's timeouts bound each read and write of the handshake.

@@ -11,6 +11,7 @@
 #include <string>
 #include <string_view>
 
+#include <poll.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 
@@ -68,7 +69,8 @@ class RedisConnection {
   // `tls`, handshakes and checks the server's certificate. Every later read and write waits
   // timeout_ms at most. kUnavailable when the server cannot be reached or answers nothing in
   // time; kPermissionDenied when the TLS handshake fails (a certificate that does not verify, a
-  // server that is not TLS), which no retry fixes. Messages name host:port.
+  // peer that answers but not with TLS) or the server refuses the client's certificate, which no
+  // retry fixes. Messages name host:port.
   static Result<std::unique_ptr<RedisConnection>> Open(const std::string& host, int port,
                                                        int32_t timeout_ms, const TlsContext* tls);
   ~RedisConnection();
@@ -82,7 +84,6 @@ class RedisConnection {
   };
 
   int fd() const { return fd_; }
-  bool tls() const { return ssl_ != nullptr; }
   // Why the last read or write failed ("" when none did).
   const std::string& error() const { return error_; }
 
@@ -112,15 +113,14 @@ class RedisConnection {
   ssize_t WriteNow(std::span<const iovec> iov);
   bool WritePending() const { return tls_at_ < tls_out_.size(); }
   // What to poll for before the next WriteNow (POLLOUT, or POLLIN while TLS needs to read).
-  short Events() const { return want_read_ ? 0x001 /*POLLIN*/ : 0x004 /*POLLOUT*/; }
+  short Events() const { return want_read_ ? POLLIN : POLLOUT; }
 
  private:
-  RedisConnection(int fd, int32_t timeout_ms);
+  explicit RedisConnection(int fd);
   bool WriteAll(const char* data, size_t n);
   bool Fail(std::string_view what);
 
   int fd_;
-  int32_t timeout_ms_;
   BioSocket bio_socket_;  // before ssl_: the SSL's BIO points here until SSL_free
   ssl_st* ssl_ = nullptr;
   redisReader* reader_ = nullptr;
