@@ -430,14 +430,11 @@ TEST(RemoteTierTest, ATlsServerIsATierWithItsCertificateChecked) {
   const std::string port = std::to_string(tls_port);
   const std::string tls = "rediss://:pw@127.0.0.1:" + port;
   const std::string ca = "?ssl_ca_certs=" + files.path("ca.pem");
-  Status status;
-  auto secure = Engine::Make({.url = tls + ca}, &status);
-  ASSERT_NE(secure, nullptr) << status;
-  EXPECT_TRUE(secure->mgr->remote_tier_stats().connected);
   const std::vector<TokenId> first = Prompt(31, 9);
-  EXPECT_EQ(secure->Prefill(1, first), 0);
-  secure->mgr->FlushRemoteTier();
-  EXPECT_EQ(secure->mgr->remote_tier_stats().stored, 2);
+  auto secure = Stored({.url = tls + ca}, first);
+  ASSERT_NE(secure, nullptr);
+  EXPECT_TRUE(secure->mgr->remote_tier_stats().connected);
+  Status status;
   auto plain = Engine::Make({.url = server.url(":pw")}, &status);
   ASSERT_NE(plain, nullptr) << status;
   EXPECT_EQ(plain->Prefill(1, first), 8);
@@ -490,13 +487,10 @@ TEST(RemoteTierTest, ATlsServerIsATierWithItsCertificateChecked) {
   RedisServer mutual(files.ServerArgs(mutual_port, /*client_certs=*/true));
   const std::string mutual_url = "rediss://127.0.0.1:" + std::to_string(mutual_port) + ca;
   refused(mutual_url, StatusCode::kPermissionDenied, "ssl_certfile and ssl_keyfile?");
-  auto shown = Engine::Make({.url = mutual_url + "&ssl_certfile=" + files.path("client.pem") +
-                                    "&ssl_keyfile=" + files.path("client.key")},
-                            &status);
-  ASSERT_NE(shown, nullptr) << status;
-  EXPECT_EQ(shown->Prefill(1, first), 0);
-  shown->mgr->FlushRemoteTier();
-  EXPECT_EQ(shown->mgr->remote_tier_stats().stored, 2);
+  auto shown = Stored({.url = mutual_url + "&ssl_certfile=" + files.path("client.pem") +
+                              "&ssl_keyfile=" + files.path("client.key")},
+                      first);
+  ASSERT_NE(shown, nullptr);
   EXPECT_EQ(shown->Prefill(2, first), 8);
 }
 
@@ -545,18 +539,15 @@ TEST(RemoteTierTest, ASentinelAndItsMasterAreReachedOverTls) {
   extra.insert(extra.end(), {"--tls-replication", "yes"});
   RedisServer sentinel(
       RedisServer::SentinelOf{.name = "kv", .master_port = master_tls, .extra = extra});
-  Status status;
-  auto secure = Engine::Make({.url = "rediss+sentinel://127.0.0.1:" + std::to_string(sentinel_tls) +
-                                     "/kv?ssl_ca_certs=" + files.path("ca.pem")},
-                             &status);
-  ASSERT_NE(secure, nullptr) << status;
+  const std::vector<TokenId> prompt = Prompt(41, 9);
+  auto secure = Stored({.url = "rediss+sentinel://127.0.0.1:" + std::to_string(sentinel_tls) +
+                               "/kv?ssl_ca_certs=" + files.path("ca.pem")},
+                       prompt);
+  ASSERT_NE(secure, nullptr);
   const RemoteTierStats stats = secure->mgr->remote_tier_stats();
   EXPECT_TRUE(stats.connected);
   EXPECT_GE(stats.topology_refreshes, 1);  // the sentinel asked
-  const std::vector<TokenId> prompt = Prompt(41, 9);
-  EXPECT_EQ(secure->Prefill(1, prompt), 0);
-  secure->mgr->FlushRemoteTier();
-  EXPECT_EQ(secure->mgr->remote_tier_stats().stored, 2);
+  Status status;
   auto plain = Engine::Make({.url = master.url()}, &status);  // the master's plain port
   ASSERT_NE(plain, nullptr) << status;
   EXPECT_EQ(plain->Prefill(1, prompt), 8);
